@@ -1,0 +1,166 @@
+"""LLMEngine: the decode worker's synchronous core. One `step()` = schedule, one
+forward for everyone, retire finished sequences. Token ids in, token events out;
+text and stop strings are handled by whoever owns the tokenizer (engine/output.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+
+from decode_worker.scheduler import Reservation, Scheduler, SchedulerOutput
+from engine.block_pool import BlockPool
+from engine.config import CacheConfig, DeviceConfig, SchedulerConfig
+from engine.runner import ModelRunner
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.sequence import INTERACTIVE, FinishReason, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine needs; each part goes to its own component."""
+
+    model: str | None = None  # local HF checkpoint dir; None = the built-in model
+    dtype: str | None = None  # None/"auto": the checkpoint's
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    seed: int | None = None
+
+
+@dataclass
+class TokenEvent:
+    """A request's progress after one step: a new token and/or its end."""
+
+    seq_id: str
+    token_id: int | None
+    logprobs: TokenLogprobs | None = None
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass
+class StepStats:
+    num_steps: int = 0
+    num_tokens: int = 0
+    forward_s: float = 0.0
+    last_step_s: float = 0.0
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, eos_ids: frozenset[int]) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.pool = scheduler.pool
+        self.eos_ids = eos_ids
+        self.stats = StepStats()
+        self.seqs: dict[str, Sequence] = {}
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, checkpoint=None) -> "LLMEngine":
+        from engine.models.builtin import builtin_model_path
+        from engine.models.loader import build_model, load_checkpoint
+
+        ckpt = checkpoint or load_checkpoint(config.model or builtin_model_path(), dtype=config.dtype)
+        model = build_model(ckpt, config.device.device)
+        runner = ModelRunner(model, ckpt.config, config.cache, config.device, sampler_seed=config.seed)
+        max_len = min(config.scheduler.max_model_len, ckpt.config.max_position_embeddings)
+        sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_len)
+        if not sched_cfg.enable_chunked_prefill and sched_cfg.max_num_batched_tokens < max_len:
+            sched_cfg = dataclasses.replace(sched_cfg, max_num_batched_tokens=max_len)
+        pool = BlockPool(runner.kv_cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        engine = cls(runner, Scheduler(sched_cfg, pool), frozenset(ckpt.config.eos_token_ids))
+        engine.checkpoint = ckpt
+        log.info("engine: %s, %d KV blocks of %d tokens", ckpt.path, pool.num_blocks, pool.block_size)
+        return engine
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
+
+    # ---- requests ------------------------------------------------------------
+    def new_sequence(self, seq_id: str, prompt_ids: list[int], params: SamplingParams,
+                     priority: int = INTERACTIVE, arrival: float | None = None) -> Sequence:
+        if seq_id in self.seqs:
+            raise ValueError(f"request id {seq_id!r} is already in use")
+        return Sequence(seq_id, list(prompt_ids), params, self.eos_ids, priority,
+                        time.monotonic() if arrival is None else arrival)
+
+    def add_request(self, seq_id: str, prompt_ids: list[int], params: SamplingParams,
+                    priority: int = INTERACTIVE, arrival: float | None = None) -> Sequence:
+        """Queue a request for a local (colocated) prefill and decode."""
+        seq = self.new_sequence(seq_id, prompt_ids, params, priority, arrival)
+        self.scheduler.add(seq)
+        self.seqs[seq_id] = seq
+        return seq
+
+    def reserve(self, seq_id: str, prompt_ids: list[int], params: SamplingParams,
+                priority: int = INTERACTIVE, lease_s: float | None = None) -> Reservation:
+        """Hold blocks for a prompt whose KV a prefill worker will write."""
+        seq = self.new_sequence(seq_id, prompt_ids, params, priority)
+        res = self.scheduler.reserve(seq, lease_s)
+        self.seqs[seq_id] = seq
+        return res
+
+    def mark_landed(self, seq_id: str, first_token: int, logprobs: TokenLogprobs | None = None) -> TokenEvent:
+        seq = self.scheduler.mark_landed(seq_id, first_token)
+        ev = self._event(seq, first_token, logprobs)
+        self._forget_if_done(seq)
+        return ev
+
+    def release(self, seq_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        seq = self.scheduler.release_reservation(seq_id, reason)
+        if seq is not None:
+            self.seqs.pop(seq_id, None)
+        return seq is not None
+
+    def abort(self, seq_id: str) -> bool:
+        seq = self.scheduler.abort(seq_id)
+        self.seqs.pop(seq_id, None)
+        return seq is not None
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one iteration -------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        events = [
+            dataclasses.replace(self._event(s, None), error="KV reservation expired before the prefill landed")
+            for s in self.scheduler.expire_reservations()
+        ]
+        for ev in events:
+            self.seqs.pop(ev.seq_id, None)
+        out: SchedulerOutput = self.scheduler.schedule()
+        if not out.plan:
+            return events
+        result = self.runner.execute(out.plan)
+        self.stats.num_steps += 1
+        self.stats.num_tokens += result.num_tokens
+        self.stats.forward_s += result.forward_s
+        self.stats.last_step_s = result.forward_s
+        for seq in self.scheduler.update(out, result.token_ids):
+            events.append(self._event(seq, seq.output_ids[-1], result.logprobs.get(seq.seq_id)))
+            self._forget_if_done(seq)
+        return events
+
+    def _event(self, seq: Sequence, token: int | None, logprobs: TokenLogprobs | None = None) -> TokenEvent:
+        return TokenEvent(
+            seq.seq_id, token, logprobs, seq.is_finished, seq.finish_reason, None,
+            len(seq.prompt_ids), seq.num_cached_tokens, len(seq.output_ids),
+        )
+
+    def _forget_if_done(self, seq: Sequence) -> None:
+        if seq.is_finished:
+            self.seqs.pop(seq.seq_id, None)
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

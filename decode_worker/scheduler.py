@@ -1,0 +1,317 @@
+"""Iteration-level scheduler of the decode worker (Orca), with chunked prefill
+(Sarathi-Serve), preemption by recompute, two priority lanes and reservations for
+KV written by a remote prefill. Policy over plain data: no torch.
+
+One step, in order, all under `max_num_batched_tokens` and `max_num_seqs`:
+
+  1. running decodes, one token each (interactive lane first, then arrival);
+     a decode that cannot get a block preempts the lowest-priority, latest-arrived
+     running sequence not yet scheduled this step (possibly itself);
+  2. running prompts still being prefilled, chunked into what budget is left;
+  3. waiting sequences, interactive lane before batch lane, FCFS within a lane,
+     admitted while free blocks stay above the watermark (no admission in a step
+     that preempted: the pool is short).
+
+A preempted sequence frees its blocks and goes back to the head of its lane; on
+resumption its prompt and generated tokens are prefilled again (the prefix cache
+often still holds them).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine.block_pool import BlockPool, hash_block
+from engine.config import SchedulerConfig
+from engine.plan import SampleRow, SeqWork, StepPlan
+from engine.sequence import BATCH, INTERACTIVE, FinishReason, Sequence, Status
+
+
+class AdmissionError(RuntimeError):
+    """A request can never be admitted (too long for the cache or the model)."""
+
+
+class NoCapacity(RuntimeError):
+    """No room now (blocks or sequence slots): the caller should retry later."""
+
+
+@dataclass
+class Reservation:
+    seq_id: str
+    block_ids: list[int]
+    num_cached_tokens: int  # leading prompt tokens already in this worker's prefix cache
+    deadline: float
+
+
+@dataclass
+class SchedulerOutput:
+    plan: StepPlan = field(default_factory=StepPlan)
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, new tokens)
+    preempted: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.pool = pool
+        self.clock = clock
+        self.bs = pool.block_size
+        self.lanes: dict[int, deque[Sequence]] = {INTERACTIVE: deque(), BATCH: deque()}
+        self.running: list[Sequence] = []
+        self.awaiting_kv: dict[str, Sequence] = {}
+        self.watermark_blocks = math.ceil(config.watermark * pool.num_blocks)
+        self.num_preemptions = 0
+
+    # ---- queries -------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self.lanes.values())
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.num_waiting)
+
+    def _slots_left(self) -> int:
+        return self.config.max_num_seqs - len(self.running) - len(self.awaiting_kv)
+
+    # ---- requests in and out -------------------------------------------------
+    def validate(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise AdmissionError if such a request could never run here."""
+        limit = self.config.max_model_len
+        if num_prompt_tokens < 1:
+            raise AdmissionError("the prompt is empty")
+        if num_prompt_tokens >= limit:
+            raise AdmissionError(f"prompt has {num_prompt_tokens} tokens; this model allows fewer than {limit}")
+        need = math.ceil((num_prompt_tokens + 1) / self.bs)
+        if need > self.pool.num_blocks - self.watermark_blocks:
+            raise AdmissionError(f"prompt needs {need} KV blocks; the cache has {self.pool.num_blocks}")
+
+    def add(self, seq: Sequence) -> None:
+        self.validate(len(seq.prompt_ids), seq.params.max_tokens)
+        seq.status = Status.WAITING
+        self.lanes[seq.priority].append(seq)
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        """Remove a request wherever it is and free its blocks. Unknown ids: None."""
+        seq = self.awaiting_kv.get(seq_id) or next((s for s in self.running if s.seq_id == seq_id), None)
+        if seq is None:
+            seq = next((s for q in self.lanes.values() for s in q if s.seq_id == seq_id), None)
+        if seq is not None:
+            self.finish(seq, FinishReason.ABORT)
+        return seq
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.is_finished:
+            return
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.AWAITING_KV:
+            del self.awaiting_kv[seq.seq_id]
+        else:
+            self.lanes[seq.priority].remove(seq)
+        self._free_blocks(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    # ---- reservations for remotely prefilled KV -------------------------------
+    def reserve(self, seq: Sequence, lease_s: float | None = None) -> Reservation:
+        """Hold blocks for `seq`'s whole prompt; a remote prefill writes into the blocks
+        past `num_cached_tokens`. Raises NoCapacity when there is no room now."""
+        self.validate(len(seq.prompt_ids), seq.params.max_tokens)
+        if self._slots_left() <= 0:
+            raise NoCapacity("max_num_seqs reached")
+        n_prompt = len(seq.prompt_ids)
+        hits = self._match(seq, max_blocks=n_prompt // self.bs)
+        need = math.ceil(n_prompt / self.bs) - len(hits)
+        if not self._fits(hits, need):
+            raise NoCapacity(f"{need} blocks needed, {self.pool.num_free_blocks} free")
+        self._take(seq, hits, need)
+        seq.status = Status.AWAITING_KV
+        seq.lease_deadline = self.clock() + (lease_s or self.config.reservation_lease_s)
+        self.awaiting_kv[seq.seq_id] = seq
+        return Reservation(seq.seq_id, list(seq.block_ids), seq.num_cached_tokens, seq.lease_deadline)
+
+    def mark_landed(self, seq_id: str, first_token: int) -> Sequence:
+        """The prompt's KV is in the reserved blocks and the first token was sampled
+        remotely: the sequence decodes from the next step."""
+        seq = self.awaiting_kv.pop(seq_id)
+        seq.num_computed = len(seq.prompt_ids)
+        seq.status, seq.lease_deadline = Status.RUNNING, None
+        self.running.append(seq)
+        self._cache_full_blocks(seq)
+        self._append_token(seq, first_token)
+        return seq
+
+    def release_reservation(self, seq_id: str, reason: FinishReason = FinishReason.ABORT) -> Sequence | None:
+        seq = self.awaiting_kv.get(seq_id)
+        if seq is not None:
+            self.finish(seq, reason)
+        return seq
+
+    def expire_reservations(self) -> list[Sequence]:
+        now = self.clock()
+        expired = [s for s in self.awaiting_kv.values() if s.lease_deadline is not None and s.lease_deadline <= now]
+        for s in expired:
+            self.finish(s, FinishReason.ERROR)
+        return expired
+
+    # ---- one step ------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=lambda s: (s.priority, s.arrival))
+        scheduled: set[int] = set()
+        for seq in list(self.running):  # 1. decodes
+            if budget == 0 or seq.status is not Status.RUNNING or seq.num_to_compute != 1:
+                continue
+            if self._make_room(seq, self._blocks_needed(seq, 1), scheduled, out):
+                self._schedule(seq, 1, scheduled, out)
+                budget -= 1
+        for seq in list(self.running):  # 2. prompts being prefilled
+            if budget == 0 or seq.status is not Status.RUNNING or id(seq) in scheduled or seq.num_to_compute <= 1:
+                continue
+            n = self._chunk(seq, budget)
+            if n and self._make_room(seq, self._blocks_needed(seq, n), scheduled, out):
+                self._schedule(seq, n, scheduled, out)
+                budget -= n
+        if not out.preempted and (self.config.policy == "continuous" or not self.running):
+            self._admit(budget, scheduled, out)
+        return out
+
+    def _admit(self, budget: int, scheduled: set[int], out: SchedulerOutput) -> None:
+        for lane in (self.lanes[INTERACTIVE], self.lanes[BATCH]):
+            while lane and budget > 0 and self._slots_left() > 0:
+                seq = lane[0]
+                hits = self._match(seq, max_blocks=(seq.num_tokens - 1) // self.bs)
+                n = self._chunk(seq, budget, start=len(hits) * self.bs)
+                need = math.ceil((len(hits) * self.bs + n) / self.bs) - len(hits) if n else 0
+                if not n or not self._fits(hits, need):
+                    return  # strict FCFS and lane order: nothing behind the head jumps it
+                lane.popleft()
+                self.pool.record_query(seq.num_tokens, len(hits) * self.bs)
+                self._take(seq, hits, need)
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+                self._schedule(seq, n, scheduled, out)
+                budget -= n
+
+    def _chunk(self, seq: Sequence, budget: int, start: int | None = None) -> int:
+        todo = seq.num_tokens - (seq.num_computed if start is None else start)
+        if todo <= budget:
+            return todo
+        return budget if self.config.enable_chunked_prefill else 0
+
+    def _schedule(self, seq: Sequence, n: int, scheduled: set[int], out: SchedulerOutput) -> None:
+        start = seq.num_computed
+        last = start + n == seq.num_tokens
+        sample = SampleRow(seq.params, seq.output_ids, seq.prompt_ids, seq.banned_ids()) if last else None
+        out.plan.add(SeqWork(seq.seq_id, seq.token_slice(start, start + n), start, seq.block_ids, sample))
+        out.scheduled.append((seq, n))
+        scheduled.add(id(seq))
+
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        return max(0, math.ceil((seq.num_computed + n) / self.bs) - len(seq.block_ids))
+
+    def _make_room(self, seq: Sequence, need: int, scheduled: set[int], out: SchedulerOutput) -> bool:
+        """Allocate `need` more blocks for `seq`, preempting from the tail of the running
+        order (never a sequence already scheduled this step). False if `seq` itself
+        had to go or no victim is left."""
+        while self.pool.num_free_blocks < need:
+            victim = next((s for s in reversed(self.running) if id(s) not in scheduled), None)
+            if victim is None:
+                return False
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        seq.block_ids.extend(self.pool.allocate(need))
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self._free_blocks(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.lanes[seq.priority].appendleft(seq)
+        out.preempted.append(seq)
+
+    # ---- after the forward ---------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Advance every scheduled sequence; append sampled tokens; retire finished
+        ones at once. Returns the sequences that got a new token."""
+        got: list[Sequence] = []
+        for seq, n in out.scheduled:
+            if seq.status is not Status.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed += n
+            self._cache_full_blocks(seq)
+            tok = sampled.get(seq.seq_id)
+            if tok is not None:
+                self._append_token(seq, tok)
+                got.append(seq)
+        return got
+
+    def _append_token(self, seq: Sequence, tok: int) -> None:
+        seq.output_ids.append(tok)
+        reason = seq.stop_reason_for(tok)
+        if reason is None and seq.num_tokens >= self.config.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self.finish(seq, reason)
+
+    # ---- blocks --------------------------------------------------------------
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """Content hashes of the first `num_blocks` full blocks (computed lazily)."""
+        hs = seq.block_hashes
+        while len(hs) < num_blocks:
+            i = len(hs)
+            hs.append(hash_block(hs[-1] if hs else None, seq.token_slice(i * self.bs, (i + 1) * self.bs)))
+        return hs[:num_blocks]
+
+    def _match(self, seq: Sequence, max_blocks: int) -> list[int]:
+        if seq.block_ids or not self.pool.enable_prefix_caching:
+            return []
+        tokens = seq.token_slice(0, max_blocks * self.bs)
+        return self.pool.match_prefix(self._hashes(seq, max_blocks), tokens)
+
+    def _fits(self, hits: list[int], need_new: int) -> bool:
+        revived = sum(1 for b in hits if self.pool.ref_counts[b] == 0)
+        return self.pool.num_free_blocks - revived - need_new >= self.watermark_blocks
+
+    def _take(self, seq: Sequence, hits: list[int], need_new: int) -> None:
+        self.pool.acquire_cached(hits)
+        seq.block_ids = hits + self.pool.allocate(need_new)
+        seq.num_computed = len(hits) * self.bs
+        if not seq.num_preemptions:  # usage reports the first admission's hit
+            seq.num_cached_tokens = seq.num_computed
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        full = min(seq.num_computed // self.bs, len(seq.block_ids))
+        hashes = self._hashes(seq, full)
+        for i in range(full):
+            self.pool.cache_block(seq.block_ids[i], hashes[i], seq.token_slice(i * self.bs, (i + 1) * self.bs))
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        self.pool.release(list(reversed(seq.block_ids)))
+        seq.block_ids = []
+        seq.num_computed = 0
+
+    # ---- invariants ----------------------------------------------------------
+    def live_refs(self) -> dict[int, int]:
+        refs: dict[int, int] = {}
+        for seq in [*self.running, *self.awaiting_kv.values(), *(s for q in self.lanes.values() for s in q)]:
+            for b in seq.block_ids:
+                refs[b] = refs.get(b, 0) + 1
+        return refs
+
+    def check_integrity(self) -> None:
+        """The pool's ref counts equal the blocks held by live sequences: no leak."""
+        for q in self.lanes.values():
+            assert all(s.status is Status.WAITING and not s.block_ids for s in q), "waiting sequence holds blocks"
+        assert all(s.status is Status.RUNNING for s in self.running)
+        assert all(s.status is Status.AWAITING_KV for s in self.awaiting_kv.values())
+        for s in self.running:
+            assert len(s.block_ids) * self.bs >= s.num_computed, f"{s.seq_id}: blocks do not cover computed tokens"
+        self.pool.check_integrity(self.live_refs())

@@ -1,0 +1,124 @@
+"""Attention backends behind one small ABC, chosen by name with lazy imports.
+
+`torch` (engine/attention/reference.py) runs anywhere; `triton` (engine/attention/triton/)
+runs the paged-decode and KV-store kernels on CUDA and falls back to the reference
+for prefill; `cpu` (engine/attention/cpu/) runs paged decode as a C++ kernel compiled
+on first use. `auto` picks triton on CUDA and cpu on CPU when they import (and build),
+else torch, and says so once.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import reference
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where one step's tokens live. Built once per step by ModelRunner.
+
+    Tokens are ordered decodes first (one query token each), then prefill chunks.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor  # [Bd, M] int32
+    decode_seq_lens: torch.Tensor  # [Bd] int32, context incl. the new token
+    decode_max_seq_len: int
+    prefill_block_tables: torch.Tensor  # [Bp, M] int32
+    prefill_query_lens: list[int]
+    prefill_seq_lens: list[int]
+
+
+class AttentionBackend(abc.ABC):
+    name: str = ""
+
+    @abc.abstractmethod
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        """Write new keys/values [T, Hkv, D] into cache slots [T] (negative = skip)."""
+
+    @abc.abstractmethod
+    def decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len) -> torch.Tensor:
+        """Paged attention for one query token per sequence: [B, H, D] -> [B, H, D]."""
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, H, D]
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        self.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        nd = meta.num_decode_tokens
+        if nd == query.shape[0]:
+            return self.decode(query, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, meta.decode_max_seq_len)
+        if nd == 0:
+            return reference.varlen_attention(
+                query, key, value, k_cache, v_cache, meta.prefill_block_tables,
+                meta.prefill_query_lens, meta.prefill_seq_lens, scale,
+            )
+        out = torch.empty_like(query)
+        out[:nd] = self.decode(query[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, meta.decode_max_seq_len)
+        out[nd:] = reference.varlen_attention(
+            query[nd:], key[nd:], value[nd:], k_cache, v_cache, meta.prefill_block_tables,
+            meta.prefill_query_lens, meta.prefill_seq_lens, scale,
+        )
+        return out
+
+
+class TorchAttention(AttentionBackend):
+    name = "torch"
+
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len):
+        return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
+
+
+def get_backend(name: str, device: torch.device) -> AttentionBackend:
+    """Resolve `auto|torch|triton|cpu` to a backend instance, logging the choice once.
+
+    An explicitly named backend that cannot be had raises; `auto` falls back to torch.
+    """
+    if name == "torch":
+        return TorchAttention()
+    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+        return _cpu_backend(name, device)
+    if name == "auto" and device.type != "cuda":
+        return TorchAttention()
+    try:
+        from engine.attention.triton.backend import TritonAttention
+    except ImportError as e:
+        if name == "triton":
+            raise
+        log.warning("attention: triton unavailable (%s); using the torch reference", e)
+        return TorchAttention()
+    log.info("attention: using triton kernels on %s", device)
+    return TritonAttention()
+
+
+def _cpu_backend(name: str, device: torch.device) -> AttentionBackend:
+    if device.type != "cpu":
+        raise ValueError(f"attention_backend 'cpu' runs on CPU tensors, not {device}; use auto or triton")
+    try:
+        from engine.attention.cpu.backend import CpuAttention
+
+        backend = CpuAttention()  # builds the kernel on first use per machine
+    except Exception as e:  # a missing compiler/ninja or a build error must not stop the engine
+        if name == "cpu":
+            raise RuntimeError(f"attention_backend 'cpu' is unavailable ({e}); use auto or torch") from e
+        log.warning("attention: cpu kernel unavailable (%s); using the torch reference", e)
+        return TorchAttention()
+    log.info("attention: using the cpu kernel")
+    return backend

@@ -1,0 +1,118 @@
+"""Torch reference attention over the paged KV cache. Runs on any device.
+
+Layout (see engine/kv_cache.py): one layer's cache is
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+A token at position p of a sequence lives in slot
+    block_table[p // block_size] * block_size + p % block_size.
+
+Every sequence in a batch contributes `q_len` query tokens that are the *last*
+q_len positions of its `seq_len`-token context (cached prefix + new tokens), so a
+prefill chunk, a whole prompt and a decode token are the same case:
+
+    seq i:   |<------------- seq_len[i] ------------->|
+             |  cached (already in k_cache/v_cache) | q_len new |
+    query j of seq i sits at position seq_len[i] - q_len[i] + j and attends to
+    positions 0 .. that position (causal).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64; slot < 0 = skip
+) -> None:
+    """Write new K/V rows into their cache slots."""
+    n, bs, h, d = k_cache.shape
+    if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    k_cache.view(n * bs, h, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(n * bs, h, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def gather_context(
+    cache: torch.Tensor,  # [N, bs, Hkv, D]
+    block_tables: torch.Tensor,  # [B, M] int32/int64
+    num_blocks: int,
+) -> torch.Tensor:
+    """Gather the first `num_blocks` blocks of each row: [B, num_blocks * bs, Hkv, D]."""
+    b = block_tables.shape[0]
+    _, bs, h, d = cache.shape
+    idx = block_tables[:, :num_blocks].long()
+    return cache[idx].view(b, num_blocks * bs, h, d)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, M]
+    seq_lens: torch.Tensor,  # [B] int32 (context length including the new token)
+    scale: float,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:  # [B, H, D]
+    """One query token per sequence, attending to its whole cached context."""
+    b, h, d = query.shape
+    bs = k_cache.shape[1]
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    nb = (max_seq_len + bs - 1) // bs
+    k = gather_context(k_cache, block_tables, nb)  # [B, L, Hkv, D]
+    v = gather_context(v_cache, block_tables, nb)
+    length = nb * bs
+    mask = torch.arange(length, device=query.device)[None, :] < seq_lens[:, None].to(query.device)
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2),  # [B, H, 1, D]
+        k.transpose(1, 2),  # [B, Hkv, L, D]
+        v.transpose(1, 2),
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(2)
+
+
+def varlen_attention(
+    query: torch.Tensor,  # [T, H, D]
+    key: torch.Tensor,  # [T, Hkv, D] (the new tokens' keys, also already stored)
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, M]
+    query_lens: list[int],  # [B]
+    seq_lens: list[int],  # [B]
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    """Ragged causal attention for sequences with any number of new tokens.
+
+    A sequence with no cached prefix attends to its own fresh K/V (no gather);
+    one with a cached prefix reads its context from the paged cache.
+    """
+    out = torch.empty_like(query)
+    start = 0
+    for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
+        end = start + q_len
+        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        if q_len == s_len:
+            k = key[start:end].transpose(0, 1).unsqueeze(0)
+            v = value[start:end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            bs = k_cache.shape[1]
+            nb = (s_len + bs - 1) // bs
+            k = gather_context(k_cache, block_tables[i : i + 1], nb)[:, :s_len].transpose(1, 2)
+            v = gather_context(v_cache, block_tables[i : i + 1], nb)[:, :s_len].transpose(1, 2)
+            # query j (at position s_len - q_len + j) sees keys 0 .. s_len - q_len + j
+            qpos = torch.arange(s_len - q_len, s_len, device=query.device)
+            mask = torch.arange(s_len, device=query.device)[None, :] <= qpos[:, None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:end] = o.squeeze(0).transpose(0, 1)
+        start = end
+    return out

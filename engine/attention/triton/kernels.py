@@ -1,0 +1,306 @@
+"""Triton kernels over the paged KV cache, each a `@triton.jit` plus a thin launcher.
+
+Cache layout (one layer, see engine/attention/reference.py):
+    k_cache, v_cache: [N, bs, Hkv, D] contiguous; token p of a sequence lives in slot
+    block_table[p // bs] * bs + p % bs, i.e. at row `slot` of the [N * bs, Hkv, D] view.
+
+Paged decode: program (b, g, s) handles sequence b, kv head g (all H // Hkv query heads
+of that GQA group, so each K/V block is read once per group) and context split s:
+
+    context of seq b:  | split 0 | split 1 | ... |      (blocks_per_split blocks each)
+                        ^ online softmax over bs-token blocks, fp32 running (max, denom, acc)
+
+With one split the program writes the normalised output; with several (flash-decoding,
+for few sequences with long contexts) each writes its partial (acc / denom, log-sum-exp)
+and `_combine_kernel` merges the splits per (b, head).
+
+The launchers accept CUDA tensors, or CPU tensors when TRITON_INTERPRET=1 was set
+before triton was first imported (correctness tests only; see interpreter_ready).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def interpreter_ready() -> bool:
+    """Whether these kernels run on CPU tensors: TRITON_INTERPRET=1 must have been set
+    before `triton` itself was imported (its own jit'd library, e.g. tl.sum, is built then)."""
+    return all(type(f).__name__ == "InterpretedFunction" for f in (_store_kv_kernel, tl.standard.sum))
+
+
+def _check_device(*tensors: torch.Tensor) -> None:
+    dev = tensors[0].device
+    for t in tensors:
+        assert t.device == dev, f"all tensors must be on one device, got {t.device} and {dev}"
+    assert dev.type == "cuda" or interpreter_ready(), (
+        f"triton kernels need CUDA tensors (got {dev}); on CPU set TRITON_INTERPRET=1 before "
+        "anything imports triton, or use the torch attention backend"
+    )
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    assert k_cache.dim() == 4, f"cache must be [N, bs, Hkv, D], got {tuple(k_cache.shape)}"
+    assert k_cache.shape == v_cache.shape, f"{tuple(k_cache.shape)} != {tuple(v_cache.shape)}"
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in _FLOAT_DTYPES, (
+        f"cache dtypes must match and be fp32/fp16/bf16, got {k_cache.dtype}, {v_cache.dtype}"
+    )
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "k_cache/v_cache must be contiguous"
+
+
+# --------------------------------------------------------------------------- store_kv
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEADS_P: tl.constexpr, DIM_P: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok)  # int64; negative = padding token, skip
+    if slot >= 0:
+        h = tl.arange(0, HEADS_P)
+        d = tl.arange(0, DIM_P)
+        mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
+        src_k = key_ptr + tok.to(tl.int64) * stride_kt + h[:, None] * stride_kh + d[None, :]
+        src_v = value_ptr + tok.to(tl.int64) * stride_vt + h[:, None] * stride_vh + d[None, :]
+        # the cache is contiguous, so slot s is row s of [N * bs, Hkv, D]
+        dst = slot * (NUM_KV_HEADS * HEAD_DIM) + h[:, None] * HEAD_DIM + d[None, :]
+        k = tl.load(src_k, mask=mask)
+        v = tl.load(src_v, mask=mask)
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    key: torch.Tensor,  # [T, Hkv, D], last dim contiguous
+    value: torch.Tensor,  # [T, Hkv, D], last dim contiguous
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D] contiguous
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D] contiguous
+    slot_mapping: torch.Tensor,  # [T] int64; slot < 0 = skip
+) -> None:
+    """Write key[t], value[t] into cache slot slot_mapping[t] (cast to the cache dtype).
+
+    Same semantics as reference.store_kv. key/value may be strided views (e.g. slices
+    of a fused QKV projection) as long as the head_dim axis has stride 1.
+    """
+    _check_cache(k_cache, v_cache)
+    t, hkv, d = key.shape
+    assert value.shape == key.shape, f"value {tuple(value.shape)} != key {tuple(key.shape)}"
+    assert k_cache.shape[2:] == (hkv, d), f"key heads/dim {(hkv, d)} != cache {tuple(k_cache.shape[2:])}"
+    assert key.stride(2) == 1 and value.stride(2) == 1, "key/value head_dim must have stride 1"
+    assert slot_mapping.shape == (t,) and slot_mapping.dtype == torch.int64, (
+        f"slot_mapping must be [T={t}] int64, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}"
+    )
+    assert slot_mapping.is_contiguous(), "slot_mapping must be contiguous"
+    _check_device(key, value, k_cache, v_cache, slot_mapping)
+    if t == 0:
+        return
+    _store_kv_kernel[(t,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        NUM_KV_HEADS=hkv, HEAD_DIM=d,
+        HEADS_P=triton.next_power_of_2(hkv), DIM_P=triton.next_power_of_2(d),
+    )
+
+
+# --------------------------------------------------------------------------- decode
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale,  # softmax scale * log2(e): scores are kept in base 2
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
+    stride_cn, stride_cb, stride_ch,
+    blocks_per_split,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, GROUP_P: tl.constexpr, DIM_P: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    g = tl.arange(0, GROUP_P)
+    d = tl.arange(0, DIM_P)
+    t = tl.arange(0, BLOCK_SIZE)
+    heads = kv_head * GROUP + g  # query heads of this GQA group (padded to GROUP_P)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q_mask = g_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask)
+    if not USE_DOT:
+        q = q.to(tl.float32)  # [GROUP_P, DIM_P]
+
+    num_blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, num_blocks)
+
+    m = tl.full([GROUP_P], float("-inf"), tl.float32)  # running max (base-2 scores)
+    denom = tl.full([GROUP_P], 0.0, tl.float32)  # running sum of exp2(s - m)
+    acc = tl.full([GROUP_P, DIM_P], 0.0, tl.float32)  # running sum of exp2(s - m) * v
+    kv_head_off = kv_head * stride_ch
+    for i in range(first, last):
+        block = tl.load(block_tables_ptr + seq * stride_bt + i).to(tl.int64)
+        t_mask = i * BLOCK_SIZE + t < seq_len
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        off = block * stride_cn + t[:, None] * stride_cb + kv_head_off + d[None, :]
+        k = tl.load(k_cache_ptr + off, mask=kv_mask, other=0.0)  # [BLOCK_SIZE, DIM_P]
+        v = tl.load(v_cache_ptr + off, mask=kv_mask, other=0.0)
+        if USE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [GROUP_P, BLOCK_SIZE]
+        else:
+            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))
+        # every visited block has >= 1 valid token, so m_new is finite
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, axis=1)
+        if USE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        else:
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+
+    safe_denom = tl.where(denom > 0.0, denom, 1.0)  # empty split (or seq_len == 0): output 0
+    out = acc / safe_denom[:, None]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        # partials: [B, H, NUM_SPLITS, DIM_P] and lse [B, H, NUM_SPLITS], base 2
+        row = (seq * NUM_HEADS + heads) * NUM_SPLITS + split  # [GROUP_P]
+        tl.store(part_out_ptr + row[:, None] * DIM_P + d[None, :], out, mask=q_mask)
+        lse = tl.where(denom > 0.0, m + tl.log2(safe_denom), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _combine_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr,
+    stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_P)
+    d = tl.arange(0, DIM_P)
+    s_mask = s < NUM_SPLITS
+    row = (seq * NUM_HEADS + head) * NUM_SPLITS + s  # [SPLITS_P]
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    parts = tl.load(part_out_ptr + row[:, None] * DIM_P + d[None, :], mask=s_mask[:, None], other=0.0)
+    lse_max = tl.max(lse, axis=0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all splits empty
+    w = tl.exp2(lse - lse_max)  # 0 for empty splits
+    total = tl.sum(w, axis=0)
+    total = tl.where(total > 0.0, total, 1.0)
+    out = tl.sum(parts * w[:, None], axis=0) / total
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _default_num_splits(num_programs: int, max_blocks: int, device: torch.device) -> int:
+    """Split the context only when there are too few (seq, kv head) programs to fill
+    the GPU and each split still gets a useful amount of context (>= 8 blocks)."""
+    if device.type != "cuda":
+        return 1
+    sms = _num_sms(device)
+    if num_programs >= sms:
+        return 1
+    return max(1, min(triton.cdiv(2 * sms, num_programs), max_blocks // 8, 64))
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [B, H, D], head_dim contiguous
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D] contiguous
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D] contiguous
+    block_tables: torch.Tensor,  # [B, M] int32, last dim contiguous
+    seq_lens: torch.Tensor,  # [B] int32, context incl. the new token, >= 1
+    scale: float,
+    max_seq_len: int | None = None,  # >= max(seq_lens); None reads it from seq_lens (syncs)
+    num_splits: int | None = None,  # context splits (flash-decoding); None = heuristic
+    use_dot: bool | None = None,  # tl.dot vs broadcast-multiply; None = dot for fp16/bf16 on CUDA
+) -> torch.Tensor:  # [B, H, D], query dtype
+    """One query token per sequence attending to its paged context (= reference version)."""
+    _check_cache(k_cache, v_cache)
+    b, h, d = query.shape
+    _, bs, hkv, cache_d = k_cache.shape
+    assert d == cache_d, f"query head_dim {d} != cache head_dim {cache_d}"
+    assert h % hkv == 0, f"num_heads {h} must be a multiple of num_kv_heads {hkv}"
+    assert query.dtype == k_cache.dtype, f"query dtype {query.dtype} != cache dtype {k_cache.dtype}"
+    assert query.stride(2) == 1, "query head_dim must have stride 1"
+    assert bs & (bs - 1) == 0, f"block_size must be a power of two, got {bs}"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == b, (
+        f"block_tables must be [B={b}, M], got {tuple(block_tables.shape)}"
+    )
+    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1, (
+        f"block_tables must be int32 with contiguous rows, got {block_tables.dtype}"
+    )
+    assert seq_lens.shape == (b,) and seq_lens.dtype == torch.int32, (
+        f"seq_lens must be [B={b}] int32, got {tuple(seq_lens.shape)} {seq_lens.dtype}"
+    )
+    _check_device(query, k_cache, v_cache, block_tables, seq_lens)
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if b == 0:
+        return out
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    max_blocks = triton.cdiv(max_seq_len, bs)
+    assert max_blocks <= block_tables.shape[1], (
+        f"max_seq_len {max_seq_len} needs {max_blocks} blocks, block_tables has {block_tables.shape[1]}"
+    )
+    if num_splits is None:
+        num_splits = _default_num_splits(b * hkv, max_blocks, query.device)
+    num_splits = max(1, min(num_splits, max_blocks))
+    blocks_per_split = triton.cdiv(max(max_blocks, 1), num_splits)
+    num_splits = triton.cdiv(max(max_blocks, 1), blocks_per_split)  # drop empty tail splits
+    if use_dot is None:
+        use_dot = query.is_cuda and query.dtype != torch.float32  # fp32 dot would use tf32
+    group = h // hkv
+    dim_p = triton.next_power_of_2(d)
+    # tl.dot needs every dimension >= 16
+    group_p = max(triton.next_power_of_2(group), 16 if use_dot else 1)
+    if use_dot:
+        assert bs >= 16 and dim_p >= 16, f"use_dot needs block_size, head_dim >= 16 (got {bs}, {d})"
+    if num_splits > 1:
+        part_out = torch.empty(b, h, num_splits, dim_p, device=query.device, dtype=torch.float32)
+        part_lse = torch.empty(b, h, num_splits, device=query.device, dtype=torch.float32)
+    else:
+        part_out = part_lse = out  # unused
+    _paged_decode_kernel[(b, hkv, num_splits)](
+        query, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        scale * _LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        blocks_per_split,
+        NUM_HEADS=h, GROUP=group, HEAD_DIM=d, BLOCK_SIZE=bs, GROUP_P=group_p, DIM_P=dim_p,
+        NUM_SPLITS=num_splits, USE_DOT=use_dot,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # no tf32 for fp32 caches
+    )
+    if num_splits > 1:
+        _combine_kernel[(b, h)](
+            part_out, part_lse, out, out.stride(0), out.stride(1),
+            NUM_HEADS=h, HEAD_DIM=d, DIM_P=dim_p,
+            NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
+        )
+    return out

@@ -1,0 +1,217 @@
+"""BlockPool: ownership of paged KV blocks. Pure Python, no torch.
+
+Mechanism only; schedulers decide policy. A block is in exactly one of three states:
+
+    in use      ref_count > 0          (held by one or more sequences)
+    cached-free ref_count == 0, hashed (content kept for prefix hits; evictable, LRU)
+    free        ref_count == 0, no hash
+
+    allocate():  free first (FIFO); when none is left, evict the least recently
+                 released cached-free block (its hash is dropped).
+    release():   ref_count -= 1; at 0 a hashed block becomes cached-free (most recent
+                 end of the LRU), an unhashed block becomes free.
+    acquire_cached(): a prefix hit takes a ref on each hit block; a cached-free hit
+                 leaves the LRU.
+
+Prefix caching: a *full* block is named by a chained hash
+    h[i] = blake2b(h[i-1] || extra_key || tokens of block i)
+so equal hashes mean equal whole prefixes. Every hit is re-checked against the
+block's stored tokens, so a hash collision can cost a miss, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+class NoFreeBlocks(RuntimeError):
+    """Not enough free (or evictable) blocks for an allocation."""
+
+
+def hash_block(prev: bytes | None, tokens: Sequence[int], extra_key: bytes = b"") -> bytes:
+    """Chained content hash of one full block; stable across processes and machines."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(prev or b"\0" * 16)
+    h.update(extra_key)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, extra_key: bytes = b"") -> list[bytes]:
+    """Hashes of every full block of `token_ids`, in order."""
+    out: list[bytes] = []
+    prev = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        prev = hash_block(prev, token_ids[start : start + block_size], extra_key)
+        out.append(prev)
+    return out
+
+
+@dataclass
+class KVEvent:
+    """A change to the set of cached block hashes, for prefix-aware routing."""
+
+    kind: str  # "stored" | "removed" | "cleared"
+    hashes: list[bytes] = field(default_factory=list)
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._cached_free: OrderedDict[int, None] = OrderedDict()  # LRU: oldest first
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self._tokens_of: dict[int, tuple[int, ...]] = {}
+        self._events: list[KVEvent] = []
+        self.hits = 0  # prefix-cache hit / query counts, in tokens
+        self.queries = 0
+
+    # ---- capacity ------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can get now (free + evictable cached)."""
+        return len(self._free) + len(self._cached_free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    # ---- allocation ----------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` blocks (ref_count 1 each), all or nothing."""
+        if n > self.num_free_blocks:
+            raise NoFreeBlocks(f"asked for {n} blocks, {self.num_free_blocks} free")
+        out = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.popleft()
+            else:
+                b, _ = self._cached_free.popitem(last=False)
+                self._uncache(b)
+            self.ref_counts[b] = 1
+            out.append(b)
+        return out
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop one ref from each block. Pass a sequence's blocks tail first, so that
+        its later blocks are evicted before its prefix."""
+        for b in block_ids:
+            rc = self.ref_counts[b]
+            if rc <= 0:
+                raise RuntimeError(f"block {b} released with ref_count {rc}")
+            self.ref_counts[b] = rc - 1
+            if rc == 1:
+                if b in self._hash_of:
+                    self._cached_free[b] = None
+                else:
+                    self._free.append(b)
+
+    def incref(self, block_ids: Sequence[int]) -> None:
+        """Share blocks that are in use."""
+        for b in block_ids:
+            if self.ref_counts[b] <= 0:
+                raise RuntimeError(f"incref of unused block {b}")
+            self.ref_counts[b] += 1
+
+    # ---- prefix cache --------------------------------------------------------
+    def match_prefix(self, hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
+        """Longest run of cached blocks matching the leading full blocks. No refs taken."""
+        out: list[int] = []
+        if not self.enable_prefix_caching:
+            return out
+        bs = self.block_size
+        for i, h in enumerate(hashes):
+            b = self._block_of.get(h)
+            if b is None or self._tokens_of[b] != tuple(token_ids[i * bs : (i + 1) * bs]):
+                break
+            out.append(b)
+        return out
+
+    def acquire_cached(self, block_ids: Sequence[int]) -> None:
+        """Take a ref on blocks returned by match_prefix (removes them from the LRU)."""
+        for b in block_ids:
+            if self.ref_counts[b] == 0:
+                del self._cached_free[b]
+            self.ref_counts[b] += 1
+
+    def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.queries += num_tokens
+        self.hits += num_hit_tokens
+
+    def cache_block(self, block_id: int, h: bytes, tokens: Sequence[int]) -> None:
+        """Name a full, in-use block by its chained hash. First writer wins: if the hash
+        is already cached elsewhere, this block stays unnamed."""
+        if not self.enable_prefix_caching or block_id in self._hash_of or h in self._block_of:
+            return
+        if self.ref_counts[block_id] <= 0:
+            raise RuntimeError(f"cache_block on unused block {block_id}")
+        if len(tokens) != self.block_size:
+            raise ValueError(f"only full blocks are cached ({len(tokens)} != {self.block_size})")
+        self._hash_of[block_id] = h
+        self._block_of[h] = block_id
+        self._tokens_of[block_id] = tuple(tokens)
+        self._events.append(KVEvent("stored", [h]))
+
+    def _uncache(self, b: int) -> None:
+        h = self._hash_of.pop(b, None)
+        if h is not None:
+            del self._block_of[h]
+            del self._tokens_of[b]
+            self._events.append(KVEvent("removed", [h]))
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached-free block's content; returns how many were dropped."""
+        n = len(self._cached_free)
+        for b in list(self._cached_free):
+            self._uncache(b)
+            self._free.append(b)
+        self._cached_free.clear()
+        self._events.append(KVEvent("cleared"))
+        return n
+
+    def drain_events(self) -> list[KVEvent]:
+        ev, self._events = self._events, []
+        return ev
+
+    def cached_hashes(self) -> list[bytes]:
+        return list(self._block_of)
+
+    # ---- invariants ----------------------------------------------------------
+    def check_integrity(self, expected_refs: dict[int, int] | None = None) -> None:
+        """Raise AssertionError if the pool's invariants do not hold.
+
+        `expected_refs` (block -> refs held by live sequences), when given, must
+        equal the pool's ref counts exactly: that is the leak check.
+        """
+        free, cached_free = set(self._free), set(self._cached_free)
+        assert len(free) == len(self._free), "duplicate block in free list"
+        assert not (free & cached_free), "block both free and cached-free"
+        for b in range(self.num_blocks):
+            rc = self.ref_counts[b]
+            assert rc >= 0, f"block {b} ref_count {rc}"
+            in_lists = (b in free) + (b in cached_free)
+            assert (rc == 0) == (in_lists == 1), f"block {b}: ref_count {rc}, in free lists {in_lists}"
+            assert b not in cached_free or b in self._hash_of, f"cached-free block {b} has no hash"
+            assert b not in free or b not in self._hash_of, f"free block {b} still hashed"
+        for b, h in self._hash_of.items():
+            assert self._block_of.get(h) == b, f"hash map broken at block {b}"
+        assert len(self._block_of) == len(self._hash_of) == len(self._tokens_of)
+        if expected_refs is not None:
+            actual = {b: rc for b, rc in enumerate(self.ref_counts) if rc}
+            assert actual == {b: r for b, r in expected_refs.items() if r}, (
+                f"ref counts differ from live sequences: pool={actual} expected={expected_refs}"
+            )

@@ -1,0 +1,226 @@
+"""Frozen, validated configs: one per component.
+
+Each component is handed its own config object; nothing reads a global. Errors
+raised here name the field and say what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A config value is invalid; the message says which field and how to fix it."""
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rope scaling from config.json; `kind` is "llama3", "linear" or "default"."""
+
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any] | None) -> "RopeScaling":
+        if not d:
+            return cls()
+        kind = d.get("rope_type", d.get("type", "default"))
+        if kind == "default":
+            return cls()
+        if kind not in ("llama3", "linear"):
+            raise ConfigError(
+                f"rope_scaling type {kind!r} is not supported; supported: llama3, linear "
+                "(or remove rope_scaling from config.json)"
+            )
+        return cls(
+            kind=kind,
+            factor=float(d.get("factor", 1.0)),
+            low_freq_factor=float(d.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(d.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                d.get("original_max_position_embeddings", 8192)
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model's shape, read from a Hugging Face config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _require(self.architecture in SUPPORTED_ARCHITECTURES.values(), f"unknown architecture family {self.architecture!r}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            _require(getattr(self, name) > 0, f"config.json: {name} must be > 0")
+        _require(
+            self.num_heads % self.num_kv_heads == 0,
+            f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
+            f"num_key_value_heads ({self.num_kv_heads})",
+        )
+        _require(self.dtype in DTYPES, f"dtype {self.dtype!r} is not one of {DTYPES}")
+
+    @property
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * layer + h
+
+    def with_dtype(self, dtype: str | None) -> "ModelConfig":
+        return self if dtype in (None, "auto") else dataclasses.replace(self, dtype=dtype)
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any], dtype: str | None = None) -> "ModelConfig":
+        archs = d.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(
+                f"config.json: architectures={archs!r} is not supported; tandem serves "
+                f"{sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if key not in d:
+                raise ConfigError(f"config.json: missing required field {key!r}")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"config.json: hidden_act={act!r} is not supported (only silu)")
+        num_heads = int(d["num_attention_heads"])
+        hidden = int(d["hidden_size"])
+        head_dim = d.get("head_dim") or hidden // num_heads
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        # transformers >= 5 writes `rope_parameters` (theta inside); older checkpoints
+        # have `rope_theta` and `rope_scaling` at the top level.
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        torch_dtype = d.get("torch_dtype") or d.get("dtype") or "float32"
+        if torch_dtype not in DTYPES:
+            torch_dtype = "float32"
+        return cls(
+            architecture=family,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=RopeScaling.from_hf(rope),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(d.get("attention_bias", False)),
+            o_bias=family != "qwen2" and bool(d.get("attention_bias", False)),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            dtype=dtype if dtype not in (None, "auto") else torch_dtype,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing.
+
+    `num_blocks` wins when given; otherwise the pool takes `kv_cache_memory_gb`.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (8, 16, 32, 64, 128), f"block_size={self.block_size}: use one of 8, 16, 32, 64, 128")
+        _require(self.num_blocks is None or self.num_blocks >= 2, "num_blocks must be at least 2")
+        _require(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb must be > 0")
+
+    def resolve_num_blocks(self, bytes_per_block: int) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        n = int(self.kv_cache_memory_gb * (1 << 30)) // bytes_per_block
+        _require(n >= 2, f"kv_cache_memory_gb={self.kv_cache_memory_gb} holds fewer than 2 blocks; raise it")
+        return n
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Budgets of one engine step (Orca / Sarathi-Serve style)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    # Fraction of blocks kept free at admission so running sequences can grow.
+    watermark: float = 0.01
+    policy: str = "continuous"  # or "static", to measure what continuous batching buys
+    # How long a reservation for incoming KV is held before it expires (seconds).
+    reservation_lease_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        _require(self.max_model_len >= 1, "max_model_len must be >= 1")
+        _require(0.0 <= self.watermark < 0.5, "watermark must be in [0, 0.5)")
+        _require(self.policy in ("continuous", "static"), f"scheduler policy {self.policy!r}: use 'continuous' or 'static'")
+        _require(self.reservation_lease_s > 0, "reservation_lease_s must be > 0")
+        if not self.enable_chunked_prefill:
+            _require(
+                self.max_num_batched_tokens >= self.max_model_len,
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                f">= max_model_len ({self.max_model_len}); raise it or enable chunked prefill",
+            )
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where a worker runs: device, torch threads and CPU cores it owns."""
+
+    device: str = "cpu"
+    num_threads: int | None = None
+    cpu_affinity: tuple[int, ...] | None = None
+    attention_backend: str = "auto"  # auto | torch | triton | cpu
+
+    def __post_init__(self) -> None:
+        _require(self.device == "cpu" or self.device.startswith("cuda"), f"device {self.device!r}: use 'cpu' or 'cuda[:N]'")
+        _require(self.attention_backend in ("auto", "torch", "triton", "cpu"), "attention_backend: use auto, torch, triton or cpu")
+        _require(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")

@@ -1,0 +1,222 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache.
+
+Numerics follow Hugging Face transformers' implementation so greedy outputs match
+it token for token: RMSNorm in fp32, RoPE tables in fp32 cast to the activation
+dtype, logits in the model dtype then fp32.
+
+Input is a flat batch of T tokens (decodes first, then prefill chunks) with their
+positions; attention reads and writes the paged cache through an AttentionBackend.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.config import ModelConfig, RopeScaling
+
+
+class WeightError(ValueError):
+    """A checkpoint tensor is missing, unexpected or of the wrong shape."""
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint must (or, for lm_head when tied, may) hold, by HF name."""
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
+            p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
+        }
+        if cfg.qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)}
+        if cfg.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if cfg.mlp_bias:
+            for n, dim in (("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size), ("down_proj", h)):
+                shapes[p + f"mlp.{n}.bias"] = (dim,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind == "llama3":
+        old_len = scaling.original_max_position_embeddings
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Rotary(nn.Module):
+    """Precomputed cos/sin tables indexed by position (non-interleaved, rotate-half)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.scale = self.hd**-0.5
+
+    def forward(self, x, positions, rotary: Rotary, kv: tuple[torch.Tensor, torch.Tensor], meta, backend: AttentionBackend):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = rotary(q.view(t, self.nh, self.hd), k.view(t, self.nkv, self.hd), positions)
+        o = backend.forward(q, k, v.view(t, self.nkv, self.hd), kv[0], kv[1], meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rotary, kv, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        on_layer_done=None,  # called with the layer index once its KV is in the cache
+    ) -> torch.Tensor:  # [T, hidden]
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rotary, kv_caches[i], meta, backend)
+            if on_layer_done is not None:
+                on_layer_done(i)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] fp32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up. Checks names and shapes."""
+        expected = expected_shapes(self.cfg)
+        seen: set[str] = set()
+        for name, t in tensors:
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+                continue
+            if name not in expected:
+                raise WeightError(f"unexpected tensor {name!r} in checkpoint")
+            if tuple(t.shape) != expected[name]:
+                raise WeightError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {expected[name]}")
+            self._param_slice(name).copy_(t)
+            seen.add(name)
+        missing = sorted(set(expected) - seen)
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise WeightError(f"checkpoint is missing tensors: {', '.join(missing[:5])}{more}")
+
+    def _param_slice(self, name: str) -> torch.Tensor:
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens.weight
+        if name == "model.norm.weight":
+            return self.norm.weight
+        if name == "lm_head.weight":
+            return self.lm_head.weight
+        parts = name.split(".")  # model.layers.{i}.{group}[.{proj}].{kind}
+        layer, group, kind = self.layers[int(parts[2])], parts[3], parts[-1]
+        if group in ("input_layernorm", "post_attention_layernorm"):
+            return getattr(layer, group).weight
+        proj = parts[4]
+        if group == "self_attn":
+            attn = layer.self_attn
+            if proj == "o_proj":
+                return getattr(attn.o_proj, kind)
+            off = {"q_proj": (0, attn.q_size), "k_proj": (attn.q_size, attn.kv_size), "v_proj": (attn.q_size + attn.kv_size, attn.kv_size)}[proj]
+            return getattr(attn.qkv_proj, kind).narrow(0, *off)
+        mlp = layer.mlp
+        if proj == "down_proj":
+            return getattr(mlp.down_proj, kind)
+        return getattr(mlp.gate_up_proj, kind).narrow(0, 0 if proj == "gate_proj" else mlp.inter, mlp.inter)

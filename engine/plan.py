@@ -1,0 +1,50 @@
+"""The step plan: plain data a scheduler hands to ModelRunner. No torch here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs to know about one sequence this step."""
+
+    params: SamplingParams
+    output_ids: Sequence[int]  # generated so far (its length is the index of this token)
+    prompt_ids: Sequence[int] = ()  # only read for repetition_penalty
+    banned_ids: Sequence[int] = ()  # e.g. EOS / stop ids before min_tokens is reached
+
+
+@dataclass
+class SeqWork:
+    """One sequence's share of a step."""
+
+    seq_id: object
+    token_ids: Sequence[int]  # tokens to compute now (a prompt chunk, or the last sampled token)
+    start_pos: int  # tokens of this sequence already in the cache
+    block_table: Sequence[int]  # covers positions 0 .. start_pos + len(token_ids) - 1
+    sample: SampleRow | None = None  # None: no token is sampled (a prompt chunk that is not the last)
+
+
+@dataclass
+class StepPlan:
+    """Decodes (exactly one new token each) first, then prefill chunks."""
+
+    decodes: list[SeqWork] = field(default_factory=list)
+    prefills: list[SeqWork] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(len(w.token_ids) for w in self.prefills)
+
+    def add(self, work: SeqWork) -> None:
+        (self.decodes if len(work.token_ids) == 1 else self.prefills).append(work)
+
+    def works(self) -> list[SeqWork]:
+        return [*self.decodes, *self.prefills]
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes or self.prefills)

@@ -1,0 +1,124 @@
+"""ModelRunner: a plain step plan in, sampled tokens out.
+
+The plan is policy's output (schedulers build it from plain data); `_prepare` is the
+one place where it becomes tensors. A step mixes decode tokens and prefill chunks
+(Sarathi-Serve), ordered decodes first:
+
+    input_ids:  [d0 d1 ... d(Bd-1) | p0 chunk ......... | p1 chunk ... ]
+    positions:  [ctx-1 per decode  | start .. start+n-1 | ...          ]
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from engine.attention import AttentionBackend, AttentionMetadata, get_backend
+from engine.config import CacheConfig, DeviceConfig, ModelConfig
+from engine.kv_cache import KVCache
+from engine.plan import SampleRow, SeqWork, StepPlan  # noqa: F401 (re-exported)
+from engine.sampler import Sampler, SamplerOutput, TokenLogprobs
+
+
+@dataclass
+class StepResult:
+    """Sampled tokens by seq_id (only for works that asked to sample)."""
+
+    token_ids: dict[object, int]
+    logprobs: dict[object, TokenLogprobs | None]
+    forward_s: float
+    num_tokens: int
+
+
+@dataclass
+class _Batch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_index: torch.Tensor
+    sample_ids: list[object]
+    sample_rows: list[SampleRow]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, cache_config: CacheConfig,
+                 device_config: DeviceConfig, sampler_seed: int | None = None) -> None:
+        self.device = torch.device(device_config.device)
+        self.model = model
+        self.model_config = model_config
+        self.kv_cache = KVCache(model_config, cache_config, self.device)
+        self.block_size = cache_config.block_size
+        self.backend: AttentionBackend = get_backend(device_config.attention_backend, self.device)
+        self.sampler = Sampler(self.device, sampler_seed)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, on_layer_done: Callable[[int], None] | None = None) -> StepResult:
+        t0 = time.perf_counter()
+        b = self._prepare(plan)
+        hidden = self.model(b.input_ids, b.positions, self.kv_cache.layers, b.meta, self.backend, on_layer_done)
+        if not b.sample_ids:
+            return StepResult({}, {}, time.perf_counter() - t0, plan.num_tokens)
+        logits = self.model.compute_logits(hidden[b.logits_index])
+        out: SamplerOutput = self.sampler(logits, b.sample_rows)
+        return StepResult(
+            dict(zip(b.sample_ids, out.token_ids)),
+            dict(zip(b.sample_ids, out.logprobs)),
+            time.perf_counter() - t0,
+            plan.num_tokens,
+        )
+
+    def _prepare(self, plan: StepPlan) -> _Batch:
+        """Every tensor of the step, built here and nowhere else."""
+        bs, dev = self.block_size, self.device
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_index: list[int] = []
+        sample_ids: list[object] = []
+        rows: list[SampleRow] = []
+        for w in plan.decodes:
+            p = w.start_pos
+            ids.append(w.token_ids[0])
+            positions.append(p)
+            slots.append(w.block_table[p // bs] * bs + p % bs)
+        for w in plan.prefills:
+            ids.extend(w.token_ids)
+            rng = range(w.start_pos, w.start_pos + len(w.token_ids))
+            positions.extend(rng)
+            table = w.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in rng)
+        offset = 0
+        for w in (*plan.decodes, *plan.prefills):
+            offset += len(w.token_ids)
+            if w.sample is not None:
+                logits_index.append(offset - 1)
+                sample_ids.append(w.seq_id)
+                rows.append(w.sample)
+        decode_lens = [w.start_pos + 1 for w in plan.decodes]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_decode_tokens=len(plan.decodes),
+            decode_block_tables=_pad_tables([w.block_table for w in plan.decodes], dev),
+            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
+            decode_max_seq_len=max(decode_lens, default=0),
+            prefill_block_tables=_pad_tables([w.block_table for w in plan.prefills], dev),
+            prefill_query_lens=[len(w.token_ids) for w in plan.prefills],
+            prefill_seq_lens=[w.start_pos + len(w.token_ids) for w in plan.prefills],
+        )
+        return _Batch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta=meta,
+            logits_index=torch.tensor(logits_index, dtype=torch.int64, device=dev),
+            sample_ids=sample_ids,
+            sample_rows=rows,
+        )
+
+
+def _pad_tables(tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """[B, max_len] int32, padded with block 0 (padding is masked by sequence length)."""
+    width = max((len(t) for t in tables), default=0)
+    return torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device).reshape(len(tables), width)

@@ -1,0 +1,71 @@
+"""Per-request sampling and stopping parameters. Pure Python (router, schedulers and
+workers all carry them); validated at construction with messages a client can act on."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling parameter; `param` names the field."""
+
+    def __init__(self, param: str, msg: str) -> None:
+        super().__init__(msg)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None: off; n >= 0: sampled token's logprob plus top-n
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, param: str, msg: str) -> None:
+            if not cond:
+                raise SamplingParamsError(param, msg)
+
+        need(self.max_tokens >= 1, "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        need(self.temperature >= 0, "temperature", f"temperature must be >= 0, got {self.temperature}")
+        need(0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        need(self.top_k >= -1, "top_k", f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        need(0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        need(self.repetition_penalty > 0, "repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        need(-2 <= self.presence_penalty <= 2, "presence_penalty", "presence_penalty must be in [-2, 2]")
+        need(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "frequency_penalty must be in [-2, 2]")
+        need(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+            "logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}",
+        )
+        need(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "min_tokens must be between 0 and max_tokens")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")
+        need(len(self.stop) <= 16, "stop", "at most 16 stop strings")
+        need(self.seed is None or 0 <= self.seed < 2**63, "seed", "seed must be in [0, 2**63)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def replace(self, **kw) -> "SamplingParams":
+        return dataclasses.replace(self, **kw)

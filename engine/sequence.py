@@ -1,0 +1,95 @@
+"""A request as schedulers see it: tokens, blocks and progress. Pure Python."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+INTERACTIVE, BATCH = 0, 1  # priority lanes, served in this order
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued for a local prefill (colocated, or resumed after preemption)
+    AWAITING_KV = "awaiting_kv"  # blocks reserved; a remote prefill writes the prompt's KV
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"  # max_tokens, or the model's length limit
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Invariant: 0 <= num_computed <= num_tokens; blocks cover the computed tokens.
+
+        all_ids:   [ prompt ............ | output ....... ]
+                   [ computed (KV in cache) ... | to compute ]
+                                          ^ num_computed
+    A decoding sequence has exactly one token to compute: the last one sampled.
+    """
+
+    seq_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_ids: frozenset[int] = frozenset()
+    priority: int = INTERACTIVE
+    arrival: float = 0.0
+    output_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    lease_deadline: float | None = None  # while AWAITING_KV
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
+
+    @property
+    def num_to_compute(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def stop_reason_for(self, token: int) -> FinishReason | None:
+        """Token-level stop check after `token` was appended (stop strings live elsewhere)."""
+        n = len(self.output_ids)
+        p = self.params
+        if n >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_ids:
+                return FinishReason.STOP
+            if token in p.stop_token_ids:
+                return FinishReason.STOP
+        if n >= p.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def banned_ids(self) -> tuple[int, ...]:
+        """Tokens that may not be sampled yet (EOS / stop ids before min_tokens)."""
+        if len(self.output_ids) >= self.params.min_tokens:
+            return ()
+        eos = () if self.params.ignore_eos else tuple(self.eos_ids)
+        return eos + tuple(self.params.stop_token_ids)

@@ -1,0 +1,88 @@
+"""Model-test fixtures: the built-in checkpoint, random transformers checkpoints (Llama
+with GQA and tied embeddings, Qwen2 with q/k/v bias) sharing its tokenizer, and the
+oracle: transformers' greedy `generate` on the same weights."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.models.builtin import builtin_model_path, copy_tokenizer_files
+
+VOCAB = 8192
+
+
+@pytest.fixture(scope="session")
+def builtin_dir() -> Path:
+    return builtin_model_path()
+
+
+def _write_hf(kind: str, path: Path, tokenizer_src: Path) -> Path:
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  initializer_range=0.15, bos_token_id=0, eos_token_id=[1, 4])
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(tie_word_embeddings=True, **common,
+                                       rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 128})
+        cls = transformers.LlamaForCausalLM
+    else:
+        cfg = transformers.Qwen2Config(tie_word_embeddings=False, **common)
+        cls = transformers.Qwen2ForCausalLM
+    torch.manual_seed(1234)
+    model = cls(cfg).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    for name, data in copy_tokenizer_files(tokenizer_src).items():
+        if name != "generation_config.json":
+            (path / name).write_bytes(data)
+    return path
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory, builtin_dir) -> Path:
+    return _write_hf("llama", tmp_path_factory.mktemp("hf-llama"), builtin_dir)
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory, builtin_dir) -> Path:
+    return _write_hf("qwen2", tmp_path_factory.mktemp("hf-qwen2"), builtin_dir)
+
+
+@pytest.fixture(scope="session", params=["builtin", "llama", "qwen2"])
+def model_dir(request) -> Path:
+    return request.getfixturevalue({"builtin": "builtin_dir", "llama": "llama_dir", "qwen2": "qwen2_dir"}[request.param])
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_model(path: str):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@functools.lru_cache(maxsize=4096)
+def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int, ignore_eos: bool) -> tuple[int, ...]:
+    model = _hf_model(path)
+    kw = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    if ignore_eos:
+        kw["eos_token_id"] = None
+        kw["min_new_tokens"] = max_new_tokens
+    with torch.no_grad():
+        out = model.generate(torch.tensor([list(prompt)]), **kw)
+    return tuple(out[0, len(prompt):].tolist())
+
+
+def hf_greedy(path, prompt, max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
+    """transformers' greedy continuation (cached per process)."""
+    return list(_hf_greedy(str(path), tuple(prompt), max_new_tokens, ignore_eos))
+
+
+def random_prompts(lengths, seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
+    """Prompts of ordinary (non-special) token ids."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, vocab, (n,), generator=g).tolist() for n in lengths]
