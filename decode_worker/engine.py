@@ -8,29 +8,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from decode_worker.scheduler import Reservation, Scheduler, SchedulerOutput
-from engine.block_pool import BlockPool
-from engine.config import CacheConfig, DeviceConfig, SchedulerConfig
+from engine.scheduler import Reservation, Scheduler, SchedulerOutput
+from engine.build import build_parts
+from engine.config import EngineConfig  # noqa: F401 (re-exported)
 from engine.runner import ModelRunner
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.sequence import INTERACTIVE, FinishReason, Sequence
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Everything one engine needs; each part goes to its own component."""
-
-    model: str | None = None  # local HF checkpoint dir; None = the built-in model
-    dtype: str | None = None  # None/"auto": the checkpoint's
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    device: DeviceConfig = field(default_factory=DeviceConfig)
-    seed: int | None = None
 
 
 @dataclass
@@ -67,20 +55,9 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, checkpoint=None) -> "LLMEngine":
-        from engine.models.builtin import builtin_model_path
-        from engine.models.loader import build_model, load_checkpoint
-
-        ckpt = checkpoint or load_checkpoint(config.model or builtin_model_path(), dtype=config.dtype)
-        model = build_model(ckpt, config.device.device)
-        runner = ModelRunner(model, ckpt.config, config.cache, config.device, sampler_seed=config.seed)
-        max_len = min(config.scheduler.max_model_len, ckpt.config.max_position_embeddings)
-        sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_len)
-        if not sched_cfg.enable_chunked_prefill and sched_cfg.max_num_batched_tokens < max_len:
-            sched_cfg = dataclasses.replace(sched_cfg, max_num_batched_tokens=max_len)
-        pool = BlockPool(runner.kv_cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        engine = cls(runner, Scheduler(sched_cfg, pool), frozenset(ckpt.config.eos_token_ids))
-        engine.checkpoint = ckpt
-        log.info("engine: %s, %d KV blocks of %d tokens", ckpt.path, pool.num_blocks, pool.block_size)
+        parts = build_parts(config, checkpoint)
+        engine = cls(parts.runner, Scheduler(parts.scheduler_config, parts.pool), parts.eos_ids)
+        engine.checkpoint = parts.checkpoint
         return engine
 
     @property

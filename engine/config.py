@@ -224,3 +224,37 @@ class DeviceConfig:
         _require(self.device == "cpu" or self.device.startswith("cuda"), f"device {self.device!r}: use 'cpu' or 'cuda[:N]'")
         _require(self.attention_backend in ("auto", "torch", "triton", "cpu"), "attention_backend: use auto, torch, triton or cpu")
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine needs; each part goes to its own component."""
+
+    model: str | None = None  # local HF checkpoint dir; None = the built-in model
+    dtype: str | None = None  # None/"auto": the checkpoint's
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One prefill or decode worker process."""
+
+    role: str  # "prefill" | "decode"
+    worker_id: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"  # gRPC bind address (the cluster-facing interface)
+    port: int = 0  # 0: any free port, reported after start
+    transport: str = "auto"  # auto | nixl | tcp
+    cluster_token: str | None = None  # required in every gRPC call's metadata when set
+    layerwise_transfer: bool = True  # prefill: push each layer's KV as soon as it is computed
+    reservation_lease_s: float = 30.0  # decode: how long reserved blocks wait for their KV
+    metrics_port: int | None = None  # serve Prometheus /metrics here (0: any free port)
+
+    def __post_init__(self) -> None:
+        _require(self.role in ("prefill", "decode"), f"role {self.role!r}: use 'prefill' or 'decode'")
+        _require(bool(self.worker_id), "worker_id must be non-empty")
+        _require(self.transport in ("auto", "nixl", "tcp"), f"transport {self.transport!r}: use auto, nixl or tcp")
+        _require(self.reservation_lease_s > 0, "reservation_lease_s must be > 0")

@@ -14,6 +14,7 @@ class Status(enum.Enum):
     WAITING = "waiting"  # queued for a local prefill (colocated, or resumed after preemption)
     AWAITING_KV = "awaiting_kv"  # blocks reserved; a remote prefill writes the prompt's KV
     RUNNING = "running"
+    HANDOFF = "handoff"  # prefill worker: first token sampled, KV being written to a decode worker
     FINISHED = "finished"
 
 

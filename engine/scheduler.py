@@ -1,6 +1,8 @@
-"""Iteration-level scheduler of the decode worker (Orca), with chunked prefill
-(Sarathi-Serve), preemption by recompute, two priority lanes and reservations for
-KV written by a remote prefill. Policy over plain data: no torch.
+"""Iteration-level scheduler (Orca) with chunked prefill (Sarathi-Serve), preemption
+by recompute, two priority lanes and reservations for KV written by a remote
+prefill. The decode worker runs it as is; the prefill worker's PrefillScheduler
+(prefill_worker/scheduler.py) ends sequences after their first token. Policy over
+plain data: no torch.
 
 One step, in order, all under `max_num_batched_tokens` and `max_num_seqs`:
 
@@ -94,11 +96,19 @@ class Scheduler:
         seq.status = Status.WAITING
         self.lanes[seq.priority].append(seq)
 
+    def find(self, seq_id: str) -> Sequence | None:
+        return next((s for s in self.live() if s.seq_id == seq_id), None)
+
+    def live(self) -> list[Sequence]:
+        """Every sequence that may hold blocks or wait for them."""
+        return [*self.running, *self.awaiting_kv.values(), *(s for q in self.lanes.values() for s in q)]
+
+    def _drop_other(self, seq: Sequence) -> None:
+        raise RuntimeError(f"{seq.seq_id}: unexpected status {seq.status}")
+
     def abort(self, seq_id: str) -> Sequence | None:
         """Remove a request wherever it is and free its blocks. Unknown ids: None."""
-        seq = self.awaiting_kv.get(seq_id) or next((s for s in self.running if s.seq_id == seq_id), None)
-        if seq is None:
-            seq = next((s for q in self.lanes.values() for s in q if s.seq_id == seq_id), None)
+        seq = self.find(seq_id)
         if seq is not None:
             self.finish(seq, FinishReason.ABORT)
         return seq
@@ -110,8 +120,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is Status.AWAITING_KV:
             del self.awaiting_kv[seq.seq_id]
-        else:
+        elif seq.status is Status.WAITING:
             self.lanes[seq.priority].remove(seq)
+        else:
+            self._drop_other(seq)
         self._free_blocks(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
@@ -301,7 +313,7 @@ class Scheduler:
     # ---- invariants ----------------------------------------------------------
     def live_refs(self) -> dict[int, int]:
         refs: dict[int, int] = {}
-        for seq in [*self.running, *self.awaiting_kv.values(), *(s for q in self.lanes.values() for s in q)]:
+        for seq in self.live():
             for b in seq.block_ids:
                 refs[b] = refs.get(b, 0) + 1
         return refs

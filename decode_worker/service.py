@@ -1,0 +1,225 @@
+"""The decode worker process: the decode engine on its loop, the KV transport it
+receives into, the handoff ledger, and the gRPC DecodeWorker service.
+
+Remote prefill, as the decode worker sees it (ledger states in capitals):
+
+    Decode(REMOTE) -> reserve blocks: RESERVED, stream the Reservation
+    KVLanded notification (data already in the blocks): READY
+    -> admitted with its first token: RUNNING -> tokens streamed -> DONE
+    lease runs out first: EXPIRED (blocks freed, the stream ends with an error)
+    stream cancelled / aborted / writer gave up: FAILED (blocks freed)
+
+Everything touching the engine or the ledger runs on the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from decode_worker.async_engine import AsyncEngine
+from decode_worker.engine import LLMEngine, TokenEvent
+from engine.config import WorkerConfig
+from engine.kv_events import KVEventHub
+from engine.rpc import new_epoch, start_server
+from engine.scheduler import AdmissionError, NoCapacity
+from engine.sampling_params import SamplingParamsError
+from engine.sequence import FinishReason
+from kv_transfer.base import TransportConfig, create_transport
+from kv_transfer.ledger import Entry, HandoffState, Ledger
+from protos import tandem_pb2 as pb
+from protos import tandem_pb2_grpc as pb_grpc
+from protos.convert import logprobs_from_pb, logprobs_to_pb, params_from_pb
+
+log = logging.getLogger(__name__)
+
+
+def tokens_message(ev: TokenEvent) -> pb.DecodeEvent:
+    t = pb.Tokens(finished=ev.finished, finish_reason=ev.finish_reason.value if ev.finish_reason else "",
+                  error=ev.error or "")
+    if ev.token_id is not None:
+        t.first_index = ev.num_output_tokens - 1
+        t.token_ids.append(ev.token_id)
+        if ev.logprobs is not None:
+            t.logprobs.append(logprobs_to_pb(ev.logprobs))
+    if ev.finished:
+        t.usage.CopyFrom(pb.Usage(prompt_tokens=ev.num_prompt_tokens, completion_tokens=ev.num_output_tokens,
+                                  cached_tokens=ev.num_cached_tokens))
+    return pb.DecodeEvent(tokens=t)
+
+
+class DecodeWorker(pb_grpc.DecodeWorkerServicer):
+    role = "decode"
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.draining = False
+        self.server: grpc.aio.Server | None = None
+        self.address = ""
+
+    # ---- lifecycle -----------------------------------------------------------------
+    async def start(self) -> str:
+        """Build the engine and transport, start the engine thread and gRPC server;
+        returns host:port."""
+        cfg = self.config
+        self.engine = await asyncio.to_thread(LLMEngine.from_config, cfg.engine)
+        self.epoch = new_epoch()
+        self.transport = create_transport(cfg.transport, TransportConfig(
+            worker_name=cfg.worker_id, epoch=f"{self.epoch:016x}", bind_host=cfg.host, token=cfg.cluster_token))
+        self.transport.register(self.engine.runner.kv_cache.kv)
+        self.ledger = Ledger(self._on_free, default_lease_s=cfg.reservation_lease_s, exclusive_blocks=False)
+        self.aengine = AsyncEngine(self.engine, poll_input=self._poll_landings, abort=self._abort)
+        self.aengine.on_step = self._after_step
+        loop = asyncio.get_running_loop()
+        self.kv_events = KVEventHub(self.engine.pool, cfg.worker_id, self.epoch, loop)
+        self.aengine.start(loop)
+        self.server, port = await start_server(lambda s: pb_grpc.add_DecodeWorkerServicer_to_server(self, s),
+                                               cfg.host, cfg.port, cfg.cluster_token)
+        self.address = f"{cfg.host}:{port}"
+        log.info("decode worker %s (epoch %x) serving on %s, transport %s", cfg.worker_id, self.epoch,
+                 self.address, self.transport.name)
+        return self.address
+
+    async def stop(self, grace: float = 2.0) -> None:
+        if self.server is not None:
+            await self.server.stop(grace)
+        self.aengine.stop()
+        self.transport.close()
+
+    # ---- engine thread -------------------------------------------------------------------
+    def _reserve(self, rid, prompt_ids, params, priority, lease_s):
+        res = self.engine.reserve(rid, prompt_ids, params, priority, lease_s + 5.0)  # ledger lease fires first
+        self.ledger.reserve(rid, res.block_ids, lease_s=lease_s)
+        return res
+
+    def _poll_landings(self) -> list[TokenEvent]:
+        events: list[TokenEvent] = []
+        for note in self.transport.notifications():
+            msg = pb.KVLanded.FromString(note.message)
+            entry = self.ledger.get(msg.request_id)
+            if entry is None or entry.state.terminal:
+                log.debug("late KV landing for %s ignored", msg.request_id)
+                continue
+            if msg.failed:
+                self.ledger.fail(msg.request_id, f"prefill worker gave up: {msg.error}")
+                events.append(self._error_event(msg.request_id, f"prefill failed: {msg.error}"))
+                continue
+            self.ledger.mark_ready(msg.request_id)
+            lp = logprobs_from_pb(msg.logprobs) if msg.HasField("logprobs") else None
+            ev = self.engine.mark_landed(msg.request_id, msg.first_token, lp)
+            self.ledger.start_running(msg.request_id)
+            events.append(ev)
+        for entry in self.ledger.sweep():
+            events.append(self._error_event(entry.request_id, f"KV for this request never arrived: {entry.reason}"))
+        return events
+
+    def _after_step(self, events: list[TokenEvent]) -> None:
+        for ev in events:
+            if ev.finished:
+                entry = self.ledger.get(ev.seq_id)
+                if entry is not None and entry.state is HandoffState.RUNNING:
+                    self.ledger.finish(ev.seq_id)
+        self.kv_events.publish()
+
+    def _abort(self, rid: str) -> None:
+        entry = self.ledger.get(rid)
+        if entry is not None and not entry.state.terminal:
+            self.ledger.fail(rid, "aborted")  # frees through _on_free
+        else:
+            self.engine.abort(rid)
+
+    def _on_free(self, entry: Entry) -> None:
+        self.engine.abort(entry.request_id)
+
+    @staticmethod
+    def _error_event(rid: str, msg: str) -> TokenEvent:
+        return TokenEvent(rid, None, finished=True, finish_reason=FinishReason.ERROR, error=msg)
+
+    def check_integrity(self) -> None:
+        """Engine thread: blocks match live sequences; ledger consistent."""
+        self.engine.check_integrity()
+        self.ledger.check_integrity()
+        live = {e.request_id for e in self.ledger.live()}
+        assert live <= set(self.engine.seqs), f"ledger holds finished requests: {live - set(self.engine.seqs)}"
+
+    # ---- gRPC ------------------------------------------------------------------------------
+    async def Decode(self, request: pb.DecodeRequest, context):
+        rid = request.request_id
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
+        try:
+            params = params_from_pb(request.params)
+        except SamplingParamsError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.param}: {e}")
+        prompt, prio = list(request.prompt_ids), int(request.priority)
+        q = self.aengine.subscribe(rid)
+        try:
+            if request.mode == pb.REMOTE_PREFILL:
+                lease = request.lease_s or self.config.reservation_lease_s
+                res = await self.aengine.call(self._reserve, rid, prompt, params, prio, lease)
+                yield pb.DecodeEvent(reservation=pb.Reservation(
+                    block_ids=res.block_ids, num_cached_tokens=res.num_cached_tokens, lease_s=lease,
+                    worker_id=self.config.worker_id, epoch=self.epoch))
+            else:
+                await self.aengine.call(self.engine.add_request, rid, prompt, params, prio)
+        except NoCapacity as e:
+            self.aengine.unsubscribe(rid)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except (AdmissionError, ValueError) as e:
+            self.aengine.unsubscribe(rid)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        async for ev in self.aengine.events(rid, q):
+            yield tokens_message(ev)
+
+    async def Abort(self, request, context):
+        found = await self.aengine.call(lambda: request.request_id in self.engine.seqs)
+        self.aengine.post(self._abort, request.request_id)
+        return pb.AbortReply(found=found)
+
+    async def Handshake(self, request, context):
+        if request.backend != self.transport.name:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"transport mismatch: peer uses {request.backend}, this worker {self.transport.name}")
+        return pb.HandshakeReply(worker_id=self.config.worker_id, epoch=self.epoch, backend=self.transport.name,
+                                 descriptor=self.transport.local_descriptor())
+
+    async def Health(self, request, context):
+        return self._health()
+
+    async def CheckIntegrity(self, request, context):
+        reply = self._health()
+        try:
+            await self.aengine.loop.call(self.check_integrity)
+        except AssertionError as e:
+            reply.healthy, reply.error = False, f"integrity check failed: {e}"
+        return reply
+
+    def _health(self) -> pb.HealthReply:
+        return pb.HealthReply(healthy=self.aengine.healthy, worker_id=self.config.worker_id, epoch=self.epoch,
+                              role=self.role, error=self.aengine.error or "", draining=self.draining)
+
+    async def Stats(self, request, context):
+        s, pool = self.engine.scheduler, self.engine.pool
+        return pb.WorkerStats(
+            worker_id=self.config.worker_id, epoch=self.epoch, role=self.role, num_running=len(s.running),
+            num_waiting=s.num_waiting, num_awaiting_kv=len(s.awaiting_kv), num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            num_reserved_blocks=sum(len(q.block_ids) for q in list(s.awaiting_kv.values())),
+            queued_prefill_tokens=sum(q.num_tokens for lane in s.lanes.values() for q in list(lane)),
+            max_num_seqs=s.config.max_num_seqs, block_size=pool.block_size, prefix_cache_queries=pool.queries,
+            prefix_cache_hits=pool.hits, num_preemptions=s.num_preemptions, draining=self.draining,
+            transport=self.transport.name, max_model_len=s.config.max_model_len)
+
+    async def Drain(self, request, context):
+        self.draining = request.drain
+        return self._health()
+
+    async def KVEvents(self, request, context):
+        q = await self.aengine.call(self.kv_events.subscribe)
+        try:
+            while True:
+                yield await q.get()
+        finally:
+            self.aengine.post(self.kv_events.unsubscribe, q)

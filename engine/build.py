@@ -1,0 +1,40 @@
+"""Build the parts every engine shares from an EngineConfig: checkpoint, model runner,
+block pool, and the scheduler config clamped to what the model allows."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig, SchedulerConfig
+from engine.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    checkpoint: object  # engine.models.loader.Checkpoint
+    runner: ModelRunner
+    pool: BlockPool
+    scheduler_config: SchedulerConfig
+    eos_ids: frozenset[int]
+
+
+def build_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
+    from engine.models.builtin import builtin_model_path
+    from engine.models.loader import build_model, load_checkpoint
+
+    ckpt = checkpoint or load_checkpoint(config.model or builtin_model_path(), dtype=config.dtype)
+    model = build_model(ckpt, config.device.device)
+    runner = ModelRunner(model, ckpt.config, config.cache, config.device, sampler_seed=config.seed)
+    max_len = min(config.scheduler.max_model_len, ckpt.config.max_position_embeddings)
+    sched = dataclasses.replace(config.scheduler, max_model_len=max_len)
+    if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_len:
+        sched = dataclasses.replace(sched, max_num_batched_tokens=max_len)
+    pool = BlockPool(runner.kv_cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+    log.info("engine: %s (%s), %d KV blocks of %d tokens, attention %s", ckpt.path, ckpt.config.dtype,
+             pool.num_blocks, pool.block_size, runner.backend.name)
+    return EngineParts(ckpt, runner, pool, sched, frozenset(ckpt.config.eos_token_ids))

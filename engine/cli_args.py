@@ -1,0 +1,54 @@
+"""Engine options as command-line flags, shared by `tandem serve`, `tandem generate`
+and the worker entry points: one definition, one conversion to EngineConfig."""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+
+
+def _cores(text: str | None) -> tuple[int, ...] | None:
+    """'0-3,6' -> (0, 1, 2, 3, 6)."""
+    if not text:
+        return None
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return tuple(out)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="local Hugging Face checkpoint dir (default: the built-in model)")
+    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
+    g.add_argument("--cpu-affinity", default=None, help="cores this worker may use, e.g. 0-3,6")
+    g.add_argument("--attention-backend", default="auto")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory-gb)")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=2048)
+    g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--scheduler", default="continuous", choices=("continuous", "static"))
+    g.add_argument("--seed", type=int, default=None)
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=a.model,
+        dtype=None if a.dtype == "auto" else a.dtype,
+        cache=CacheConfig(block_size=a.block_size, num_blocks=a.num_blocks, kv_cache_memory_gb=a.kv_cache_memory_gb,
+                          enable_prefix_caching=not a.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                                  max_model_len=a.max_model_len, enable_chunked_prefill=not a.no_chunked_prefill,
+                                  policy=a.scheduler),
+        device=DeviceConfig(device=a.device, num_threads=a.num_threads, cpu_affinity=_cores(a.cpu_affinity),
+                            attention_backend=a.attention_backend),
+        seed=a.seed,
+    )

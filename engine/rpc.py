@@ -1,0 +1,102 @@
+"""gRPC plumbing shared by the router and the workers: servers that accept only
+cluster members (a shared token in the call metadata), client channels that carry
+it, and the per-process CPU setup of a worker."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+TOKEN_HEADER = "x-tandem-token"
+MAX_MESSAGE_BYTES = 64 << 20
+_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+_CLIENT_OPTIONS = _OPTIONS + [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.enable_retries", 0),
+]
+
+
+class _TokenCheck(grpc.aio.ServerInterceptor):
+    """Rejects calls whose metadata lacks the cluster token (UNAUTHENTICATED)."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token.encode()
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        given = dict(details.invocation_metadata or ()).get(TOKEN_HEADER, "")
+        if handler is None or hmac.compare_digest(given.encode(), self.token):
+            return handler
+        return _denied(handler)
+
+
+def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    async def deny(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
+
+    async def deny_stream(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
+        yield  # pragma: no cover (makes this an async generator)
+
+    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(deny, **kw)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(deny_stream, **kw)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(deny, **kw)
+    return grpc.stream_stream_rpc_method_handler(deny_stream, **kw)
+
+
+async def start_server(add_servicers, host: str, port: int, token: str | None) -> tuple[grpc.aio.Server, int]:
+    """Start an asyncio gRPC server on host:port (0 = any free port); returns it and
+    the bound port. `add_servicers(server)` registers the services."""
+    interceptors = [_TokenCheck(token)] if token else []
+    server = grpc.aio.server(interceptors=interceptors, options=_OPTIONS)
+    add_servicers(server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"gRPC server could not bind {host}:{port}")
+    await server.start()
+    return server, bound
+
+
+def new_epoch() -> int:
+    """A random 63-bit id naming one incarnation of a worker (a restart gets a new one)."""
+    return secrets.randbits(63) or 1
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=_CLIENT_OPTIONS)
+
+
+def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return ((TOKEN_HEADER, token),) if token else ()
+
+
+def setup_process(num_threads: int | None, cpu_affinity: tuple[int, ...] | None) -> None:
+    """Pin this worker to its cores and size torch's thread pool to match, so two
+    workers on one machine do not fight over the same cores."""
+    import torch
+
+    if cpu_affinity:
+        try:
+            os.sched_setaffinity(0, set(cpu_affinity))
+        except (AttributeError, OSError) as e:
+            log.warning("could not pin to cores %s: %s", cpu_affinity, e)
+    n = num_threads or (len(cpu_affinity) if cpu_affinity else None)
+    if n:
+        torch.set_num_threads(n)

@@ -1,0 +1,220 @@
+"""PrefillEngine: batched, chunked prefill that pushes each prompt's KV into a decode
+worker's reserved blocks. Runs on an EngineLoop thread; every method here is called
+on that thread.
+
+One step: poll in-flight writes -> schedule a token budget of prompt chunks ->
+forward (with layer-wise push: as layer i of a finishing prompt lands in the cache,
+its blocks are written; the last layer goes after sampling, carrying the KVLanded
+notification with the first token) -> start the writes of prompts that finished.
+
+Each handoff is a ledger entry (RESERVED -> WRITING -> READY -> DONE | FAILED |
+EXPIRED) keyed to the decode worker's incarnation; freeing the entry ends the
+sequence's handoff, which releases its blocks into the prefix cache.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+from engine.runner import ModelRunner
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.sequence import FinishReason, Sequence
+from kv_transfer.base import PeerId, TransferHandle, Transport, XferState
+from kv_transfer.ledger import Entry, Ledger
+from prefill_worker.scheduler import PrefillScheduler
+from protos import tandem_pb2 as pb
+from protos.convert import logprobs_to_pb
+
+log = logging.getLogger(__name__)
+
+
+class PrefillFailed(RuntimeError):
+    """The prefill or its KV transfer failed; the message says which and why."""
+
+
+@dataclass
+class PrefillResult:
+    first_token: int
+    logprobs: TokenLogprobs | None
+    num_cached_tokens: int
+    num_blocks: int
+    num_bytes: int
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+
+
+@dataclass
+class Job:
+    seq: Sequence
+    peer: PeerId
+    target_blocks: list[int]
+    skip_blocks: int  # leading blocks the decode worker already has cached
+    future: cf.Future
+    arrival: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None
+    computed_at: float | None = None
+    handles: list[TransferHandle] = field(default_factory=list)
+    final: TransferHandle | None = None
+    logprobs: TokenLogprobs | None = None
+
+
+def landed_message(request_id: str, first_token: int, logprobs: TokenLogprobs | None) -> bytes:
+    msg = pb.KVLanded(request_id=request_id, first_token=first_token)
+    if logprobs is not None:
+        msg.logprobs.CopyFrom(logprobs_to_pb(logprobs))
+    return msg.SerializeToString()
+
+
+class PrefillEngine:
+    def __init__(self, runner: ModelRunner, scheduler: PrefillScheduler, transport: Transport,
+                 eos_ids: frozenset[int], layerwise: bool = True, handoff_lease_s: float = 60.0) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.transport = transport
+        self.eos_ids = eos_ids
+        self.layerwise = layerwise
+        self.num_layers = runner.model_config.num_layers
+        self.block_bytes = runner.kv_cache.shape.block_bytes
+        self.jobs: dict[str, Job] = {}
+        self.ledger = Ledger(self._on_free, default_lease_s=handoff_lease_s, exclusive_blocks=False)
+        self.completed: list[tuple[str, float, int]] = []  # (outcome, transfer_s, bytes) for metrics
+
+    # ---- requests (engine thread) ---------------------------------------------------
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int,
+               peer: PeerId, target_blocks: list[int], num_cached_tokens: int) -> cf.Future:
+        if request_id in self.jobs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        bs = self.scheduler.bs
+        n_blocks = math.ceil(len(prompt_ids) / bs)
+        if len(target_blocks) != n_blocks:
+            raise ValueError(f"target has {len(target_blocks)} blocks; a {len(prompt_ids)}-token prompt needs {n_blocks}")
+        if num_cached_tokens % bs or not 0 <= num_cached_tokens <= len(prompt_ids):
+            raise ValueError(f"num_cached_tokens={num_cached_tokens} must be a multiple of {bs} within the prompt")
+        # original params: the first token is sampled exactly as a single process would
+        # (seed index 0, EOS banned under min_tokens); PrefillScheduler ends it after one token
+        seq = Sequence(request_id, list(prompt_ids), params, self.eos_ids, priority)
+        self.scheduler.add(seq)
+        job = Job(seq, peer, list(target_blocks), num_cached_tokens // bs, cf.Future())
+        self.jobs[request_id] = job
+        return job.future
+
+    def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        job = self.jobs.get(request_id)
+        if job is None:
+            return False
+        if request_id in self.ledger:
+            self.ledger.fail(request_id, reason)  # frees via _on_free
+        else:
+            self.scheduler.abort(request_id)
+            self._resolve(job, PrefillFailed(reason))
+        return True
+
+    def drop_peer(self, peer: PeerId, reason: str) -> None:
+        """A decode worker went away (or restarted): fail every handoff to it."""
+        self.ledger.drop_peer(peer, reason)
+        for job in [j for j in self.jobs.values() if j.peer == peer]:
+            self.abort(job.seq.seq_id, reason)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self.scheduler.handoff)
+
+    # ---- one iteration (engine thread) ----------------------------------------------
+    def step(self) -> list:
+        self._poll_transfers()
+        out = self.scheduler.schedule()
+        if not out.plan:
+            return []
+        now = time.monotonic()
+        finishing = [self.jobs[w.seq_id] for w in out.plan.works() if w.sample is not None]
+        for seq, _ in out.scheduled:
+            job = self.jobs[seq.seq_id]
+            job.scheduled_at = job.scheduled_at or now
+        hook = self._layer_hook(finishing) if self.layerwise and finishing else None
+        result = self.runner.execute(out.plan, on_layer_done=hook)
+        self.scheduler.update(out, result.token_ids)
+        for job in finishing:
+            job.logprobs = result.logprobs.get(job.seq.seq_id)
+            self._start_final_write(job)
+        return []
+
+    def _layer_hook(self, jobs: list[Job]):
+        def on_layer_done(layer: int) -> None:
+            if layer == self.num_layers - 1:
+                return  # the last layer goes with the notification, after sampling
+            for job in jobs:
+                local, remote = self._block_pairs(job)
+                if local:
+                    job.handles.append(self.transport.write_blocks(job.peer, local, remote, layers=range(layer, layer + 1)))
+        return on_layer_done
+
+    def _block_pairs(self, job: Job) -> tuple[list[int], list[int]]:
+        n = len(job.target_blocks)
+        return job.seq.block_ids[job.skip_blocks:n], job.target_blocks[job.skip_blocks:]
+
+    def _start_final_write(self, job: Job) -> None:
+        seq = job.seq
+        job.computed_at = time.monotonic()
+        first = seq.output_ids[0]
+        local, remote = self._block_pairs(job)
+        self.ledger.reserve(seq.seq_id, seq.block_ids, peer=job.peer)
+        self.ledger.start_writing(seq.seq_id)
+        layers = range(self.num_layers - 1, self.num_layers) if self.layerwise and job.handles else None
+        job.final = self.transport.write_blocks(job.peer, local, remote, layers=layers,
+                                                notify=landed_message(seq.seq_id, first, job.logprobs), after=job.handles)
+
+    def _poll_transfers(self) -> None:
+        self.ledger.sweep()
+        for rid, job in list(self.jobs.items()):
+            if job.final is None:
+                continue
+            status = self.transport.poll(job.final)
+            if not status.finished:
+                continue
+            if status.state is XferState.DONE:
+                self.ledger.mark_ready(rid)
+                self.ledger.finish(rid)
+            else:
+                self.ledger.fail(rid, f"KV transfer to the decode worker failed: {status.reason}")
+
+    # ---- endings ------------------------------------------------------------------
+    def _on_free(self, entry: Entry) -> None:
+        job = self.jobs.get(entry.request_id)
+        self.scheduler.end_handoff(entry.request_id, FinishReason.LENGTH if entry.reason == "" else FinishReason.ERROR)
+        if job is None:
+            return
+        for h in [*job.handles, *([job.final] if job.final else [])]:
+            self.transport.release(h)
+        if entry.state.name == "DONE":
+            self._resolve(job, self._result(job))
+        else:
+            self._resolve(job, PrefillFailed(entry.reason or entry.state.name.lower()))
+
+    def _result(self, job: Job) -> PrefillResult:
+        now = time.monotonic()
+        n_blocks = len(job.target_blocks) - job.skip_blocks
+        scheduled = job.scheduled_at or job.arrival
+        computed = job.computed_at or now
+        return PrefillResult(job.seq.output_ids[0], job.logprobs, job.seq.num_cached_tokens, n_blocks,
+                             n_blocks * self.block_bytes, scheduled - job.arrival, computed - scheduled, now - computed)
+
+    def _resolve(self, job: Job, outcome) -> None:
+        self.jobs.pop(job.seq.seq_id, None)
+        if job.future.done():
+            return
+        if isinstance(outcome, Exception):
+            self.completed.append(("failed", 0.0, 0))
+            job.future.set_exception(outcome)
+        else:
+            self.completed.append(("ok", outcome.transfer_s, outcome.num_bytes))
+            job.future.set_result(outcome)
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+        self.ledger.check_integrity()
+        assert set(self.jobs) >= {e.request_id for e in self.ledger.live()}, "ledger entry without a job"

@@ -1,0 +1,203 @@
+"""The prefill worker process: PrefillEngine on its loop, the KV transport it writes
+with, and the gRPC PrefillWorker service.
+
+Peers: the first request for a decode worker incarnation (worker_id, epoch) triggers a
+handshake with it over gRPC (descriptors exchanged through our own channel, never
+NIXL's listener). A new epoch for a known worker replaces the old peer and fails
+every handoff still tied to the old incarnation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import logging
+import time
+
+import grpc
+
+from engine.build import build_parts
+from engine.config import WorkerConfig
+from engine.kv_events import KVEventHub
+from engine.loop import EngineLoop
+from engine.rpc import call_metadata, channel, new_epoch, start_server
+from engine.sampling_params import SamplingParamsError
+from engine.scheduler import AdmissionError
+from kv_transfer.base import PeerId, TransportConfig, create_transport
+from prefill_worker.engine import PrefillEngine, PrefillFailed, PrefillResult
+from prefill_worker.scheduler import PrefillScheduler
+from protos import tandem_pb2 as pb
+from protos import tandem_pb2_grpc as pb_grpc
+from protos.convert import logprobs_to_pb, params_from_pb
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_S = 10.0
+PREFILL_TIMEOUT_S = 600.0
+
+
+class PrefillWorker(pb_grpc.PrefillWorkerServicer):
+    role = "prefill"
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.draining = False
+        self.server: grpc.aio.Server | None = None
+        self.address = ""
+        self._peers: dict[str, tuple[int, PeerId]] = {}  # decode worker id -> (epoch, peer)
+        self._peer_locks: dict[str, asyncio.Lock] = {}
+
+    async def start(self) -> str:
+        cfg = self.config
+        parts = await asyncio.to_thread(build_parts, cfg.engine)
+        self.epoch = new_epoch()
+        self.transport = create_transport(cfg.transport, TransportConfig(
+            worker_name=cfg.worker_id, epoch=f"{self.epoch:016x}", bind_host=cfg.host, token=cfg.cluster_token))
+        self.transport.register(parts.runner.kv_cache.kv)
+        self.engine = PrefillEngine(parts.runner, PrefillScheduler(parts.scheduler_config, parts.pool), self.transport,
+                                    parts.eos_ids, layerwise=cfg.layerwise_transfer)
+        self.max_model_len = parts.scheduler_config.max_model_len
+        loop = asyncio.get_running_loop()
+        self.kv_events = KVEventHub(parts.pool, cfg.worker_id, self.epoch, loop)
+        self.loop = EngineLoop(self._step, self._wait_s, lambda _: None, self._on_fatal, name="prefill-engine")
+        self.loop.start(loop)
+        self.server, port = await start_server(lambda s: pb_grpc.add_PrefillWorkerServicer_to_server(self, s),
+                                               cfg.host, cfg.port, cfg.cluster_token)
+        self.address = f"{cfg.host}:{port}"
+        log.info("prefill worker %s (epoch %x) serving on %s, transport %s, layer-wise push %s", cfg.worker_id,
+                 self.epoch, self.address, self.transport.name, cfg.layerwise_transfer)
+        return self.address
+
+    async def stop(self, grace: float = 2.0) -> None:
+        if self.server is not None:
+            await self.server.stop(grace)
+        self.loop.stop()
+        self.transport.close()
+
+    # ---- engine thread ------------------------------------------------------------------
+    def _step(self) -> list:
+        out = self.engine.step()
+        self.kv_events.publish()
+        return out
+
+    def _wait_s(self) -> float | None:
+        if self.engine.scheduler.has_work():
+            return 0.0
+        return 0.0002 if self.engine.scheduler.handoff else None  # transfers in flight: poll them
+
+    def _on_fatal(self, msg: str) -> None:
+        for job in list(self.engine.jobs.values()):
+            if not job.future.done():
+                job.future.set_exception(PrefillFailed(msg))
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()
+
+    # ---- peers ---------------------------------------------------------------------------
+    async def _peer_for(self, target: pb.DecodeTarget) -> PeerId:
+        known = self._peers.get(target.worker_id)
+        if known is not None and known[0] == target.epoch:
+            return known[1]
+        lock = self._peer_locks.setdefault(target.worker_id, asyncio.Lock())
+        async with lock:
+            known = self._peers.get(target.worker_id)
+            if known is not None and known[0] == target.epoch:
+                return known[1]
+            reply = await self._handshake(target.address)
+            if reply.epoch != target.epoch:
+                raise PrefillFailed(f"decode worker {target.worker_id} at {target.address} is now epoch {reply.epoch:x}, "
+                                    f"not {target.epoch:x}: it restarted; retry with a fresh reservation")
+            peer = self.transport.add_peer(reply.descriptor)
+            if known is not None:
+                await self.loop.call(self.engine.drop_peer, known[1], f"decode worker {target.worker_id} restarted")
+            self._peers[target.worker_id] = (reply.epoch, peer)
+            log.info("peer %s added (epoch %x)", target.worker_id, reply.epoch)
+            return peer
+
+    async def _handshake(self, address: str) -> pb.HandshakeReply:
+        req = pb.HandshakeRequest(worker_id=self.config.worker_id, epoch=self.epoch, backend=self.transport.name,
+                                  descriptor=self.transport.local_descriptor())
+        async with channel(address) as ch:
+            stub = pb_grpc.DecodeWorkerStub(ch)
+            return await stub.Handshake(req, timeout=HANDSHAKE_TIMEOUT_S, metadata=call_metadata(self.config.cluster_token))
+
+    # ---- gRPC ----------------------------------------------------------------------------
+    async def Prefill(self, request: pb.PrefillRequest, context):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
+        rid, prompt = request.request_id, list(request.prompt_ids)
+        try:
+            params = params_from_pb(request.params)
+            if not prompt or len(prompt) >= self.max_model_len:
+                raise AdmissionError(f"prompt has {len(prompt)} tokens; this worker allows 1 to {self.max_model_len - 1}")
+        except (SamplingParamsError, AdmissionError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            peer = await self._peer_for(request.target)
+        except (grpc.aio.AioRpcError, PrefillFailed, OSError, ValueError) as e:
+            detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach decode worker {request.target.worker_id}: {detail}")
+        t = request.target
+        try:
+            fut: cf.Future = await self.loop.call(self.engine.submit, rid, prompt, params, int(request.priority), peer,
+                                                  list(t.block_ids), t.num_cached_tokens)
+        except (ValueError, AdmissionError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            result: PrefillResult = await asyncio.wait_for(asyncio.wrap_future(fut), PREFILL_TIMEOUT_S)
+        except asyncio.CancelledError:  # the router went away or cancelled: free everything
+            self.loop.post(self.engine.abort, rid, "cancelled by the caller")
+            raise
+        except (PrefillFailed, asyncio.TimeoutError) as e:
+            self.loop.post(self.engine.abort, rid, "timed out")
+            await context.abort(grpc.StatusCode.ABORTED, f"prefill of {rid} failed: {e}")
+        return self._reply(result)
+
+    @staticmethod
+    def _reply(r: PrefillResult) -> pb.PrefillReply:
+        reply = pb.PrefillReply(first_token=r.first_token, num_cached_tokens=r.num_cached_tokens,
+                                num_transferred_blocks=r.num_blocks, num_transferred_bytes=r.num_bytes,
+                                timings=pb.Timings(queue_s=r.queue_s, prefill_s=r.prefill_s, transfer_s=r.transfer_s))
+        if r.logprobs is not None:
+            reply.logprobs.CopyFrom(logprobs_to_pb(r.logprobs))
+        return reply
+
+    async def Abort(self, request, context):
+        found = await self.loop.call(self.engine.abort, request.request_id, "aborted by the router")
+        return pb.AbortReply(found=bool(found))
+
+    async def Health(self, request, context):
+        return self._health()
+
+    async def CheckIntegrity(self, request, context):
+        reply = self._health()
+        try:
+            await self.loop.call(self.check_integrity)
+        except AssertionError as e:
+            reply.healthy, reply.error = False, f"integrity check failed: {e}"
+        return reply
+
+    def _health(self) -> pb.HealthReply:
+        return pb.HealthReply(healthy=self.loop.healthy, worker_id=self.config.worker_id, epoch=self.epoch,
+                              role=self.role, error=self.loop.error or "", draining=self.draining)
+
+    async def Stats(self, request, context):
+        s, pool = self.engine.scheduler, self.engine.scheduler.pool
+        return pb.WorkerStats(
+            worker_id=self.config.worker_id, epoch=self.epoch, role=self.role, num_running=len(s.running),
+            num_waiting=s.num_waiting, num_blocks=pool.num_blocks, num_free_blocks=pool.num_free_blocks,
+            queued_prefill_tokens=s.queued_tokens, max_num_seqs=s.config.max_num_seqs, block_size=pool.block_size,
+            prefix_cache_queries=pool.queries, prefix_cache_hits=pool.hits, draining=self.draining,
+            transport=self.transport.name, max_model_len=self.max_model_len)
+
+    async def Drain(self, request, context):
+        self.draining = request.drain
+        return self._health()
+
+    async def KVEvents(self, request, context):
+        q = await self.loop.call(self.kv_events.subscribe)
+        try:
+            while True:
+                yield await q.get()
+        finally:
+            self.loop.post(self.kv_events.unsubscribe, q)

@@ -1,0 +1,75 @@
+"""What the OpenAI layer needs from whatever generates tokens.
+
+`ClusterBackend` (router/cluster.py) routes each request over gRPC to Ray worker
+pools; `EngineBackend` runs an AsyncEngine in this process (for `tandem generate`-
+style use and for testing the HTTP layer on a real engine without a cluster). The
+HTTP layer owns tokenization, chat templates, stop strings and response formats;
+a backend sees token ids only.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+
+class BackendError(RuntimeError):
+    """A request failed inside the serving system; `retry_after` set means overload."""
+
+    def __init__(self, message: str, status: int = 500, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after = retry_after
+
+
+@dataclass
+class TokenBatch:
+    """New tokens of one request, in order. `first_index` is the output index of
+    token_ids[0]; the last batch has finished=True (and usage)."""
+
+    first_index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int = 0  # engine.sequence.INTERACTIVE / BATCH
+
+
+class Backend(abc.ABC):
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Bring the backend up (workers started and healthy)."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Stop every request and release resources; bounded in time."""
+
+    @abc.abstractmethod
+    def generate(self, req: GenerateRequest) -> AsyncIterator[TokenBatch]:
+        """Stream the request's tokens. Raises BackendError before the first batch
+        when it cannot be accepted (overload: status 429/503 with retry_after).
+        Closing the iterator early aborts the request everywhere."""
+
+    @abc.abstractmethod
+    def ready(self) -> bool:
+        """True when a request sent now can be served."""
+
+    @property
+    @abc.abstractmethod
+    def max_model_len(self) -> int:
+        """Prompt plus output tokens a request may reach."""

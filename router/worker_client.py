@@ -1,0 +1,190 @@
+"""gRPC clients of the workers, and one request's path through them.
+
+Disaggregated (the router's side of protos/tandem.proto):
+
+    D.Decode(REMOTE) ---> Reservation ----------------------+
+    P.Prefill(target = reservation) ---> first token -------+--> stream token 0 at once
+    D stream: Tokens from output index 1 (index 0 arrives too when D lands; skipped)
+
+If the prefill fails (P died, transfer failed, P overloaded), the decode stream is
+cancelled (D frees the reservation) and the request is prefilled locally on D, or,
+with `fallback_local=False`, ends with an error. Colocated / short prompts:
+D.Decode(LOCAL) only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+
+from engine.rpc import call_metadata, channel
+from protos import tandem_pb2 as pb
+from protos import tandem_pb2_grpc as pb_grpc
+from protos.convert import logprobs_from_pb, params_to_pb
+from router.backend import BackendError, GenerateRequest, TokenBatch
+
+log = logging.getLogger(__name__)
+
+CONNECT_STATUSES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
+class WorkerClient:
+    """One worker's gRPC stub with the cluster token attached to every call."""
+
+    def __init__(self, worker_id: str, role: str, address: str, token: str | None = None) -> None:
+        self.worker_id, self.role, self.address = worker_id, role, address
+        self.metadata = call_metadata(token)
+        self.channel = channel(address)
+        self.stub = (pb_grpc.DecodeWorkerStub if role == "decode" else pb_grpc.PrefillWorkerStub)(self.channel)
+        self.epoch = 0
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def health(self, timeout: float = 5.0) -> pb.HealthReply:
+        reply = await self.stub.Health(pb.HealthRequest(), timeout=timeout, metadata=self.metadata)
+        self.epoch = reply.epoch
+        return reply
+
+    async def stats(self, timeout: float = 5.0) -> pb.WorkerStats:
+        return await self.stub.Stats(pb.StatsRequest(), timeout=timeout, metadata=self.metadata)
+
+    async def check_integrity(self, timeout: float = 30.0) -> pb.HealthReply:
+        return await self.stub.CheckIntegrity(pb.HealthRequest(), timeout=timeout, metadata=self.metadata)
+
+    async def drain(self, on: bool = True, timeout: float = 5.0) -> pb.HealthReply:
+        return await self.stub.Drain(pb.DrainRequest(drain=on), timeout=timeout, metadata=self.metadata)
+
+    async def abort(self, request_id: str, timeout: float = 5.0) -> bool:
+        try:
+            reply = await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout, metadata=self.metadata)
+            return reply.found
+        except grpc.aio.AioRpcError:
+            return False
+
+
+@dataclass
+class PrefillOutcome:
+    reply: pb.PrefillReply | None
+    error: str | None = None
+
+
+def _batch(t: pb.Tokens) -> TokenBatch:
+    return TokenBatch(
+        first_index=t.first_index, token_ids=list(t.token_ids), logprobs=[logprobs_from_pb(x) for x in t.logprobs],
+        finished=t.finished, finish_reason=t.finish_reason or None, error=t.error or None,
+        prompt_tokens=t.usage.prompt_tokens, cached_tokens=t.usage.cached_tokens,
+        completion_tokens=t.usage.completion_tokens,
+    )
+
+
+def _decode_request(req: GenerateRequest, mode: int, lease_s: float) -> pb.DecodeRequest:
+    return pb.DecodeRequest(request_id=req.request_id, prompt_ids=req.prompt_ids, params=params_to_pb(req.params),
+                            priority=req.priority, mode=mode, lease_s=lease_s)
+
+
+def rpc_error(e: grpc.aio.AioRpcError, who: str) -> BackendError:
+    """Map a worker's gRPC failure to what the client sees."""
+    code = e.code()
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return BackendError(f"{who} is full: {e.details()}", 503, retry_after=1.0)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return BackendError(e.details(), 400)
+    if code in CONNECT_STATUSES:
+        return BackendError(f"{who} unavailable: {e.details()}", 503, retry_after=1.0)
+    return BackendError(f"{who} failed: {code.name}: {e.details()}", 500)
+
+
+async def local_stream(decode: WorkerClient, req: GenerateRequest) -> AsyncIterator[TokenBatch]:
+    """The decode worker prefills and decodes by itself."""
+    call = decode.stub.Decode(_decode_request(req, pb.LOCAL_PREFILL, 0.0), metadata=decode.metadata)
+    try:
+        async for ev in call:
+            yield _batch(ev.tokens)
+    except grpc.aio.AioRpcError as e:
+        raise rpc_error(e, f"decode worker {decode.worker_id}") from e
+    finally:
+        call.cancel()
+
+
+async def run_prefill(prefill: WorkerClient, decode: WorkerClient, req: GenerateRequest, res: pb.Reservation,
+                      timeout: float) -> PrefillOutcome:
+    target = pb.DecodeTarget(worker_id=res.worker_id, epoch=res.epoch, address=decode.address,
+                             block_ids=res.block_ids, num_cached_tokens=res.num_cached_tokens)
+    preq = pb.PrefillRequest(request_id=req.request_id, prompt_ids=req.prompt_ids, params=params_to_pb(req.params),
+                             priority=req.priority, target=target)
+    try:
+        return PrefillOutcome(await prefill.stub.Prefill(preq, timeout=timeout, metadata=prefill.metadata))
+    except grpc.aio.AioRpcError as e:
+        return PrefillOutcome(None, f"prefill worker {prefill.worker_id}: {e.code().name}: {e.details()}")
+
+
+async def disaggregated_stream(prefill: WorkerClient, decode: WorkerClient, req: GenerateRequest,
+                               lease_s: float = 30.0, fallback_local: bool = True,
+                               on_prefill=None) -> AsyncIterator[TokenBatch]:
+    """Reserve on D, prefill on P into the reservation, then stream D's tokens.
+    `on_prefill(outcome)` (optional) sees the prefill's reply or error (for metrics)."""
+    call = decode.stub.Decode(_decode_request(req, pb.REMOTE_PREFILL, lease_s), metadata=decode.metadata)
+    try:
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as e:
+            raise rpc_error(e, f"decode worker {decode.worker_id}") from e
+        if first is grpc.aio.EOF or first.WhichOneof("kind") != "reservation":
+            raise BackendError(f"decode worker {decode.worker_id} sent no reservation", 500)
+        outcome = await run_prefill(prefill, decode, req, first.reservation, timeout=lease_s)
+        if on_prefill is not None:
+            on_prefill(outcome)
+        if outcome.reply is None:
+            call.cancel()  # D frees the reservation
+            if not fallback_local:
+                raise BackendError(f"prefill failed: {outcome.error}", 503, retry_after=1.0)
+            log.warning("request %s: %s; prefilling locally on %s", req.request_id, outcome.error, decode.worker_id)
+            async for batch in local_stream(decode, req):
+                yield batch
+            return
+        r = outcome.reply
+        yield TokenBatch(0, [r.first_token], [logprobs_from_pb(r.logprobs)] if r.HasField("logprobs") else [])
+        async for ev in _decode_tokens(call, decode):
+            if ev.token_ids and ev.first_index == 0:  # D's copy of the first token
+                ev.token_ids, ev.logprobs, ev.first_index = ev.token_ids[1:], ev.logprobs[1:], 1
+            if ev.token_ids or ev.finished:
+                yield ev
+    finally:
+        call.cancel()
+
+
+async def _decode_tokens(call, decode: WorkerClient) -> AsyncIterator[TokenBatch]:
+    """The rest of a Decode stream whose first message was read with `read()` (gRPC
+    does not allow switching to iteration on the same call)."""
+    while True:
+        try:
+            ev = await call.read()
+        except grpc.aio.AioRpcError as e:
+            raise rpc_error(e, f"decode worker {decode.worker_id}") from e
+        if ev is grpc.aio.EOF:
+            raise BackendError(f"decode worker {decode.worker_id} ended the stream early", 500)
+        if ev.WhichOneof("kind") == "tokens":
+            yield _batch(ev.tokens)
+            if ev.tokens.finished:
+                return
+
+
+async def wait_ready(client: WorkerClient, timeout: float = 120.0) -> pb.HealthReply:
+    """Poll Health until the worker answers healthy (bounded)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    last = "no answer"
+    while asyncio.get_running_loop().time() < deadline:
+        try:
+            reply = await client.health(timeout=2.0)
+            if reply.healthy:
+                return reply
+            last = reply.error or "unhealthy"
+        except grpc.aio.AioRpcError as e:
+            last = e.details() or e.code().name
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"{client.role} worker {client.worker_id} at {client.address} not ready after {timeout}s: {last}")
