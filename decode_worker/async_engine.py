@@ -20,9 +20,11 @@ REMOTE_POLL_S = 0.0005  # poll interval while reservations wait for their KV
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, poll_input: Callable[[], list[TokenEvent]] | None = None,
-                 abort: Callable[[str], object] | None = None) -> None:
+                 abort: Callable[[str], object] | None = None, expects_input: Callable[[], bool] | None = None) -> None:
         self.engine = engine
         self.poll_input = poll_input
+        # True while remote input is due soon (poll fast); default: any reservation waits
+        self.expects_input = expects_input or (lambda: bool(engine.scheduler.awaiting_kv))
         self.abort = abort or engine.abort  # engine thread; must be idempotent
         self.on_step: Callable[[list[TokenEvent]], None] | None = None  # engine thread (metrics)
         self._subs: dict[str, asyncio.Queue] = {}
@@ -97,7 +99,7 @@ class AsyncEngine:
     def _wait_s(self) -> float | None:
         if self.engine.has_work():
             return 0.0
-        return REMOTE_POLL_S if self.engine.scheduler.awaiting_kv else None
+        return REMOTE_POLL_S if self.expects_input() else None
 
     def _fan_out(self, events: list[TokenEvent]) -> None:
         for ev in events:

@@ -23,11 +23,11 @@ from decode_worker.async_engine import AsyncEngine
 from decode_worker.engine import LLMEngine, TokenEvent
 from engine.config import WorkerConfig
 from engine.kv_events import KVEventHub
+from engine.worker_common import make_transport
 from engine.rpc import new_epoch, start_server
 from engine.scheduler import AdmissionError, NoCapacity
 from engine.sampling_params import SamplingParamsError
 from engine.sequence import FinishReason
-from kv_transfer.base import TransportConfig, create_transport
 from kv_transfer.ledger import Entry, HandoffState, Ledger
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc as pb_grpc
@@ -66,11 +66,12 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         cfg = self.config
         self.engine = await asyncio.to_thread(LLMEngine.from_config, cfg.engine)
         self.epoch = new_epoch()
-        self.transport = create_transport(cfg.transport, TransportConfig(
-            worker_name=cfg.worker_id, epoch=f"{self.epoch:016x}", bind_host=cfg.host, token=cfg.cluster_token))
+        self.transport = make_transport(cfg, self.epoch)
         self.transport.register(self.engine.runner.kv_cache.kv)
         self.ledger = Ledger(self._on_free, default_lease_s=cfg.reservation_lease_s, exclusive_blocks=False)
-        self.aengine = AsyncEngine(self.engine, poll_input=self._poll_landings, abort=self._abort)
+        self.quarantined: set[str] = set()
+        self.aengine = AsyncEngine(self.engine, poll_input=self._poll_landings, abort=self._abort,
+                                   expects_input=lambda: len(self.ledger) > 0)
         self.aengine.on_step = self._after_step
         loop = asyncio.get_running_loop()
         self.kv_events = KVEventHub(self.engine.pool, cfg.worker_id, self.epoch, loop)
@@ -100,7 +101,9 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
             msg = pb.KVLanded.FromString(note.message)
             entry = self.ledger.get(msg.request_id)
             if entry is None or entry.state.terminal:
-                log.debug("late KV landing for %s ignored", msg.request_id)
+                if msg.request_id in self.quarantined:  # the late writer is done: blocks are safe again
+                    self.quarantined.discard(msg.request_id)
+                    self.engine.release(msg.request_id)
                 continue
             if msg.failed:
                 self.ledger.fail(msg.request_id, f"prefill worker gave up: {msg.error}")
@@ -118,12 +121,15 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
     def _after_step(self, events: list[TokenEvent]) -> None:
         for ev in events:
             if ev.finished:
+                self.quarantined.discard(ev.seq_id)
                 entry = self.ledger.get(ev.seq_id)
                 if entry is not None and entry.state is HandoffState.RUNNING:
                     self.ledger.finish(ev.seq_id)
         self.kv_events.publish()
 
     def _abort(self, rid: str) -> None:
+        if rid in self.quarantined:
+            return  # already ended; its blocks wait out the quarantine
         entry = self.ledger.get(rid)
         if entry is not None and not entry.state.terminal:
             self.ledger.fail(rid, "aborted")  # frees through _on_free
@@ -131,7 +137,14 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
             self.engine.abort(rid)
 
     def _on_free(self, entry: Entry) -> None:
-        self.engine.abort(entry.request_id)
+        seq = self.engine.scheduler.awaiting_kv.get(entry.request_id)
+        if seq is None:  # landed (or never reserved here): nothing can write into it any more
+            self.engine.abort(entry.request_id)
+            return
+        # A prefill worker may still be writing into these blocks: keep them out of use
+        # until its notification arrives or the quarantine ends (scheduler lease expiry).
+        seq.lease_deadline = self.engine.scheduler.clock() + self.config.reservation_quarantine_s
+        self.quarantined.add(entry.request_id)
 
     @staticmethod
     def _error_event(rid: str, msg: str) -> TokenEvent:
@@ -155,7 +168,8 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.param}: {e}")
         prompt, prio = list(request.prompt_ids), int(request.priority)
         q = self.aengine.subscribe(rid)
-        try:
+        finished = False
+        try:  # any exit before the request finished (cancelled anywhere, even mid-yield) aborts it
             if request.mode == pb.REMOTE_PREFILL:
                 lease = request.lease_s or self.config.reservation_lease_s
                 res = await self.aengine.call(self._reserve, rid, prompt, params, prio, lease)
@@ -164,14 +178,20 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
                     worker_id=self.config.worker_id, epoch=self.epoch))
             else:
                 await self.aengine.call(self.engine.add_request, rid, prompt, params, prio)
+            while not finished:
+                ev = await q.get()
+                finished = ev.finished
+                yield tokens_message(ev)
         except NoCapacity as e:
-            self.aengine.unsubscribe(rid)
+            finished = True  # nothing was reserved
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except (AdmissionError, ValueError) as e:
-            self.aengine.unsubscribe(rid)
+            finished = True
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        async for ev in self.aengine.events(rid, q):
-            yield tokens_message(ev)
+        finally:
+            self.aengine.unsubscribe(rid)
+            if not finished and self.aengine.healthy:
+                self.aengine.post(self._abort, rid)  # idempotent; queued after the reserve/add
 
     async def Abort(self, request, context):
         found = await self.aengine.call(lambda: request.request_id in self.engine.seqs)

@@ -251,6 +251,10 @@ class WorkerConfig:
     cluster_token: str | None = None  # required in every gRPC call's metadata when set
     layerwise_transfer: bool = True  # prefill: push each layer's KV as soon as it is computed
     reservation_lease_s: float = 30.0  # decode: how long reserved blocks wait for their KV
+    # decode: blocks of a reservation that ended before its KV landed stay out of use this
+    # long (or until the writer's notification arrives), so a late write cannot corrupt a
+    # request that reused them. Keep it above the prefill side's transfer timeout.
+    reservation_quarantine_s: float = 30.0
     metrics_port: int | None = None  # serve Prometheus /metrics here (0: any free port)
 
     def __post_init__(self) -> None:

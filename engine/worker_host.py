@@ -95,11 +95,14 @@ def parse_args(role: str, argv: list[str] | None) -> WorkerConfig:
     p.add_argument("--cluster-token", default=None, help="shared secret every gRPC call must carry")
     p.add_argument("--no-layerwise-transfer", action="store_true", help="prefill: push KV after the whole forward")
     p.add_argument("--reservation-lease-s", type=float, default=30.0)
+    p.add_argument("--reservation-quarantine-s", type=float, default=30.0,
+                   help="decode: hold blocks of an unlanded, ended reservation this long")
     add_engine_args(p)
     a = p.parse_args(argv)
     return WorkerConfig(role=role, worker_id=a.worker_id, engine=engine_config_from_args(a), host=a.host,
                         port=a.port, transport=a.transport, cluster_token=a.cluster_token,
-                        layerwise_transfer=not a.no_layerwise_transfer, reservation_lease_s=a.reservation_lease_s)
+                        layerwise_transfer=not a.no_layerwise_transfer, reservation_lease_s=a.reservation_lease_s,
+                        reservation_quarantine_s=a.reservation_quarantine_s)
 
 
 def main(role: str, argv: list[str] | None = None) -> int:

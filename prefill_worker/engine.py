@@ -20,6 +20,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from engine import envs
 from engine.runner import ModelRunner
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -84,6 +85,7 @@ class PrefillEngine:
         self.jobs: dict[str, Job] = {}
         self.ledger = Ledger(self._on_free, default_lease_s=handoff_lease_s, exclusive_blocks=False)
         self.completed: list[tuple[str, float, int]] = []  # (outcome, transfer_s, bytes) for metrics
+        self.faults = envs.faults()
 
     # ---- requests (engine thread) ---------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int,
@@ -130,6 +132,8 @@ class PrefillEngine:
         out = self.scheduler.schedule()
         if not out.plan:
             return []
+        if self.faults.prefill_step_delay_s:
+            time.sleep(self.faults.prefill_step_delay_s)
         now = time.monotonic()
         finishing = [self.jobs[w.seq_id] for w in out.plan.works() if w.sample is not None]
         for seq, _ in out.scheduled:

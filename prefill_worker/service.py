@@ -20,10 +20,11 @@ from engine.build import build_parts
 from engine.config import WorkerConfig
 from engine.kv_events import KVEventHub
 from engine.loop import EngineLoop
+from engine.worker_common import make_transport
 from engine.rpc import call_metadata, channel, new_epoch, start_server
 from engine.sampling_params import SamplingParamsError
 from engine.scheduler import AdmissionError
-from kv_transfer.base import PeerId, TransportConfig, create_transport
+from kv_transfer.base import PeerId
 from prefill_worker.engine import PrefillEngine, PrefillFailed, PrefillResult
 from prefill_worker.scheduler import PrefillScheduler
 from protos import tandem_pb2 as pb
@@ -51,8 +52,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         cfg = self.config
         parts = await asyncio.to_thread(build_parts, cfg.engine)
         self.epoch = new_epoch()
-        self.transport = create_transport(cfg.transport, TransportConfig(
-            worker_name=cfg.worker_id, epoch=f"{self.epoch:016x}", bind_host=cfg.host, token=cfg.cluster_token))
+        self.transport = make_transport(cfg, self.epoch)
         self.transport.register(parts.runner.kv_cache.kv)
         self.engine = PrefillEngine(parts.runner, PrefillScheduler(parts.scheduler_config, parts.pool), self.transport,
                                     parts.eos_ids, layerwise=cfg.layerwise_transfer)
@@ -138,19 +138,20 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach decode worker {request.target.worker_id}: {detail}")
         t = request.target
-        try:
+        done = False
+        try:  # any exit without a result (cancelled, timed out, failed) aborts the prefill
             fut: cf.Future = await self.loop.call(self.engine.submit, rid, prompt, params, int(request.priority), peer,
                                                   list(t.block_ids), t.num_cached_tokens)
-        except (ValueError, AdmissionError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        try:
             result: PrefillResult = await asyncio.wait_for(asyncio.wrap_future(fut), PREFILL_TIMEOUT_S)
-        except asyncio.CancelledError:  # the router went away or cancelled: free everything
-            self.loop.post(self.engine.abort, rid, "cancelled by the caller")
-            raise
+            done = True
+        except (ValueError, AdmissionError) as e:
+            done = True  # rejected before anything was queued
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (PrefillFailed, asyncio.TimeoutError) as e:
-            self.loop.post(self.engine.abort, rid, "timed out")
-            await context.abort(grpc.StatusCode.ABORTED, f"prefill of {rid} failed: {e}")
+            await context.abort(grpc.StatusCode.ABORTED, f"prefill of {rid} failed: {e or 'timed out'}")
+        finally:
+            if not done and self.loop.healthy:
+                self.loop.post(self.engine.abort, rid, "cancelled, timed out or failed")  # idempotent
         return self._reply(result)
 
     @staticmethod

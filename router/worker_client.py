@@ -15,6 +15,7 @@ D.Decode(LOCAL) only.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -144,7 +145,9 @@ async def disaggregated_stream(prefill: WorkerClient, decode: WorkerClient, req:
             if not fallback_local:
                 raise BackendError(f"prefill failed: {outcome.error}", 503, retry_after=1.0)
             log.warning("request %s: %s; prefilling locally on %s", req.request_id, outcome.error, decode.worker_id)
-            async for batch in local_stream(decode, req):
+            # a new attempt id: the failed reservation may still be quarantined under the old one
+            retry = dataclasses.replace(req, request_id=f"{req.request_id}#local")
+            async for batch in local_stream(decode, retry):
                 yield batch
             return
         r = outcome.reply

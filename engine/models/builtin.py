@@ -42,6 +42,7 @@ import torch
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
+from engine import envs
 from engine.config import ModelConfig
 from engine.models.builtin_corpus import GAMMA, corpus
 from engine.models.llama import expected_shapes
@@ -127,7 +128,7 @@ def builtin_model_path(cache_dir: str | Path | None = None) -> Path:
     BUILTIN_VERSION. Built in a temporary sibling and renamed into place, so a reader
     never sees a partial checkpoint and racing processes agree on one result.
     """
-    root = Path(cache_dir or os.environ.get(CACHE_DIR_ENV) or "~/.cache/tandem").expanduser()
+    root = Path(cache_dir).expanduser() if cache_dir else envs.cache_dir()
     final = root / BUILTIN_VERSION
     if final.is_dir():
         return final

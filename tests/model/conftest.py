@@ -4,7 +4,6 @@ oracle: transformers' greedy `generate` on the same weights."""
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,6 @@ import torch
 
 from engine.models.builtin import builtin_model_path, copy_tokenizer_files
 
-VOCAB = 8192
 
 
 @pytest.fixture(scope="session")
@@ -58,31 +56,4 @@ def model_dir(request) -> Path:
     return request.getfixturevalue({"builtin": "builtin_dir", "llama": "llama_dir", "qwen2": "qwen2_dir"}[request.param])
 
 
-@functools.lru_cache(maxsize=4)
-def _hf_model(path: str):
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-@functools.lru_cache(maxsize=4096)
-def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int, ignore_eos: bool) -> tuple[int, ...]:
-    model = _hf_model(path)
-    kw = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-    if ignore_eos:
-        kw["eos_token_id"] = None
-        kw["min_new_tokens"] = max_new_tokens
-    with torch.no_grad():
-        out = model.generate(torch.tensor([list(prompt)]), **kw)
-    return tuple(out[0, len(prompt):].tolist())
-
-
-def hf_greedy(path, prompt, max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
-    """transformers' greedy continuation (cached per process)."""
-    return list(_hf_greedy(str(path), tuple(prompt), max_new_tokens, ignore_eos))
-
-
-def random_prompts(lengths, seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
-    """Prompts of ordinary (non-special) token ids."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(5, vocab, (n,), generator=g).tolist() for n in lengths]
+from tests.oracle import VOCAB, hf_greedy, random_prompts  # noqa: E402,F401 (re-exported)

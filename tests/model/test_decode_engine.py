@@ -9,14 +9,14 @@ import torch
 
 from decode_worker.async_engine import AsyncEngine
 from decode_worker.engine import EngineConfig, LLMEngine
-from decode_worker.scheduler import NoCapacity
+from engine.scheduler import NoCapacity
 from decode_worker.llm import LLM
 from engine.block_pool import BlockPool
 from engine.config import CacheConfig, SchedulerConfig
 from engine.plan import SampleRow, SeqWork, StepPlan
 from engine.sampling_params import SamplingParams
 from engine.sequence import BATCH, INTERACTIVE
-from tests.model.conftest import hf_greedy, random_prompts
+from tests.oracle import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.model
 

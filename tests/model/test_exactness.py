@@ -8,7 +8,7 @@ import pytest
 from decode_worker.engine import EngineConfig, LLMEngine
 from engine.config import CacheConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
-from tests.model.conftest import hf_greedy, random_prompts
+from tests.oracle import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.model
 

@@ -25,7 +25,9 @@ from kv_transfer.handles import HandleBook
 
 pytestmark = pytest.mark.unit
 
-TINY = KVLayout(num_layers=4, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=64, dtype="float32")
+TINY = KVLayout(
+    num_layers=4, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=64, dtype="float32"
+)
 PEER = PeerId("decode-0", "e1")
 
 
@@ -61,7 +63,9 @@ def test_resolve_write() -> None:
     small = KVLayout(4, 8, 16, 2, 64, "float32")
     local, remote, layers = resolve_write(TINY, small, PEER, [60, 1], [7, 0], None)
     assert local.tolist() == [60, 1] and remote.tolist() == [7, 0] and layers == range(4)
-    with pytest.raises(TransferError, match="decode-0@e1: remote block id 8 out of range \\[0, 8\\)"):
+    with pytest.raises(
+        TransferError, match="decode-0@e1: remote block id 8 out of range \\[0, 8\\)"
+    ):
         resolve_write(TINY, small, PEER, [1], [8], None)
     with pytest.raises(TransferError, match="step-1 range"):
         resolve_write(TINY, small, PEER, [1], [1], range(0, 4, 2))
@@ -96,7 +100,9 @@ def test_auto_falls_back_to_tcp_with_one_line(monkeypatch, caplog) -> None:
     t.close()
     assert t.name == "tcp"
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["kv_transfer: using tcp fallback (nixl unavailable: ImportError: No module named 'nixl')"]
+    assert lines == [
+        "kv_transfer: using tcp fallback (nixl unavailable: ImportError: No module named 'nixl')"
+    ]
 
 
 def test_auto_prefers_nixl_and_says_so(monkeypatch, caplog) -> None:
@@ -110,4 +116,6 @@ def test_auto_prefers_nixl_and_says_so(monkeypatch, caplog) -> None:
     with caplog.at_level(logging.INFO, logger="tandem.kv_transfer"):
         t = create_transport("auto", TransportConfig(worker_name="w"))
     assert t.name == "nixl"
-    assert [r.getMessage() for r in caplog.records] == ["kv_transfer: using nixl (nixl_cu13, UCX backend, agent w@e)"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "kv_transfer: using nixl (nixl_cu13, UCX backend, agent w@e)"
+    ]

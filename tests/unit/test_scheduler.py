@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from decode_worker.scheduler import AdmissionError, NoCapacity, Scheduler
+from engine.scheduler import AdmissionError, NoCapacity, Scheduler
 from engine.block_pool import BlockPool
 from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams

@@ -1,0 +1,56 @@
+"""Every environment variable tandem reads, in one place.
+
+    TANDEM_CACHE_DIR   where the built-in model and compiled kernels live
+                       (default ~/.cache/tandem)
+    TANDEM_LOG_LEVEL   log level of workers and the router (default INFO)
+    TANDEM_FAULTS      fault injection for failure tests, comma-separated key=value:
+                         prefill_step_delay_s=F  sleep F s in every prefill step
+                         transfer_delay_s=F      hold every KV write F s before it completes
+                         fail_transfers=1        every KV write fails ("injected fault")
+                       Never set in production; workers log a warning when it is.
+
+Transport libraries read their own (UCX_NET_DEVICES, NIXL_LOG_LEVEL); kv_transfer
+sets safe defaults for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TANDEM_CACHE_DIR") or "~/.cache/tandem").expanduser()
+
+
+def log_level() -> str:
+    return os.environ.get("TANDEM_LOG_LEVEL", "INFO").upper()
+
+
+@dataclass(frozen=True)
+class Faults:
+    prefill_step_delay_s: float = 0.0
+    transfer_delay_s: float = 0.0
+    fail_transfers: bool = False
+
+    @property
+    def any(self) -> bool:
+        return bool(self.prefill_step_delay_s or self.transfer_delay_s or self.fail_transfers)
+
+
+def faults() -> Faults:
+    raw = os.environ.get("TANDEM_FAULTS", "")
+    kw: dict = {}
+    for item in filter(None, (x.strip() for x in raw.split(","))):
+        key, _, val = item.partition("=")
+        if key not in Faults.__dataclass_fields__:
+            raise ValueError(f"TANDEM_FAULTS: unknown fault {key!r}; known: {', '.join(Faults.__dataclass_fields__)}")
+        kw[key] = val not in ("0", "", "false") if key == "fail_transfers" else float(val)
+    f = Faults(**kw)
+    if f.any:
+        log.warning("fault injection is ON: %s", f)
+    return f

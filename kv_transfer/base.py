@@ -1,0 +1,223 @@
+"""The KV transport contract: one ABC and the backend registry.
+
+A transport writes whole blocks (every (layer, k|v) region of a block, for all
+layers or a layer range) from the local KV tensor into a peer's tensor, at
+different block ids, and tells the peer once the bytes have landed (layout in
+kv_transfer/layout.py). Calls are made from one thread (the worker's event
+loop); `poll` never blocks, `wait` blocks for a bounded time.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple, Sequence
+
+from kv_transfer.handles import (  # noqa: F401  (re-exported)
+    DONE,
+    PENDING,
+    HandleBook,
+    PendingWrite,
+    TransferHandle,
+    TransferStatus,
+    XferState,
+    resolve_write,
+)
+from kv_transfer.layout import (  # noqa: F401  (re-exported)
+    KVLayout,
+    LayoutMismatch,
+    PeerDescriptor,
+    PeerId,
+    PeerRejected,
+    TransferError,
+    new_epoch,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("tandem.kv_transfer")
+
+TRANSPORTS = ("auto", "nixl", "tcp")
+
+
+class Notification(NamedTuple):
+    """A message a peer attached to a write; delivered only after the bytes landed."""
+
+    peer: PeerId
+    message: bytes
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """Settings shared by every backend.
+
+    worker_name: stable name of this worker ("decode-0"); the epoch tells incarnations apart.
+    bind_host / port: where the TCP receiver listens (port 0 = any free port).
+    token: shared cluster secret; TCP peers without it are refused. None = no check.
+    connect_timeout_s / io_timeout_s: bounds on connecting and on any single socket read/write.
+    xfer_timeout_s: a write still pending after this long is FAILED.
+    nixl_progress_delay_us: NIXL progress thread wait (0 makes it busy-spin a core).
+    """
+
+    worker_name: str
+    epoch: str = dataclasses.field(default_factory=new_epoch)
+    bind_host: str = "127.0.0.1"
+    port: int = 0
+    token: str | None = None
+    connect_timeout_s: float = 5.0
+    io_timeout_s: float = 30.0
+    xfer_timeout_s: float = 60.0
+    nixl_progress_delay_us: int = 1000
+
+    def __post_init__(self) -> None:
+        if not self.worker_name or "@" in self.worker_name:
+            raise ValueError(
+                f"TransportConfig.worker_name {self.worker_name!r} must be non-empty, no '@'"
+            )
+        for f in ("connect_timeout_s", "io_timeout_s", "xfer_timeout_s"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"TransportConfig.{f} must be > 0 (a bound on every wait)")
+
+
+class Transport(abc.ABC):
+    """Moves whole KV blocks from our registered tensor into peers' tensors."""
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def register(self, kv: "torch.Tensor") -> KVLayout:
+        """Register the worker's KV tensor once; returns its layout.
+
+        `kv` is `[L, 2, N, block_size, kv_heads, head_dim]`, contiguous, and must
+        stay alive (not reallocated) for the life of the transport.
+        """
+
+    @abc.abstractmethod
+    def local_descriptor(self) -> bytes:
+        """Serialized `PeerDescriptor` a peer passes to `add_peer` to write into us."""
+
+    @abc.abstractmethod
+    def add_peer(self, descriptor: bytes) -> PeerId:
+        """Connect to the peer a descriptor names; idempotent.
+
+        The same name with a NEW epoch replaces the old peer: its pending writes
+        FAIL and a fresh connection is made. Raises LayoutMismatch when the peer's
+        blocks differ from ours, PeerRejected when it refuses us.
+        """
+
+    @abc.abstractmethod
+    def remove_peer(self, peer: PeerId) -> None:
+        """Forget a peer; its pending writes FAIL. No-op for an unknown peer."""
+
+    @abc.abstractmethod
+    def write_blocks(
+        self,
+        peer: PeerId,
+        local_block_ids: Sequence[int],
+        remote_block_ids: Sequence[int],
+        layers: range | None = None,
+        notify: bytes | None = None,
+        after: Sequence[TransferHandle] = (),
+    ) -> TransferHandle:
+        """Start writing local blocks into the peer's blocks (pairwise); never blocks.
+
+        `layers` restricts the write to a contiguous layer range (layer-by-layer
+        push); None writes all layers. `notify` reaches the peer's
+        `notifications()` only after this write AND the earlier writes in `after`
+        (same peer; e.g. the request's previous layers) have landed; if any of
+        them fails (or was released), this write fails too and nothing is
+        delivered. `after` only matters together with `notify`. Raises
+        TransferError for bad arguments (length mismatch, block id or layer out
+        of range, duplicate remote ids); runtime failures (peer gone, stale or
+        unknown peer, timeout) show up as FAILED(reason) in `poll`.
+        """
+
+    @abc.abstractmethod
+    def poll(self, handle: TransferHandle) -> TransferStatus:
+        """Non-blocking state of a write: PENDING, DONE or FAILED(reason).
+
+        A write pending longer than `xfer_timeout_s` becomes FAILED. Terminal
+        states are sticky.
+        """
+
+    @abc.abstractmethod
+    def release(self, handle: TransferHandle) -> None:
+        """Abandon a write: a PENDING one becomes FAILED("released") and frees
+        what it holds (its bytes may still land at the peer; NIXL tries to
+        cancel). A finished one is untouched. Statuses stay answerable for the
+        last few thousand writes, then `poll` says "unknown handle"."""
+
+    @abc.abstractmethod
+    def notifications(self) -> list[Notification]:
+        """Receiving side: messages whose data has landed, since the last call."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop threads, drop peers, deregister memory; idempotent."""
+
+    def describe(self) -> str:
+        """One line for logs: the backend and where it listens or what it runs on."""
+        return self.name
+
+    def wait(self, handle: TransferHandle, timeout: float) -> TransferStatus:
+        """Block up to `timeout` seconds for a write to finish; PENDING if it has not."""
+        deadline = time.monotonic() + timeout
+        pause = 20e-6
+        while True:
+            status = self.poll(handle)
+            if status.finished or time.monotonic() >= deadline:
+                return status
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    async def wait_async(self, handle: TransferHandle, timeout: float) -> TransferStatus:
+        """Like `wait`, yielding to the event loop between polls."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.poll(handle)
+            if status.finished or time.monotonic() >= deadline:
+                return status
+            await asyncio.sleep(5e-4)
+
+    def __enter__(self) -> "Transport":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def create_transport(name: str, config: TransportConfig) -> Transport:
+    """Make a transport by name: "nixl", "tcp", or "auto" (NIXL when an agent can
+    be created here, else TCP; one log line says which and why)."""
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown KV transport {name!r}; choose one of {TRANSPORTS}")
+    if name == "tcp":
+        return _make_tcp(config)
+    if name == "nixl":
+        return _make_nixl(config)
+    try:
+        transport = _make_nixl(config)
+    except Exception as e:  # any failure to import or start NIXL means: fall back
+        logger.warning(
+            "kv_transfer: using tcp fallback (nixl unavailable: %s: %s)", type(e).__name__, e
+        )
+        return _make_tcp(config)
+    logger.info("kv_transfer: using nixl (%s)", transport.describe())
+    return transport
+
+
+def _make_nixl(config: TransportConfig) -> Transport:
+    from kv_transfer.nixl import NixlTransport
+
+    return NixlTransport(config)
+
+
+def _make_tcp(config: TransportConfig) -> Transport:
+    from kv_transfer.tcp import TcpTransport
+
+    return TcpTransport(config)

@@ -1,0 +1,84 @@
+"""Making a NIXL agent that behaves on this machine, and its descriptor tables.
+
+Pitfalls handled here (measured in /work/shared/NIXL.md): the python wrapper sets
+the progress thread's delay to 0, so every agent busy-spins a core; NIXL logs
+INFO lines to stdout; UCX advertises every network device unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from kv_transfer.base import KVLayout, TransferError, TransportConfig
+
+_agent_lock = threading.Lock()  # guards the config-class swap in new_agent
+
+
+def import_nixl() -> Any:
+    """NIXL's python API module (the CUDA variant matching torch, any one on CPU)."""
+    import nixl._api as api  # the meta package picks nixl_cu12 / nixl_cu13
+
+    return api
+
+
+def set_env_defaults(config: TransportConfig) -> None:
+    """Native settings read when the UCX context is made: keep NIXL's INFO lines
+    off stdout and, for a loopback cluster, let UCX advertise loopback only."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    if config.bind_host.startswith("127.") or config.bind_host == "localhost":
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+def new_agent(api: Any, name: str, delay_us: int) -> Any:
+    """Create an agent whose progress thread sleeps `delay_us` between polls.
+
+    `nixl_agent.__init__` builds its pybind `nixlAgentConfig` itself and sets
+    `pthrDelay = 0`, which busy-spins a core per agent (NIXL.md pitfall 1). We
+    swap in a config subclass that clamps the delay for the duration of the
+    constructor, under a lock so concurrent creations see a consistent module.
+    """
+    bindings = api.nixlBind
+    base_cls = bindings.nixlAgentConfig
+    delay_prop = base_cls.pthrDelay
+
+    class _Config(base_cls):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:
+            return delay_prop.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, value: int) -> None:
+            delay_prop.__set__(self, max(int(value), delay_us))
+
+    with _agent_lock:
+        bindings.nixlAgentConfig = _Config
+        try:
+            agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        finally:
+            bindings.nixlAgentConfig = base_cls
+    if "UCX" not in agent.backends:
+        raise TransferError(
+            f"NIXL agent {name} has no UCX backend (plugins: {agent.get_plugin_list()})"
+        )
+    return agent
+
+
+def region_indices(layout: KVLayout, blocks: np.ndarray, layers: range) -> np.ndarray:
+    """Descriptor indices, ordered (layer, k|v, block), of `blocks` over `layers`."""
+    rows = np.arange(layers.start, layers.stop)[:, None] * 2 + np.arange(2)[None, :]
+    idx = rows[:, :, None] * layout.num_blocks + blocks[None, None, :]
+    return idx.reshape(-1).astype(np.int32)
+
+
+def region_table(layout: KVLayout, base_addr: int, device_id: int) -> np.ndarray:
+    """Nx3 (addr, len, device) of every region of a KV tensor, in index order."""
+    n = layout.num_layers * 2 * layout.num_blocks
+    table = np.empty((n, 3), dtype=np.uint64)
+    table[:, 0] = base_addr + np.arange(n, dtype=np.uint64) * np.uint64(layout.region_bytes)
+    table[:, 1] = layout.region_bytes
+    table[:, 2] = device_id
+    return table

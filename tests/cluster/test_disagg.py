@@ -1,0 +1,173 @@
+"""Disaggregated serving across processes: a prefill worker and a decode worker,
+each its own process, KV over NIXL or TCP. Greedy outputs equal transformers';
+every failure path ends with both workers' integrity checks clean."""
+
+import asyncio
+import time
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from router.backend import BackendError, GenerateRequest
+from router.worker_client import disaggregated_stream, local_stream, run_prefill, wait_ready
+from protos import tandem_pb2 as pb
+from router.worker_client import _decode_request
+from tests.oracle import hf_greedy, random_prompts
+
+pytestmark = pytest.mark.cluster
+
+QUARANTINE = ("--reservation-quarantine-s", "1")
+
+
+def req(rid, prompt, n=12, **kw):
+    return GenerateRequest(rid, prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw))
+
+
+async def collect(stream):
+    out = []
+    async for b in stream:
+        out += b.token_ids
+    return out
+
+
+async def assert_clean(*clients, timeout=10.0):
+    """Integrity checks pass and every block is free again (quarantines ended)."""
+    deadline = time.monotonic() + timeout
+    for c in clients:
+        while True:
+            h = await c.check_integrity()
+            s = await c.stats()
+            if h.healthy and s.num_free_blocks == s.num_blocks:
+                break
+            assert time.monotonic() < deadline, (
+                f"{c.worker_id}: {h.error or 'blocks still held'} ({s.num_free_blocks}/{s.num_blocks} free, "
+                f"{s.num_running} running, {s.num_waiting} waiting, {s.num_awaiting_kv} awaiting KV)")
+            await asyncio.sleep(0.2)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+async def test_sixteen_concurrent_requests_match_transformers(spawn, model_path, transport):
+    d = spawn("decode", "decode-0", transport=transport)
+    p = spawn("prefill", "prefill-0", transport=transport, args=("--max-num-batched-tokens", "128"))
+    dc, pc = d.client(), p.client()
+    await wait_ready(dc)
+    await wait_ready(pc)
+    [shared] = random_prompts([48], seed=21)
+    prompts = random_prompts([1, 5, 15, 16, 17, 31, 33, 64, 100, 160, 250], seed=22)
+    prompts += [shared + s for s in random_prompts([3, 9, 17, 30, 1], seed=23)]  # prefix-cache hits
+    n_new = [12, 20, 5, 16, 9, 30, 12, 8, 25, 6, 14, 10, 18, 7, 22, 11]
+    outs = await asyncio.gather(*(collect(disaggregated_stream(pc, dc, req(f"r{i}", pr, n_new[i]), fallback_local=False))
+                                  for i, pr in enumerate(prompts)))
+    for i, (pr, out) in enumerate(zip(prompts, outs)):
+        assert out == hf_greedy(model_path, pr, n_new[i], ignore_eos=True), f"request {i}"
+    stats = await pc.stats()
+    assert stats.transport == transport and stats.prefix_cache_hits > 0
+    await assert_clean(dc, pc)
+
+
+async def test_prefill_worker_killed_mid_prefill(spawn, model_path):
+    d = spawn("decode", "decode-0", args=QUARANTINE)
+    p = spawn("prefill", "prefill-0", faults="prefill_step_delay_s=0.25", args=("--max-num-batched-tokens", "32"))
+    dc, pc = d.client(), p.client()
+    await wait_ready(dc)
+    await wait_ready(pc)
+    [prompt] = random_prompts([320], seed=24)  # 10 chunks of 32 at 0.25 s each
+    task = asyncio.create_task(collect(disaggregated_stream(pc, dc, req("long", prompt), fallback_local=True)))
+    await asyncio.sleep(1.0)
+    assert (await pc.stats()).num_running == 1, "the prefill must be in flight when it dies"
+    p.kill()
+    out = await asyncio.wait_for(task, 60)  # prefilled locally on the decode worker instead
+    assert out == hf_greedy(model_path, prompt, 12, ignore_eos=True)
+    # without the fallback the client gets a clear error instead
+    p2 = spawn("prefill", "prefill-1", faults="prefill_step_delay_s=0.25", args=("--max-num-batched-tokens", "32"))
+    pc2 = p2.client()
+    await wait_ready(pc2)
+    task = asyncio.create_task(collect(disaggregated_stream(pc2, dc, req("long2", prompt), fallback_local=False)))
+    await asyncio.sleep(1.0)
+    p2.kill()
+    with pytest.raises(BackendError, match="prefill failed: prefill worker prefill-1: UNAVAILABLE"):
+        await asyncio.wait_for(task, 60)
+    await assert_clean(dc)
+
+
+async def test_injected_transfer_failure(spawn, model_path):
+    d = spawn("decode", "decode-0", args=QUARANTINE)
+    p = spawn("prefill", "prefill-0", faults="fail_transfers=1")
+    dc, pc = d.client(), p.client()
+    await wait_ready(dc)
+    await wait_ready(pc)
+    [prompt] = random_prompts([40], seed=25)
+    with pytest.raises(BackendError, match="injected transfer failure"):
+        await collect(disaggregated_stream(pc, dc, req("x", prompt), fallback_local=False))
+    out = await collect(disaggregated_stream(pc, dc, req("y", prompt), fallback_local=True))
+    assert out == hf_greedy(model_path, prompt, 12, ignore_eos=True)
+    await assert_clean(dc, pc)
+
+
+async def test_decode_worker_killed_after_reserving(spawn, model_path):
+    d = spawn("decode", "decode-0")
+    p = spawn("prefill", "prefill-0")
+    dc, pc = d.client(), p.client()
+    await wait_ready(dc)
+    await wait_ready(pc)
+    [warm, prompt] = random_prompts([20, 70], seed=26)
+    await collect(disaggregated_stream(pc, dc, req("warm", warm)))  # the prefill worker now knows this peer
+    r = req("doomed", prompt)
+    call = dc.stub.Decode(_decode_request(r, pb.REMOTE_PREFILL, 30.0), metadata=dc.metadata)
+    first = await call.read()
+    assert first.WhichOneof("kind") == "reservation"
+    d.kill()
+    outcome = await asyncio.wait_for(run_prefill(pc, dc, r, first.reservation, timeout=30.0), 40)
+    assert outcome.reply is None and "failed" in outcome.error
+    call.cancel()
+    await assert_clean(pc)
+
+
+async def test_abort_at_every_stage(spawn, model_path):
+    d = spawn("decode", "decode-0", args=QUARANTINE)
+    p = spawn("prefill", "prefill-0", faults="prefill_step_delay_s=0.2,transfer_delay_s=1.0",
+              args=("--max-num-batched-tokens", "32"))
+    dc, pc = d.client(), p.client()
+    await wait_ready(dc)
+    await wait_ready(pc)
+    prompts = random_prompts([100, 100, 100, 100], seed=27)
+
+    # 1. reserved on D, never prefilled: the stream is cancelled
+    call = dc.stub.Decode(_decode_request(req("a1", prompts[0]), pb.REMOTE_PREFILL, 30.0), metadata=dc.metadata)
+    assert (await call.read()).WhichOneof("kind") == "reservation"
+    call.cancel()
+    # 2. mid-prefill on P (4 chunks at 0.2 s), 3. mid-transfer (held 1 s), 4. mid-decode
+    for rid, prompt, delay in (("a2", prompts[1], 0.3), ("a3", prompts[2], 1.2)):
+        task = asyncio.create_task(collect(disaggregated_stream(pc, dc, req(rid, prompt), fallback_local=False)))
+        await asyncio.sleep(delay)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    stream = local_stream(dc, req("a4", prompts[3], n=500))
+    await stream.__anext__()
+    await stream.aclose()
+    await assert_clean(dc, pc)
+    # the pool still serves correctly afterwards
+    out = await collect(disaggregated_stream(pc, dc, req("after", prompts[0])))
+    assert out == hf_greedy(model_path, prompts[0], 12, ignore_eos=True)
+    await assert_clean(dc, pc)
+
+
+async def test_decode_worker_restarted_on_the_same_address(spawn, model_path):
+    d = spawn("decode", "decode-0")
+    p = spawn("prefill", "prefill-0")
+    dc, pc = d.client(), p.client()
+    await wait_ready(dc)
+    await wait_ready(pc)
+    prompts = random_prompts([30, 45], seed=28)
+    assert await collect(disaggregated_stream(pc, dc, req("before", prompts[0]), fallback_local=False)) == \
+        hf_greedy(model_path, prompts[0], 12, ignore_eos=True)
+    old_epoch = (await dc.health()).epoch
+    port = d.port
+    d.kill()
+    d2 = spawn("decode", "decode-0", port=port)  # same name, same address, new incarnation
+    dc2 = d2.client()
+    assert (await wait_ready(dc2)).epoch != old_epoch
+    out = await collect(disaggregated_stream(pc, dc2, req("after", prompts[1]), fallback_local=False))
+    assert out == hf_greedy(model_path, prompts[1], 12, ignore_eos=True)
+    await assert_clean(dc2, pc)
