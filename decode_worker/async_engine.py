@@ -8,6 +8,7 @@ Events of one step are fanned out to per-request asyncio queues on the event loo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import AsyncIterator, Callable
 
 from decode_worker.engine import LLMEngine, TokenEvent
@@ -69,9 +70,12 @@ class AsyncEngine:
             await self.call(self.engine.add_request, seq_id, prompt_ids, params, priority)
         except BaseException:
             self.unsubscribe(seq_id)
+            if self.healthy:  # cancelled while the add was queued: it may still run, so abort after it
+                self.post(self.abort, seq_id)
             raise
-        async for ev in self.events(seq_id, q):
-            yield ev
+        async with contextlib.aclosing(self.events(seq_id, q)) as events:
+            async for ev in events:
+                yield ev
 
     async def events(self, seq_id: str, q: asyncio.Queue) -> AsyncIterator[TokenEvent]:
         """A subscribed request's events until it finishes; aborts it if the consumer

@@ -66,16 +66,19 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------
     def new_sequence(self, seq_id: str, prompt_ids: list[int], params: SamplingParams,
-                     priority: int = INTERACTIVE, arrival: float | None = None) -> Sequence:
+                     priority: int = INTERACTIVE, arrival: float | None = None, output_ids=()) -> Sequence:
         if seq_id in self.seqs:
             raise ValueError(f"request id {seq_id!r} is already in use")
+        if len(output_ids) >= params.max_tokens:
+            raise ValueError(f"{len(output_ids)} tokens already generated; max_tokens is {params.max_tokens}")
         return Sequence(seq_id, list(prompt_ids), params, self.eos_ids, priority,
-                        time.monotonic() if arrival is None else arrival)
+                        time.monotonic() if arrival is None else arrival, output_ids=list(output_ids))
 
     def add_request(self, seq_id: str, prompt_ids: list[int], params: SamplingParams,
-                    priority: int = INTERACTIVE, arrival: float | None = None) -> Sequence:
-        """Queue a request for a local (colocated) prefill and decode."""
-        seq = self.new_sequence(seq_id, prompt_ids, params, priority, arrival)
+                    priority: int = INTERACTIVE, arrival: float | None = None, output_ids=()) -> Sequence:
+        """Queue a request for a local (colocated) prefill and decode. `output_ids`: tokens
+        generated for it elsewhere (a migrated request), prefilled with the prompt."""
+        seq = self.new_sequence(seq_id, prompt_ids, params, priority, arrival, output_ids)
         self.scheduler.add(seq)
         self.seqs[seq_id] = seq
         return seq

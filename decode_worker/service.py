@@ -177,7 +177,8 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
                     block_ids=res.block_ids, num_cached_tokens=res.num_cached_tokens, lease_s=lease,
                     worker_id=self.config.worker_id, epoch=self.epoch))
             else:
-                await self.aengine.call(self.engine.add_request, rid, prompt, params, prio)
+                await self.aengine.call(self.engine.add_request, rid, prompt, params, prio, None,
+                                        list(request.output_ids))
             while not finished:
                 ev = await q.get()
                 finished = ev.finished

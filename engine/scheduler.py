@@ -92,7 +92,7 @@ class Scheduler:
             raise AdmissionError(f"prompt needs {need} KV blocks; the cache has {self.pool.num_blocks}")
 
     def add(self, seq: Sequence) -> None:
-        self.validate(len(seq.prompt_ids), seq.params.max_tokens)
+        self.validate(seq.num_tokens, seq.params.max_tokens)  # a migrated request brings its output
         seq.status = Status.WAITING
         self.lanes[seq.priority].append(seq)
 

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/tandem.proto\x12\ttandem.v1\"\xb7\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"\xc0\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12%\n\x08priority\x18\x04 \x01(\x0e\x32\x13.tandem.v1.Priority\x12$\n\x04mode\x18\x05 \x01(\x0e\x32\x16.tandem.v1.PrefillMode\x12\x0f\n\x07lease_s\x18\x06 \x01(\x02\"n\n\x0bReservation\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xb5\x01\n\x06Tokens\x12\x13\n\x0b\x66irst_index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.tandem.v1.Usage\"i\n\x0b\x44\x65\x63odeEvent\x12-\n\x0breservation\x18\x01 \x01(\x0b\x32\x16.tandem.v1.ReservationH\x00\x12#\n\x06tokens\x18\x02 \x01(\x0b\x32\x11.tandem.v1.TokensH\x00\x42\x06\n\x04kind\"~\n\x08KVLanded\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12*\n\x08logprobs\x18\x03 \x01(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x0e\n\x06\x66\x61iled\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"o\n\x0c\x44\x65\x63odeTarget\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\"\xb3\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12%\n\x08priority\x18\x04 \x01(\x0e\x32\x13.tandem.v1.Priority\x12\'\n\x06target\x18\x05 \x01(\x0b\x32\x17.tandem.v1.DecodeTarget\"A\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\"\xce\x01\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12*\n\x08logprobs\x18\x02 \x01(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\x1e\n\x16num_transferred_blocks\x18\x04 \x01(\x05\x12\x1d\n\x15num_transferred_bytes\x18\x05 \x01(\x04\x12#\n\x07timings\x18\x06 \x01(\x0b\x32\x12.tandem.v1.Timings\"Y\n\x10HandshakeRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x12\n\ndescriptor\x18\x04 \x01(\x0c\"W\n\x0eHandshakeReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x12\n\ndescriptor\x18\x04 \x01(\x0c\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"o\n\x0bHealthReply\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xa1\x03\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x17\n\x0fnum_awaiting_kv\x18\x06 \x01(\x05\x12\x12\n\nnum_blocks\x18\x07 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x08 \x01(\x05\x12\x1b\n\x13num_reserved_blocks\x18\t \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\n \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\x05\x12\x12\n\nblock_size\x18\x0c \x01(\x05\x12\x1c\n\x14prefix_cache_queries\x18\r \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0e \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0f \x01(\x04\x12\x10\n\x08\x64raining\x18\x10 \x01(\x08\x12\x11\n\ttransport\x18\x11 \x01(\t\x12\x15\n\rmax_model_len\x18\x12 \x01(\x05\"\x1d\n\x0c\x44rainRequest\x12\r\n\x05\x64rain\x18\x01 \x01(\x08\"\x11\n\x0fKVEventsRequest\"b\n\x0cKVEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07\x63leared\x18\x03 \x01(\x08\x12\x0e\n\x06stored\x18\x04 \x03(\x0c\x12\x0f\n\x07removed\x18\x05 \x03(\x0c*&\n\x08Priority\x12\x0f\n\x0bINTERACTIVE\x10\x00\x12\t\n\x05\x42\x41TCH\x10\x01*4\n\x0bPrefillMode\x12\x11\n\rLOCAL_PREFILL\x10\x00\x12\x12\n\x0eREMOTE_PREFILL\x10\x01\x32\x81\x04\n\x0c\x44\x65\x63odeWorker\x12<\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x16.tandem.v1.DecodeEvent0\x01\x12\x37\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x15.tandem.v1.AbortReply\x12\x43\n\tHandshake\x12\x1b.tandem.v1.HandshakeRequest\x1a\x19.tandem.v1.HandshakeReply\x12:\n\x06Health\x12\x18.tandem.v1.HealthRequest\x1a\x16.tandem.v1.HealthReply\x12\x38\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStats\x12\x38\n\x05\x44rain\x12\x17.tandem.v1.DrainRequest\x1a\x16.tandem.v1.HealthReply\x12\x41\n\x08KVEvents\x12\x1a.tandem.v1.KVEventsRequest\x1a\x17.tandem.v1.KVEventBatch0\x01\x12\x42\n\x0e\x43heckIntegrity\x12\x18.tandem.v1.HealthRequest\x1a\x16.tandem.v1.HealthReply2\xbe\x03\n\rPrefillWorker\x12=\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x17.tandem.v1.PrefillReply\x12\x37\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x15.tandem.v1.AbortReply\x12:\n\x06Health\x12\x18.tandem.v1.HealthRequest\x1a\x16.tandem.v1.HealthReply\x12\x38\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStats\x12\x38\n\x05\x44rain\x12\x17.tandem.v1.DrainRequest\x1a\x16.tandem.v1.HealthReply\x12\x41\n\x08KVEvents\x12\x1a.tandem.v1.KVEventsRequest\x1a\x17.tandem.v1.KVEventBatch0\x01\x12\x42\n\x0e\x43heckIntegrity\x12\x18.tandem.v1.HealthRequest\x1a\x16.tandem.v1.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/tandem.proto\x12\ttandem.v1\"\xb7\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"\xd4\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12%\n\x08priority\x18\x04 \x01(\x0e\x32\x13.tandem.v1.Priority\x12$\n\x04mode\x18\x05 \x01(\x0e\x32\x16.tandem.v1.PrefillMode\x12\x0f\n\x07lease_s\x18\x06 \x01(\x02\x12\x12\n\noutput_ids\x18\x07 \x03(\x05\"n\n\x0bReservation\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xb5\x01\n\x06Tokens\x12\x13\n\x0b\x66irst_index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.tandem.v1.Usage\"i\n\x0b\x44\x65\x63odeEvent\x12-\n\x0breservation\x18\x01 \x01(\x0b\x32\x16.tandem.v1.ReservationH\x00\x12#\n\x06tokens\x18\x02 \x01(\x0b\x32\x11.tandem.v1.TokensH\x00\x42\x06\n\x04kind\"~\n\x08KVLanded\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12*\n\x08logprobs\x18\x03 \x01(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x0e\n\x06\x66\x61iled\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"o\n\x0c\x44\x65\x63odeTarget\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\"\xb3\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12%\n\x08priority\x18\x04 \x01(\x0e\x32\x13.tandem.v1.Priority\x12\'\n\x06target\x18\x05 \x01(\x0b\x32\x17.tandem.v1.DecodeTarget\"A\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\"\xce\x01\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12*\n\x08logprobs\x18\x02 \x01(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\x1e\n\x16num_transferred_blocks\x18\x04 \x01(\x05\x12\x1d\n\x15num_transferred_bytes\x18\x05 \x01(\x04\x12#\n\x07timings\x18\x06 \x01(\x0b\x32\x12.tandem.v1.Timings\"Y\n\x10HandshakeRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x12\n\ndescriptor\x18\x04 \x01(\x0c\"W\n\x0eHandshakeReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x12\n\ndescriptor\x18\x04 \x01(\x0c\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"o\n\x0bHealthReply\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xa1\x03\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x17\n\x0fnum_awaiting_kv\x18\x06 \x01(\x05\x12\x12\n\nnum_blocks\x18\x07 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x08 \x01(\x05\x12\x1b\n\x13num_reserved_blocks\x18\t \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\n \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\x05\x12\x12\n\nblock_size\x18\x0c \x01(\x05\x12\x1c\n\x14prefix_cache_queries\x18\r \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0e \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0f \x01(\x04\x12\x10\n\x08\x64raining\x18\x10 \x01(\x08\x12\x11\n\ttransport\x18\x11 \x01(\t\x12\x15\n\rmax_model_len\x18\x12 \x01(\x05\"\x1d\n\x0c\x44rainRequest\x12\r\n\x05\x64rain\x18\x01 \x01(\x08\"\x11\n\x0fKVEventsRequest\"b\n\x0cKVEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07\x63leared\x18\x03 \x01(\x08\x12\x0e\n\x06stored\x18\x04 \x03(\x0c\x12\x0f\n\x07removed\x18\x05 \x03(\x0c*&\n\x08Priority\x12\x0f\n\x0bINTERACTIVE\x10\x00\x12\t\n\x05\x42\x41TCH\x10\x01*4\n\x0bPrefillMode\x12\x11\n\rLOCAL_PREFILL\x10\x00\x12\x12\n\x0eREMOTE_PREFILL\x10\x01\x32\x81\x04\n\x0c\x44\x65\x63odeWorker\x12<\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x16.tandem.v1.DecodeEvent0\x01\x12\x37\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x15.tandem.v1.AbortReply\x12\x43\n\tHandshake\x12\x1b.tandem.v1.HandshakeRequest\x1a\x19.tandem.v1.HandshakeReply\x12:\n\x06Health\x12\x18.tandem.v1.HealthRequest\x1a\x16.tandem.v1.HealthReply\x12\x38\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStats\x12\x38\n\x05\x44rain\x12\x17.tandem.v1.DrainRequest\x1a\x16.tandem.v1.HealthReply\x12\x41\n\x08KVEvents\x12\x1a.tandem.v1.KVEventsRequest\x1a\x17.tandem.v1.KVEventBatch0\x01\x12\x42\n\x0e\x43heckIntegrity\x12\x18.tandem.v1.HealthRequest\x1a\x16.tandem.v1.HealthReply2\xbe\x03\n\rPrefillWorker\x12=\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x17.tandem.v1.PrefillReply\x12\x37\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x15.tandem.v1.AbortReply\x12:\n\x06Health\x12\x18.tandem.v1.HealthRequest\x1a\x16.tandem.v1.HealthReply\x12\x38\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStats\x12\x38\n\x05\x44rain\x12\x17.tandem.v1.DrainRequest\x1a\x16.tandem.v1.HealthReply\x12\x41\n\x08KVEvents\x12\x1a.tandem.v1.KVEventsRequest\x1a\x17.tandem.v1.KVEventBatch0\x01\x12\x42\n\x0e\x43heckIntegrity\x12\x18.tandem.v1.HealthRequest\x1a\x16.tandem.v1.HealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.tandem_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PRIORITY']._serialized_start=2825
-  _globals['_PRIORITY']._serialized_end=2863
-  _globals['_PREFILLMODE']._serialized_start=2865
-  _globals['_PREFILLMODE']._serialized_end=2917
+  _globals['_PRIORITY']._serialized_start=2845
+  _globals['_PRIORITY']._serialized_end=2883
+  _globals['_PREFILLMODE']._serialized_start=2885
+  _globals['_PREFILLMODE']._serialized_end=2937
   _globals['_SAMPLINGPARAMS']._serialized_start=35
   _globals['_SAMPLINGPARAMS']._serialized_end=346
   _globals['_TOPLOGPROB']._serialized_start=348
@@ -42,49 +42,49 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLOGPROBS']._serialized_start=397
   _globals['_TOKENLOGPROBS']._serialized_end=483
   _globals['_DECODEREQUEST']._serialized_start=486
-  _globals['_DECODEREQUEST']._serialized_end=678
-  _globals['_RESERVATION']._serialized_start=680
-  _globals['_RESERVATION']._serialized_end=790
-  _globals['_USAGE']._serialized_start=792
-  _globals['_USAGE']._serialized_end=872
-  _globals['_TOKENS']._serialized_start=875
-  _globals['_TOKENS']._serialized_end=1056
-  _globals['_DECODEEVENT']._serialized_start=1058
-  _globals['_DECODEEVENT']._serialized_end=1163
-  _globals['_KVLANDED']._serialized_start=1165
-  _globals['_KVLANDED']._serialized_end=1291
-  _globals['_DECODETARGET']._serialized_start=1293
-  _globals['_DECODETARGET']._serialized_end=1404
-  _globals['_PREFILLREQUEST']._serialized_start=1407
-  _globals['_PREFILLREQUEST']._serialized_end=1586
-  _globals['_TIMINGS']._serialized_start=1588
-  _globals['_TIMINGS']._serialized_end=1653
-  _globals['_PREFILLREPLY']._serialized_start=1656
-  _globals['_PREFILLREPLY']._serialized_end=1862
-  _globals['_HANDSHAKEREQUEST']._serialized_start=1864
-  _globals['_HANDSHAKEREQUEST']._serialized_end=1953
-  _globals['_HANDSHAKEREPLY']._serialized_start=1955
-  _globals['_HANDSHAKEREPLY']._serialized_end=2042
-  _globals['_ABORTREQUEST']._serialized_start=2044
-  _globals['_ABORTREQUEST']._serialized_end=2078
-  _globals['_ABORTREPLY']._serialized_start=2080
-  _globals['_ABORTREPLY']._serialized_end=2107
-  _globals['_HEALTHREQUEST']._serialized_start=2109
-  _globals['_HEALTHREQUEST']._serialized_end=2124
-  _globals['_HEALTHREPLY']._serialized_start=2126
-  _globals['_HEALTHREPLY']._serialized_end=2237
-  _globals['_STATSREQUEST']._serialized_start=2239
-  _globals['_STATSREQUEST']._serialized_end=2253
-  _globals['_WORKERSTATS']._serialized_start=2256
-  _globals['_WORKERSTATS']._serialized_end=2673
-  _globals['_DRAINREQUEST']._serialized_start=2675
-  _globals['_DRAINREQUEST']._serialized_end=2704
-  _globals['_KVEVENTSREQUEST']._serialized_start=2706
-  _globals['_KVEVENTSREQUEST']._serialized_end=2723
-  _globals['_KVEVENTBATCH']._serialized_start=2725
-  _globals['_KVEVENTBATCH']._serialized_end=2823
-  _globals['_DECODEWORKER']._serialized_start=2920
-  _globals['_DECODEWORKER']._serialized_end=3433
-  _globals['_PREFILLWORKER']._serialized_start=3436
-  _globals['_PREFILLWORKER']._serialized_end=3882
+  _globals['_DECODEREQUEST']._serialized_end=698
+  _globals['_RESERVATION']._serialized_start=700
+  _globals['_RESERVATION']._serialized_end=810
+  _globals['_USAGE']._serialized_start=812
+  _globals['_USAGE']._serialized_end=892
+  _globals['_TOKENS']._serialized_start=895
+  _globals['_TOKENS']._serialized_end=1076
+  _globals['_DECODEEVENT']._serialized_start=1078
+  _globals['_DECODEEVENT']._serialized_end=1183
+  _globals['_KVLANDED']._serialized_start=1185
+  _globals['_KVLANDED']._serialized_end=1311
+  _globals['_DECODETARGET']._serialized_start=1313
+  _globals['_DECODETARGET']._serialized_end=1424
+  _globals['_PREFILLREQUEST']._serialized_start=1427
+  _globals['_PREFILLREQUEST']._serialized_end=1606
+  _globals['_TIMINGS']._serialized_start=1608
+  _globals['_TIMINGS']._serialized_end=1673
+  _globals['_PREFILLREPLY']._serialized_start=1676
+  _globals['_PREFILLREPLY']._serialized_end=1882
+  _globals['_HANDSHAKEREQUEST']._serialized_start=1884
+  _globals['_HANDSHAKEREQUEST']._serialized_end=1973
+  _globals['_HANDSHAKEREPLY']._serialized_start=1975
+  _globals['_HANDSHAKEREPLY']._serialized_end=2062
+  _globals['_ABORTREQUEST']._serialized_start=2064
+  _globals['_ABORTREQUEST']._serialized_end=2098
+  _globals['_ABORTREPLY']._serialized_start=2100
+  _globals['_ABORTREPLY']._serialized_end=2127
+  _globals['_HEALTHREQUEST']._serialized_start=2129
+  _globals['_HEALTHREQUEST']._serialized_end=2144
+  _globals['_HEALTHREPLY']._serialized_start=2146
+  _globals['_HEALTHREPLY']._serialized_end=2257
+  _globals['_STATSREQUEST']._serialized_start=2259
+  _globals['_STATSREQUEST']._serialized_end=2273
+  _globals['_WORKERSTATS']._serialized_start=2276
+  _globals['_WORKERSTATS']._serialized_end=2693
+  _globals['_DRAINREQUEST']._serialized_start=2695
+  _globals['_DRAINREQUEST']._serialized_end=2724
+  _globals['_KVEVENTSREQUEST']._serialized_start=2726
+  _globals['_KVEVENTSREQUEST']._serialized_end=2743
+  _globals['_KVEVENTBATCH']._serialized_start=2745
+  _globals['_KVEVENTBATCH']._serialized_end=2843
+  _globals['_DECODEWORKER']._serialized_start=2940
+  _globals['_DECODEWORKER']._serialized_end=3453
+  _globals['_PREFILLWORKER']._serialized_start=3456
+  _globals['_PREFILLWORKER']._serialized_end=3902
 # @@protoc_insertion_point(module_scope)

@@ -70,20 +70,22 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "params", "priority", "mode", "lease_s")
+    __slots__ = ("request_id", "prompt_ids", "params", "priority", "mode", "lease_s", "output_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     priority: Priority
     mode: PrefillMode
     lease_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[Priority, str]] = ..., mode: _Optional[_Union[PrefillMode, str]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    output_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[Priority, str]] = ..., mode: _Optional[_Union[PrefillMode, str]] = ..., lease_s: _Optional[float] = ..., output_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Reservation(_message.Message):
     __slots__ = ("block_ids", "num_cached_tokens", "lease_s", "worker_id", "epoch")

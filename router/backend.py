@@ -48,6 +48,7 @@ class GenerateRequest:
     prompt_ids: list[int]
     params: SamplingParams
     priority: int = 0  # engine.sequence.INTERACTIVE / BATCH
+    output_ids: list[int] = field(default_factory=list)  # generated earlier (a migrated request)
 
 
 class Backend(abc.ABC):

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import AsyncIterator
 
 from decode_worker.async_engine import AsyncEngine
 from decode_worker.engine import EngineConfig, LLMEngine
 from engine.scheduler import AdmissionError
 from router.backend import Backend, BackendError, GenerateRequest, TokenBatch
+
+
+def _batch(ev) -> TokenBatch:
+    return TokenBatch(
+        first_index=ev.num_output_tokens - (ev.token_id is not None),
+        token_ids=[] if ev.token_id is None else [ev.token_id],
+        logprobs=[] if ev.logprobs is None else [ev.logprobs],
+        finished=ev.finished,
+        finish_reason=ev.finish_reason.value if ev.finish_reason else None,
+        error=ev.error,
+        prompt_tokens=ev.num_prompt_tokens,
+        cached_tokens=ev.num_cached_tokens,
+        completion_tokens=ev.num_output_tokens,
+    )
 
 
 class EngineBackend(Backend):
@@ -43,17 +58,8 @@ class EngineBackend(Backend):
             raise BackendError("too many requests queued", 429, retry_after=1.0)
         try:
             stream = self.aengine.generate(req.request_id, req.prompt_ids, req.params, req.priority)
-            async for ev in stream:
-                yield TokenBatch(
-                    first_index=ev.num_output_tokens - (ev.token_id is not None),
-                    token_ids=[] if ev.token_id is None else [ev.token_id],
-                    logprobs=[] if ev.logprobs is None else [ev.logprobs],
-                    finished=ev.finished,
-                    finish_reason=ev.finish_reason.value if ev.finish_reason else None,
-                    error=ev.error,
-                    prompt_tokens=ev.num_prompt_tokens,
-                    cached_tokens=ev.num_cached_tokens,
-                    completion_tokens=ev.num_output_tokens,
-                )
+            async with contextlib.aclosing(stream):
+                async for ev in stream:
+                    yield _batch(ev)
         except AdmissionError as e:
             raise BackendError(str(e), 400) from e

@@ -15,6 +15,7 @@ D.Decode(LOCAL) only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -85,7 +86,7 @@ def _batch(t: pb.Tokens) -> TokenBatch:
 
 def _decode_request(req: GenerateRequest, mode: int, lease_s: float) -> pb.DecodeRequest:
     return pb.DecodeRequest(request_id=req.request_id, prompt_ids=req.prompt_ids, params=params_to_pb(req.params),
-                            priority=req.priority, mode=mode, lease_s=lease_s)
+                            priority=req.priority, mode=mode, lease_s=lease_s, output_ids=req.output_ids)
 
 
 def rpc_error(e: grpc.aio.AioRpcError, who: str) -> BackendError:
@@ -147,16 +148,18 @@ async def disaggregated_stream(prefill: WorkerClient, decode: WorkerClient, req:
             log.warning("request %s: %s; prefilling locally on %s", req.request_id, outcome.error, decode.worker_id)
             # a new attempt id: the failed reservation may still be quarantined under the old one
             retry = dataclasses.replace(req, request_id=f"{req.request_id}#local")
-            async for batch in local_stream(decode, retry):
-                yield batch
+            async with contextlib.aclosing(local_stream(decode, retry)) as local:
+                async for batch in local:
+                    yield batch
             return
         r = outcome.reply
         yield TokenBatch(0, [r.first_token], [logprobs_from_pb(r.logprobs)] if r.HasField("logprobs") else [])
-        async for ev in _decode_tokens(call, decode):
-            if ev.token_ids and ev.first_index == 0:  # D's copy of the first token
-                ev.token_ids, ev.logprobs, ev.first_index = ev.token_ids[1:], ev.logprobs[1:], 1
-            if ev.token_ids or ev.finished:
-                yield ev
+        async with contextlib.aclosing(_decode_tokens(call, decode)) as tokens:
+            async for ev in tokens:
+                if ev.token_ids and ev.first_index == 0:  # D's copy of the first token
+                    ev.token_ids, ev.logprobs, ev.first_index = ev.token_ids[1:], ev.logprobs[1:], 1
+                if ev.token_ids or ev.finished:
+                    yield ev
     finally:
         call.cancel()
 

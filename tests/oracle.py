@@ -24,8 +24,9 @@ def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int, ignore_e
     if ignore_eos:
         kw["eos_token_id"] = None
         kw["min_new_tokens"] = max_new_tokens
-    with torch.no_grad():
-        out = model.generate(torch.tensor([list(prompt)]), **kw)
+    ids = torch.tensor([list(prompt)])
+    with torch.no_grad():  # explicit mask: pad id 0 is also the built-in model's BOS, which must not be masked
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
     return tuple(out[0, len(prompt):].tolist())
 
 

@@ -1,0 +1,173 @@
+"""The router's FastAPI app: OpenAI endpoints, probes, metrics and admin.
+
+    app = create_app(backend, tokenizer, RouterSettings(...), admin=None)
+    uvicorn.run(app, host=..., port=...)
+
+Routes:
+    POST /v1/completions, POST /v1/chat/completions   API key (if any configured)
+    GET  /v1/models, GET /v1/models/{model}           API key (if any configured)
+    GET  /health   process is up: 200
+    GET  /ready    backend can serve now: 200, else 503 with Retry-After
+    GET  /metrics  Prometheus text (router series plus any collectors passed in)
+    GET/POST /admin/pools   admin key; 501 when the app has no admin object
+
+Request bodies are read here (capped: 413) and parsed with pydantic, so every bad
+input is an OpenAI error object with status 400 (never FastAPI's 422). There is no
+OpenAPI/docs page: the API is OpenAI's. The lifespan starts and stops the backend
+unless `settings.manage_backend` is False.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterable, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+from pydantic import BaseModel, ValidationError
+from starlette.responses import Response
+
+from engine.tokenizer import Tokenizer
+from router.admin import AdminInterface
+from router.admission import Admission
+from router.auth import KeyChecker, read_key_file
+from router.backend import Backend
+from router.errors import ApiError, install_error_handlers
+from router.metrics import RouterMetrics
+from router.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, PoolsUpdate
+from router.serving import OpenAIServing
+from router.settings import RouterSettings, SettingsError
+from router.sse import ClientDisconnected
+
+__all__ = ["create_app", "RouterSettings"]
+M = TypeVar("M", bound=BaseModel)
+CLIENT_CLOSED = 499  # nginx's code for "client closed the request", used in metrics only
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, or 413 as soon as it is known to exceed `limit` bytes."""
+    too_large = ApiError(413, f"request body is larger than {limit} bytes", None, "request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse(model: type[M], body: bytes) -> M:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise ApiError.from_validation(e.errors(include_url=False)) from None
+
+
+def create_app(backend: Backend, tokenizer: Tokenizer, settings: RouterSettings,
+               admin: AdminInterface | None = None, collectors: Iterable[Collector] = ()) -> FastAPI:
+    keys = set(settings.api_keys)
+    if settings.api_key_file:
+        keys.update(read_key_file(settings.api_key_file))
+    if settings.admin_key and settings.admin_key in keys:
+        raise SettingsError("the admin key must differ from every API key (including the key file's)")
+    auth = KeyChecker(keys, settings.admin_key)
+    admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests,
+                          settings.queue_timeout_s, settings.retry_after_s)
+    metrics = RouterMetrics(settings.served_model_name, settings.slo_ttft_s, settings.slo_tpot_s,
+                            load=lambda: (admission.running, admission.waiting))
+    for c in collectors:
+        metrics.register(c)
+    serving = OpenAIServing(backend, tokenizer, settings, metrics, admission)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if settings.manage_backend:
+            await backend.start()
+        try:
+            yield
+        finally:
+            if settings.manage_backend:
+                await backend.stop()
+
+    app = FastAPI(title="tandem router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.settings, app.state.metrics, app.state.admission = settings, metrics, admission
+    app.state.backend, app.state.serving = backend, serving
+    install_error_handlers(app, metrics.count_error)
+
+    async def openai_call(request: Request, model: type[M], handler) -> Response:
+        arrival = time.monotonic()
+        auth.require_api_key(request)
+        req = parse(model, await read_body(request, settings.max_request_body_bytes))
+        try:
+            return await handler(request, req, arrival)
+        except ClientDisconnected:
+            metrics.count_error(CLIENT_CLOSED)
+            return Response(status_code=CLIENT_CLOSED)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await openai_call(request, CompletionRequest, serving.completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await openai_call(request, ChatCompletionRequest, serving.chat)
+
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=int(time.time()), root=settings.served_model_name,
+                         max_model_len=backend.max_model_len if backend.ready() else None)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> Response:
+        auth.require_api_key(request)
+        cards = ModelList(data=[model_card(n) for n in settings.model_names])
+        return Response(cards.model_dump_json(), media_type="application/json")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(request: Request, model_id: str) -> Response:
+        auth.require_api_key(request)
+        if model_id not in settings.model_names:
+            raise ApiError.model_not_found(model_id)
+        return Response(model_card(model_id).model_dump_json(), media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        if not backend.ready():
+            raise ApiError(503, "the backend is not ready", None, "not_ready", retry_after=settings.retry_after_s)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def admin_or_501(request: Request) -> AdminInterface:
+        if admin is None:
+            raise ApiError(501, "this router has no worker pools to administer", None, "not_implemented")
+        auth.require_admin(request)
+        return admin
+
+    @app.get("/admin/pools")
+    async def get_pools(request: Request) -> JSONResponse:
+        return JSONResponse(await admin_or_501(request).get_pools())
+
+    @app.post("/admin/pools")
+    async def set_pools(request: Request) -> JSONResponse:
+        target = admin_or_501(request)
+        update = parse(PoolsUpdate, await read_body(request, settings.max_request_body_bytes))
+        if update.prefill is None and update.decode is None:
+            raise ApiError.invalid("give `prefill` and/or `decode` worker counts", "prefill")
+        try:
+            return JSONResponse(await target.set_pools(update.prefill, update.decode))
+        except ValueError as e:
+            raise ApiError.invalid(str(e)) from None
+
+    return app

@@ -1,0 +1,177 @@
+"""`tandem`: serve, scale, status, generate, bench.
+
+    tandem serve                      local Ray, 1 prefill + 1 decode worker, built-in model,
+                                      OpenAI API on http://127.0.0.1:8000
+    tandem serve --model DIR --prefill 2 --decode 2 --config serve.yaml
+    tandem scale --prefill 3 --decode 2
+    tandem status
+    tandem generate "Once upon a time" --max-tokens 32
+    tandem bench --base-url http://127.0.0.1:8000 ...
+
+Every `serve` option can also come from a YAML or TOML file (`--config`): keys are
+the option names (`max-num-seqs` or `max_num_seqs`); flags given on the command line
+override the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from engine.cli_args import add_engine_args
+
+
+def _serve_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("serve", help="run the cluster and the OpenAI-compatible router",
+                       description="Start (or join) a Ray cluster, the worker pools and the HTTP router.")
+    p.add_argument("--config", default=None, help="YAML or TOML file with any of these options")
+    g = p.add_argument_group("router")
+    g.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None, help="model name clients use (default: the checkpoint dir's name)")
+    g.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
+    g.add_argument("--api-key-file", default=None, help="file of API keys, one per line")
+    g.add_argument("--admin-key", default=None, help="key for /admin (scale, status); unset: /admin is closed")
+    g.add_argument("--max-concurrent-requests", type=int, default=256)
+    g.add_argument("--max-queued-requests", type=int, default=1024)
+    g.add_argument("--queue-timeout-s", type=float, default=30.0)
+    g.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    g.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    g.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--address", default=None, help="Ray cluster to join ('auto' or ray://host:port); default: start a local one")
+    c.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    c.add_argument("--decode", type=int, default=1, help="decode workers")
+    c.add_argument("--colocated", action="store_true", help="no prefill pool: decode workers prefill locally")
+    c.add_argument("--local-prefill-threshold", type=int, default=64,
+                   help="prompts whose uncached part is shorter than this prefill on their decode worker")
+    c.add_argument("--transport", default="auto", choices=("auto", "nixl", "tcp"), help="KV transfer backend")
+    c.add_argument("--worker-host", default="127.0.0.1", help="address workers bind for gRPC and KV transfer")
+    c.add_argument("--cluster-token", default=None, help="shared secret for worker gRPC (default: a random one)")
+    c.add_argument("--prefill-num-cpus", type=float, default=1.0, help="Ray CPUs per prefill worker")
+    c.add_argument("--decode-num-cpus", type=float, default=1.0, help="Ray CPUs per decode worker")
+    c.add_argument("--num-gpus-per-worker", type=float, default=None, help="Ray GPUs per worker (default: 1 on cuda)")
+    c.add_argument("--pin-cores", default="auto", help="auto (local CPU runs), none, or a core list like 0-7")
+    c.add_argument("--no-layerwise-transfer", action="store_true", help="push KV after the whole prefill")
+    c.add_argument("--reservation-lease-s", type=float, default=30.0)
+    add_engine_args(p)
+    p.set_defaults(func=lambda a: _run_serve(a, p))
+    return p
+
+
+def _admin_parser(sub, name: str, help_: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help_)
+    p.add_argument("--url", default=os.environ.get("TANDEM_URL", "http://127.0.0.1:8000"), help="the router")
+    p.add_argument("--admin-key", default=os.environ.get("TANDEM_ADMIN_KEY"), help="the router's admin key")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated prefill/decode LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    s = _admin_parser(sub, "scale", "resize the worker pools of a running cluster")
+    s.add_argument("--prefill", type=int, default=None)
+    s.add_argument("--decode", type=int, default=None)
+    s.set_defaults(func=_run_scale)
+    st = _admin_parser(sub, "status", "show pools, workers, KV usage and queues")
+    st.add_argument("--json", action="store_true", help="print the raw JSON")
+    st.set_defaults(func=_run_status)
+    from router.generate_cli import add_generate_parser
+
+    add_generate_parser(sub)
+    from bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def apply_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Fill options from --config where the command line did not give them."""
+    if not args.config:
+        return
+    path = Path(args.config)
+    text = path.read_text()
+    if path.suffix in (".toml", ".tml"):
+        import tomllib
+
+        data = tomllib.loads(text)
+    else:
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    dests = {a.dest: a for a in parser._actions}
+    given = {a.dest for a in parser._actions for opt in a.option_strings
+             if any(x == opt or x.startswith(opt + "=") for x in argv)}
+    for key, value in data.items():
+        dest = key.replace("-", "_")
+        if dest not in dests or dest in ("config", "help"):
+            raise SystemExit(f"tandem serve: unknown option {key!r} in {path}")
+        if dest not in given:
+            setattr(args, dest, value)
+
+
+def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    apply_config_file(args, parser, args.argv)
+    from router.serve import serve
+
+    return serve(args)
+
+
+def _admin_request(args, method: str, body: dict | None = None) -> dict:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.admin_key}"} if args.admin_key else {}
+    try:
+        r = httpx.request(method, args.url.rstrip("/") + "/admin/pools", json=body, headers=headers, timeout=30)
+    except httpx.HTTPError as e:
+        raise SystemExit(f"tandem: cannot reach the router at {args.url}: {e}")
+    if r.status_code != 200:
+        raise SystemExit(f"tandem: {r.status_code} {r.json().get('error', {}).get('message', r.text)}")
+    return r.json()
+
+
+def _run_scale(args) -> int:
+    if args.prefill is None and args.decode is None:
+        raise SystemExit("tandem scale: give --prefill N and/or --decode M")
+    data = _admin_request(args, "POST", {"prefill": args.prefill, "decode": args.decode})
+    print(json.dumps({r: p["target"] for r, p in data["pools"].items()}))
+    return 0
+
+
+def _run_status(args) -> int:
+    data = _admin_request(args, "GET")
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"tandem at {args.url}")
+    for col in ("worker", "role", "state", "address", "running", "waiting", "awaiting KV", "KV usage", "queued prefill", "in flight"):
+        table.add_column(col)
+    for role, pool in data["pools"].items():
+        for w in pool["workers"]:
+            table.add_row(w["worker_id"], role, w["state"], w["address"], str(w.get("running", "")), str(w.get("waiting", "")),
+                          str(w.get("awaiting_kv", "")), f"{w['kv_usage']:.1%}" if "kv_usage" in w else "",
+                          str(w.get("queued_prefill_tokens", "")), str(w["in_flight"]))
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    console.print(table)
+    console.print("targets: " + ", ".join(f"{r} {p['ready']}/{p['target']} ready" for r, p in data["pools"].items())
+                  + f"; workers replaced: {data.get('replaced', 0)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.argv = list(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

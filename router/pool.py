@@ -1,0 +1,275 @@
+"""PoolManager: the prefill and decode pools as Ray actors.
+
+It creates worker actors (resources from config), keeps the registry, watches each
+worker (gRPC health, stats for routing, KV events for the prefix index), replaces a
+worker that dies, and resizes a pool on command. Scaling down drains first: the
+worker stops taking new requests, its running requests finish (bounded by
+`drain_timeout_s`), then it is stopped and removed.
+
+    starting -> ready -> draining -> stopped
+                  \\-> dead (health failed) -> replaced
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.config import WorkerConfig
+from protos import tandem_pb2 as pb
+from router.admin import AdminInterface
+from router.prefix_index import PrefixIndex
+from router.worker_client import WorkerClient, wait_ready
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    template: WorkerConfig  # worker_id / role are filled in per worker
+    sizes: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})
+    resources: dict[str, dict] = field(default_factory=lambda: {"prefill": {"num_cpus": 1}, "decode": {"num_cpus": 1}})
+    cores: tuple[int, ...] | None = None  # pin workers round-robin to these cores (CPU hosts)
+    health_interval_s: float = 1.0
+    health_failures: int = 3  # consecutive failed checks before a worker is replaced
+    stats_interval_s: float = 0.25
+    start_timeout_s: float = 600.0
+    drain_timeout_s: float = 120.0
+    max_workers: int = 64
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    role: str
+    actor: object
+    client: WorkerClient | None = None
+    state: str = "starting"  # starting | ready | draining | dead | stopped
+    epoch: int = 0
+    stats: pb.WorkerStats | None = None
+    in_flight: int = 0  # requests routed here and not finished (drain waits for 0)
+    pending: int = 0  # of those, routed but not yet producing tokens (not in `stats` yet)
+    in_flight_blocks: int = 0
+    in_flight_tokens: int = 0
+    failures: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        s = self.stats
+        d = {"worker_id": self.worker_id, "role": self.role, "state": self.state, "in_flight": self.in_flight,
+             "address": self.client.address if self.client else "", "epoch": f"{self.epoch:x}"}
+        if s is not None:
+            d |= {"running": s.num_running, "waiting": s.num_waiting, "awaiting_kv": s.num_awaiting_kv,
+                  "kv_usage": round(1 - s.num_free_blocks / max(s.num_blocks, 1), 4),
+                  "queued_prefill_tokens": s.queued_prefill_tokens, "transport": s.transport}
+        return d
+
+
+class PoolManager(AdminInterface):
+    def __init__(self, config: PoolConfig, ray_address: str | None = None) -> None:
+        self.config = config
+        self.ray_address = ray_address
+        self.targets = dict(config.sizes)
+        self.workers: dict[str, Worker] = {}
+        self.index = PrefixIndex()
+        self._counter = {r: 0 for r in ROLES}
+        self._remote_cls: dict[str, object] = {}
+        self._bg: list[asyncio.Task] = []
+        self._reconcile_lock = asyncio.Lock()
+        self.events: list[tuple[float, str]] = []  # (time, what happened), for status and tests
+        self.replaced = 0
+
+    # ---- lifecycle -----------------------------------------------------------------
+    async def start(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            await asyncio.to_thread(ray.init, address=self.ray_address, include_dashboard=False,
+                                    ignore_reinit_error=True, logging_level=logging.WARNING, log_to_driver=True)
+        from decode_worker.actor import DecodeWorkerActor
+        from prefill_worker.actor import PrefillWorkerActor
+
+        self._remote_cls = {"prefill": ray.remote(PrefillWorkerActor), "decode": ray.remote(DecodeWorkerActor)}
+        await self.reconcile()
+        missing = [r for r in ROLES if len(self.ready(r)) < self.targets[r]]
+        if missing:
+            raise RuntimeError(f"pools did not come up: {missing}; see the worker logs")
+        self._bg = [asyncio.create_task(self._health_loop()), asyncio.create_task(self._stats_loop())]
+
+    async def stop(self, timeout: float = 20.0) -> None:
+        for t in self._bg:
+            t.cancel()
+        await asyncio.gather(*(self._remove(w, drain=False) for w in list(self.workers.values())), return_exceptions=True)
+
+    # ---- queries -------------------------------------------------------------------
+    def ready(self, role: str) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == role and w.state == "ready" and w.client]
+
+    def get(self, worker_id: str) -> Worker | None:
+        return self.workers.get(worker_id)
+
+    async def get_pools(self) -> dict:
+        pools = {}
+        for role in ROLES:
+            ws = [w for w in self.workers.values() if w.role == role]
+            pools[role] = {"target": self.targets[role], "ready": sum(w.state == "ready" for w in ws),
+                           "workers": [w.as_dict() for w in sorted(ws, key=lambda w: w.worker_id)]}
+        return {"pools": pools, "replaced": self.replaced}
+
+    async def set_pools(self, prefill: int | None, decode: int | None) -> dict:
+        for role, n in (("prefill", prefill), ("decode", decode)):
+            if n is None:
+                continue
+            if not 0 <= n <= self.config.max_workers:
+                raise ValueError(f"{role} pool size must be between 0 and {self.config.max_workers}, got {n}")
+            if role == "decode" and n == 0:
+                raise ValueError("the decode pool cannot be empty: it serves every request")
+        self.targets.update({r: n for r, n in (("prefill", prefill), ("decode", decode)) if n is not None})
+        self._bg.append(asyncio.create_task(self.reconcile()))
+        return await self.get_pools()
+
+    # ---- reconciling sizes -------------------------------------------------------------
+    async def reconcile(self) -> None:
+        """Start or drain workers until every pool matches its target."""
+        async with self._reconcile_lock:
+            for role in ROLES:
+                live = [w for w in self.workers.values() if w.role == role and w.state in ("starting", "ready")]
+                diff = self.targets[role] - len(live)
+                if diff > 0:
+                    await asyncio.gather(*(self._add(role) for _ in range(diff)), return_exceptions=True)
+                elif diff < 0:
+                    victims = sorted(live, key=lambda w: (w.state == "ready", -w.in_flight, w.worker_id))[:-diff]
+                    await asyncio.gather(*(self._remove(w, drain=True) for w in victims), return_exceptions=True)
+
+    def _worker_config(self, role: str, worker_id: str, slot: int) -> WorkerConfig:
+        t = self.config.template
+        device = t.engine.device
+        if self.config.cores and device.device == "cpu":
+            core = self.config.cores[slot % len(self.config.cores)]
+            device = dataclasses.replace(device, cpu_affinity=(core,), num_threads=device.num_threads or 1)
+        return dataclasses.replace(t, role=role, worker_id=worker_id,
+                                   engine=dataclasses.replace(t.engine, device=device))
+
+    async def _add(self, role: str) -> None:
+        n = self._counter[role]
+        self._counter[role] += 1
+        worker_id = f"{role}-{n}"
+        slot = len(self.workers)
+        actor = self._remote_cls[role].options(**self.config.resources[role], max_restarts=0,
+                                               name=f"tandem-{worker_id}-{int(time.time())}").remote(
+            self._worker_config(role, worker_id, slot))
+        w = Worker(worker_id, role, actor)
+        self.workers[worker_id] = w
+        try:
+            address = await asyncio.wait_for(actor.start.remote(), self.config.start_timeout_s)
+            w.client = WorkerClient(worker_id, role, address, self.config.template.cluster_token)
+            w.epoch = (await wait_ready(w.client, timeout=60)).epoch
+            w.stats = await w.client.stats()
+        except Exception as e:
+            log.error("%s failed to start: %s", worker_id, e)
+            self._note(f"{worker_id} failed to start: {e}")
+            await self._remove(w, drain=False)
+            raise
+        w.state = "ready"
+        w.tasks.append(asyncio.create_task(self._follow_kv_events(w)))
+        self._note(f"{worker_id} ready at {address}")
+        log.info("%s ready at %s", worker_id, address)
+
+    async def _remove(self, w: Worker, drain: bool) -> None:
+        if drain and w.client is not None and w.state == "ready":
+            w.state = "draining"
+            self._note(f"{w.worker_id} draining")
+            try:
+                await w.client.drain(True)
+                await self._wait_idle(w)
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
+                log.warning("%s: drain incomplete (%s); stopping it anyway", w.worker_id, e)
+        w.state = "stopped" if w.state != "dead" else "dead"
+        for t in w.tasks:
+            t.cancel()
+        self.index.drop(w.worker_id)
+        try:
+            await asyncio.wait_for(w.actor.stop.remote(), 15)
+        except Exception:
+            pass
+        import ray
+
+        try:
+            ray.kill(w.actor, no_restart=True)
+        except Exception:
+            pass
+        if w.client is not None:
+            await w.client.close()
+        self.workers.pop(w.worker_id, None)
+        self._note(f"{w.worker_id} removed ({w.state})")
+
+    async def _wait_idle(self, w: Worker) -> None:
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while time.monotonic() < deadline:
+            s = await w.client.stats()
+            if w.in_flight == 0 and s.num_running == 0 and s.num_waiting == 0 and s.num_awaiting_kv == 0:
+                return
+            await asyncio.sleep(0.1)
+        raise asyncio.TimeoutError(f"still busy after {self.config.drain_timeout_s}s")
+
+    # ---- watching ------------------------------------------------------------------------
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            await asyncio.gather(*(self.check(w) for w in list(self.workers.values()) if w.state == "ready"))
+            if any(len([w for w in self.workers.values() if w.role == r and w.state in ("starting", "ready")])
+                   < self.targets[r] for r in ROLES):
+                asyncio.create_task(self.reconcile())
+
+    async def check(self, w: Worker) -> bool:
+        """One health check; a worker failing `health_failures` in a row is replaced."""
+        try:
+            reply = await w.client.health(timeout=2.0)
+            ok = reply.healthy and reply.epoch == w.epoch
+        except grpc.aio.AioRpcError:
+            ok = False
+        w.failures = 0 if ok else w.failures + 1
+        if not ok and w.failures >= self.config.health_failures and w.state == "ready":
+            w.state = "dead"
+            self.replaced += 1
+            self._note(f"{w.worker_id} failed health checks; replacing it")
+            log.warning("%s is dead; replacing it", w.worker_id)
+            asyncio.create_task(self._remove(w, drain=False))
+        return ok
+
+    def suspect(self, worker_id: str) -> None:
+        """A request saw this worker fail: check it now rather than at the next tick."""
+        w = self.workers.get(worker_id)
+        if w is not None and w.state == "ready":
+            asyncio.create_task(self.check(w))
+
+    async def _stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.stats_interval_s)
+            for w in list(self.workers.values()):
+                if w.state in ("ready", "draining"):
+                    try:
+                        w.stats = await w.client.stats(timeout=1.0)
+                    except grpc.aio.AioRpcError:
+                        pass
+
+    async def _follow_kv_events(self, w: Worker) -> None:
+        while w.state in ("ready", "draining"):
+            try:
+                async for batch in w.client.stub.KVEvents(pb.KVEventsRequest(), metadata=w.client.metadata):
+                    self.index.apply(w.worker_id, batch)
+            except grpc.aio.AioRpcError:
+                self.index.drop(w.worker_id)
+            await asyncio.sleep(0.5)
+
+    def _note(self, what: str) -> None:
+        self.events.append((time.time(), what))
+        del self.events[:-200]

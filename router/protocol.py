@@ -1,0 +1,397 @@
+"""OpenAI API wire types (pydantic v2): requests with vLLM's extras, responses and
+stream chunks in OpenAI's shape, and the one conversion into SamplingParams.
+
+Decisions where OpenAI and vLLM differ or are silent:
+- Unknown request fields are ignored (vLLM's leniency), so newer SDKs keep working;
+  parameters we cannot honour (`logit_bias`, `suffix`, `best_of` != n, `echo` with
+  `logprobs`, tools, non-text `response_format`, `prompt_logprobs`) answer 400.
+- An explicit JSON `null` means "default" for every optional field.
+- `model` may be omitted (vLLM): the served model is used. A name other than the
+  served one (or its aliases) is 404 `model_not_found`.
+- `max_tokens` default: 16 for /v1/completions (OpenAI legacy), clipped to the room
+  left in the context; for chat, everything left in the context (vLLM). An explicit
+  value that does not fit (prompt + max_tokens > max_model_len) is 400.
+  `max_completion_tokens` wins over `max_tokens` in chat.
+- `temperature` in [0, 2] and `top_p` in (0, 1] (OpenAI's ranges); defaults 1.0 / 1.0
+  (OpenAI's; the checkpoint's generation_config is not applied).
+- Completions `logprobs` and chat `top_logprobs` go up to engine MAX_LOGPROBS (20).
+- `n` > 1 runs n engine requests; with a `seed`, choice i uses seed + i (mod 2**63).
+  Batch prompts give choice index prompt_index * n + i (OpenAI's order).
+- Chat roles: system, developer (rendered as system), user, assistant, tool (the
+  chat template decides whether it accepts tool); list content must be text parts,
+  joined with "\n".
+- `priority` (vLLM extra): <= 0 is the interactive lane, > 0 the batch lane.
+- `return_token_ids` (vLLM extra) adds `prompt_token_ids` / `token_ids` to choices.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from router.errors import ApiError
+
+
+# ---------------------------------------------------------------- requests ----
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _Common(_Request):
+    """Fields both endpoints share (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int | None = Field(None, ge=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    priority: int | None = 0
+    return_token_ids: bool | None = False
+    prompt_logprobs: int | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, v: Any) -> Any:
+        if v is None or isinstance(v, str):
+            return v
+        if isinstance(v, list) and all(isinstance(s, str) for s in v):
+            return v
+        raise ValueError("must be a string or a list of strings")
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def check_supported(self) -> None:
+        """400 for parameters accepted by the schema but not honoured by this server."""
+        if self.logit_bias:
+            raise ApiError.invalid("logit_bias is not supported", "logit_bias")
+        if self.prompt_logprobs is not None:
+            raise ApiError.invalid("prompt_logprobs is not supported", "prompt_logprobs")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError.invalid("stream_options is only allowed when stream is true", "stream_options")
+
+
+class CompletionRequest(_Common):
+    prompt: Any = Field(...)
+    echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Any:
+        """str | list[str] | list[int] | list[list[int]], nothing else (no bools)."""
+        def ids(x: Any) -> bool:
+            return isinstance(x, list) and all(type(t) is int for t in x)
+
+        if isinstance(v, str) or ids(v):
+            return v
+        if isinstance(v, list) and (all(isinstance(p, str) for p in v) or all(ids(p) for p in v)):
+            return v
+        raise ValueError("must be a string, a list of strings, a list of token ids "
+                         "or a list of token-id lists")
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise ApiError.invalid("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.num_choices:
+            raise ApiError.invalid("best_of must equal n (no server-side ranking)", "best_of")
+        if self.echo and self.logprobs is not None:
+            raise ApiError.invalid("echo with logprobs needs prompt logprobs, which are not supported", "echo")
+
+    def requested_max_tokens(self) -> tuple[str, int | None]:
+        return "max_tokens", self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class ContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shape(cls, v: Any) -> Any:
+        if v is None or isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise ValueError("must be a string or a list of content parts")
+        for part in v:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content part type {kind!r} is not supported (text parts only)")
+            if not isinstance(part.get("text"), str):
+                raise ValueError("a text content part needs a string `text`")
+        return v
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(p.text for p in self.content)
+        return self.content or ""
+
+    def for_template(self) -> dict[str, Any]:
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": self.text()}
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+class ResponseFormat(_Request):
+    type: str
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    # vLLM extras
+    add_generation_prompt: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for i, m in enumerate(self.messages):
+            if m.content is None and m.role != "assistant":
+                raise ApiError.invalid(f"messages[{i}].content is required for role {m.role!r}", "messages")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError.invalid("top_logprobs needs logprobs=true", "top_logprobs")
+        if self.tools:
+            raise ApiError.invalid("tools are not supported by this server", "tools")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ApiError.invalid("only response_format type 'text' is supported", "response_format")
+
+    def requested_max_tokens(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+AnyRequest = CompletionRequest | ChatCompletionRequest
+
+
+def to_sampling_params(req: AnyRequest, max_tokens: int) -> SamplingParams:
+    """The engine's parameters for `req` (max_tokens already resolved against the
+    context); an invalid value is a 400 naming the parameter."""
+    opt = {k: v for k, v in dict(
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+        seed=req.seed, repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        min_tokens=req.min_tokens,
+    ).items() if v is not None}
+    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, logprobs=req.requested_logprobs(), stop=tuple(stop),
+            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos),
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            skip_special_tokens=req.skip_special_tokens is not False, **opt,
+        )
+    except SamplingParamsError as e:
+        param = e.param
+        if param == "max_tokens":
+            param = req.requested_max_tokens()[0]
+        if param == "logprobs" and isinstance(req, ChatCompletionRequest):
+            param = "top_logprobs"
+        raise ApiError.invalid(str(e), param) from None
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    return None if seed is None else (seed + index) % (2**63)
+
+
+# --------------------------------------------------------------- responses ----
+class _Response(BaseModel):
+    """Serialised with OpenAI's nulls; fields named in `_omit_if_none` are left out
+    when None (vLLM extras, and `usage` on chunks without include_usage)."""
+
+    _omit_if_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit(self, handler):
+        data = handler(self)
+        for key in self._omit_if_none:
+            if data.get(key, 0) is None:
+                del data[key]
+        return data
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(_Response):
+    _omit_if_none = ("token_ids", "prompt_token_ids")
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionResponse(_Response):
+    _omit_if_none = ("usage",)
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(_Response):
+    content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
+
+
+class ChatMessageOut(_Response):
+    role: str = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(_Response):
+    _omit_if_none = ("token_ids",)
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(_Response):
+    _omit_if_none = ("prompt_token_ids",)
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_token_ids: list[int] | None = None
+
+
+class ChatDelta(_Response):
+    _omit_if_none = ("role", "content")
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Response):
+    _omit_if_none = ("token_ids",)
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(_Response):
+    _omit_if_none = ("usage",)
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChunk(CompletionResponse):
+    """Completions stream chunks have the same shape as the response."""
+
+
+class ModelCard(_Response):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "tandem"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class PoolsUpdate(_Request):
+    """Body of POST /admin/pools: target worker counts (None: leave as is)."""
+
+    prefill: int | None = Field(None, ge=0)
+    decode: int | None = Field(None, ge=0)

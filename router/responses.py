@@ -1,0 +1,157 @@
+"""OpenAI response bodies and SSE chunks from finished or running choices.
+
+Streams: one chunk per token batch of a choice (even when its text is held back, as
+vLLM does, so clients can count tokens and inter-token gaps), the choice's last chunk
+carries `finish_reason`; chat sends a role-only chunk first for each choice, when its
+first token is there. With `stream_options.include_usage` a last chunk with empty
+`choices` carries `usage` (other chunks omit `usage`, as vLLM does; with
+`continuous_usage_stats` every chunk carries the usage so far). A failure after the
+stream started is sent as `data: {"error": {...}}`, then `data: [DONE]`.
+
+Usage: prompt tokens count once per prompt (not per choice), completion tokens
+over all choices; cached_tokens is, per prompt, the least any of its choices found.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, AsyncIterator
+
+from starlette.responses import Response
+
+from router.backend import BackendError
+from router.choice import ChoiceResult, merge
+from router.errors import ApiError
+from router.logprobs import TextOffsets, TokenStrings, chat_logprobs, completion_logprobs
+from router.metrics import RouterMetrics
+from router.protocol import (AnyRequest, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                             ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
+                             ChatMessageOut, CompletionChoice, CompletionChunk, CompletionRequest,
+                             CompletionResponse, PromptTokensDetails, Usage)
+from router.sse import SSE_DONE, sse_event
+
+if TYPE_CHECKING:
+    from router.serving import Job
+
+log = logging.getLogger(__name__)
+
+
+def usage_of(job: "Job") -> Usage:
+    prompt = sum(len(p.ids) for p in job.prompts)
+    cached = sum(
+        min((r.cached_tokens for r in job.runs if r.prompt_index == i), default=0)
+        for i in range(len(job.prompts))
+    )
+    completion = sum(r.completion_tokens for r in job.runs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def _json(model) -> Response:
+    return Response(content=model.model_dump_json(), media_type="application/json")
+
+
+class Responder:
+    def __init__(self, strings: TokenStrings, model: str, metrics: RouterMetrics) -> None:
+        self.strings = strings
+        self.model = model
+        self.metrics = metrics
+
+    # ---- whole responses -----------------------------------------------------------
+    def body(self, job: "Job", req: AnyRequest, rid: str, results: list[ChoiceResult]) -> Response:
+        if isinstance(req, ChatCompletionRequest):
+            return self._chat_body(job, req, rid, results)
+        return self._completion_body(job, req, rid, results)
+
+    def _completion_body(self, job: "Job", req: CompletionRequest, rid: str,
+                         results: list[ChoiceResult]) -> Response:
+        choices = []
+        for run, res in zip(job.runs, results):
+            prompt = job.prompts[run.prompt_index]
+            lp = None if req.logprobs is None else completion_logprobs(self.strings, res.logprobs, TextOffsets())
+            choices.append(CompletionChoice(
+                index=run.index, text=(prompt.text or "") + res.text if req.echo else res.text, logprobs=lp,
+                finish_reason=res.finish_reason,
+                prompt_token_ids=prompt.ids if req.return_token_ids else None,
+                token_ids=res.token_ids if req.return_token_ids else None,
+            ))
+        return _json(CompletionResponse(id=rid, created=int(time.time()), model=self.model,
+                                        choices=choices, usage=usage_of(job)))
+
+    def _chat_body(self, job: "Job", req: ChatCompletionRequest, rid: str,
+                   results: list[ChoiceResult]) -> Response:
+        choices = [
+            ChatChoice(
+                index=run.index, message=ChatMessageOut(content=res.text),
+                logprobs=ChatLogprobs(content=chat_logprobs(self.strings, res.logprobs)) if req.logprobs else None,
+                finish_reason=res.finish_reason,
+                token_ids=res.token_ids if req.return_token_ids else None,
+            )
+            for run, res in zip(job.runs, results)
+        ]
+        return _json(ChatCompletionResponse(
+            id=rid, created=int(time.time()), model=self.model, choices=choices, usage=usage_of(job),
+            prompt_token_ids=job.prompts[0].ids if req.return_token_ids else None,
+        ))
+
+    # ---- streams -----------------------------------------------------------------------
+    async def stream(self, job: "Job", req: AnyRequest, rid: str) -> AsyncIterator[bytes]:
+        chat = isinstance(req, ChatCompletionRequest)
+        chunks = self._chat_chunks(job, req, rid) if chat else self._completion_chunks(job, req, rid)
+        try:
+            async for payload in chunks:
+                yield sse_event(payload)
+            if req.include_usage:
+                cls = ChatCompletionChunk if chat else CompletionChunk
+                final = cls(id=rid, created=int(time.time()), model=self.model, choices=[], usage=usage_of(job))
+                yield sse_event(final.model_dump_json())
+        except Exception as e:  # the stream has started: report in-band, then [DONE]
+            if isinstance(e, BackendError):
+                err = ApiError.from_backend(e)
+            else:
+                log.error("stream %s failed", rid, exc_info=e)
+                err = ApiError(500, f"internal server error: {type(e).__name__}", None, "internal_error")
+            self.metrics.count_error(err.status)
+            yield sse_event(json.dumps(err.body()))
+        finally:
+            await chunks.aclose()
+        yield SSE_DONE
+
+    def _running_usage(self, job: "Job", req: AnyRequest) -> Usage | None:
+        return usage_of(job) if req.include_usage and req.continuous_usage else None
+
+    async def _completion_chunks(self, job: "Job", req: CompletionRequest, rid: str) -> AsyncIterator[str]:
+        created = int(time.time())
+        offsets: dict[int, TextOffsets] = {}  # per choice (logprobs' text_offset)
+        async for run, d in merge(job.runs):
+            first = run.index not in offsets
+            prompt = job.prompts[run.prompt_index]
+            text = (prompt.text or "") + d.text if first and req.echo else d.text
+            offset = offsets.setdefault(run.index, TextOffsets())
+            lp = None if req.logprobs is None else completion_logprobs(self.strings, d.logprobs, offset)
+            choice = CompletionChoice(
+                index=run.index, text=text, logprobs=lp, finish_reason=d.finish_reason,
+                prompt_token_ids=prompt.ids if first and req.return_token_ids else None,
+                token_ids=d.token_ids if req.return_token_ids else None,
+            )
+            yield CompletionChunk(id=rid, created=created, model=self.model, choices=[choice],
+                                  usage=self._running_usage(job, req)).model_dump_json()
+
+    async def _chat_chunks(self, job: "Job", req: ChatCompletionRequest, rid: str) -> AsyncIterator[str]:
+        created = int(time.time())
+        started: set[int] = set()
+
+        def chunk(choice: ChatChunkChoice) -> str:
+            return ChatCompletionChunk(id=rid, created=created, model=self.model, choices=[choice],
+                                       usage=self._running_usage(job, req)).model_dump_json()
+
+        async for run, d in merge(job.runs):
+            if run.index not in started:
+                started.add(run.index)
+                yield chunk(ChatChunkChoice(index=run.index, delta=ChatDelta(role="assistant", content="")))
+            lp = ChatLogprobs(content=chat_logprobs(self.strings, d.logprobs)) if req.logprobs else None
+            delta = ChatDelta(content=d.text) if d.text or not d.finish_reason else ChatDelta()
+            yield chunk(ChatChunkChoice(index=run.index, delta=delta, logprobs=lp, finish_reason=d.finish_reason,
+                                        token_ids=d.token_ids if req.return_token_ids else None))

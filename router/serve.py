@@ -1,0 +1,90 @@
+"""`tandem serve`: build the pools, the cluster backend and the HTTP app, then run it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import secrets
+import sys
+
+from engine import envs
+from engine.cli_args import _cores, engine_config_from_args
+from engine.config import WorkerConfig
+
+log = logging.getLogger("tandem")
+
+
+def build_app(args: argparse.Namespace):
+    """Everything `serve` runs, from parsed options: (app, backend, settings)."""
+    from engine.models.builtin import builtin_model_path
+    from engine.tokenizer import Tokenizer
+    from router.app import create_app
+    from router.cluster import ClusterBackend
+    from router.cluster_metrics import ClusterMetrics
+    from router.policy import RoutingConfig
+    from router.pool import PoolConfig, PoolManager
+    from router.settings import RouterSettings
+
+    model_path = os.path.abspath(args.model) if args.model else str(builtin_model_path())
+    engine = dataclasses.replace(engine_config_from_args(args), model=model_path)
+    token = args.cluster_token or secrets.token_hex(16)
+    template = WorkerConfig(role="decode", worker_id="template", engine=engine, host=args.worker_host,
+                            transport=args.transport, cluster_token=token,
+                            layerwise_transfer=not args.no_layerwise_transfer,
+                            reservation_lease_s=args.reservation_lease_s)
+    on_gpu = engine.device.device.startswith("cuda")
+    gpus = args.num_gpus_per_worker if args.num_gpus_per_worker is not None else (1 if on_gpu else 0)
+    resources = {"prefill": {"num_cpus": args.prefill_num_cpus, "num_gpus": gpus},
+                 "decode": {"num_cpus": args.decode_num_cpus, "num_gpus": gpus}}
+    cores = None
+    if args.pin_cores == "auto" and not on_gpu and args.address is None:
+        cores = tuple(sorted(os.sched_getaffinity(0)))
+    elif args.pin_cores not in ("auto", "none"):
+        cores = _cores(args.pin_cores)
+    sizes = {"prefill": 0 if args.colocated else args.prefill, "decode": args.decode}
+    pool = PoolManager(PoolConfig(template, sizes=sizes, resources=resources, cores=cores), ray_address=args.address)
+    routing = RoutingConfig(local_prefill_threshold=args.local_prefill_threshold, colocated=args.colocated)
+    backend = ClusterBackend(pool, routing, ClusterMetrics(pool), lease_s=args.reservation_lease_s)
+    name = args.served_model_name or os.path.basename(model_path.rstrip("/"))
+    settings = RouterSettings(
+        served_model_name=name, model_aliases=(model_path,), api_keys=frozenset(args.api_key),
+        api_key_file=args.api_key_file, admin_key=args.admin_key,
+        max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
+        queue_timeout_s=args.queue_timeout_s, slo_ttft_s=args.slo_ttft_ms / 1000, slo_tpot_s=args.slo_tpot_ms / 1000)
+    app = create_app(backend, Tokenizer.from_dir(model_path), settings, admin=pool,
+                     collectors=[backend.metrics.registry])
+    return app, backend, settings
+
+
+def announce(args, backend, settings) -> None:
+    url = f"http://{args.host}:{args.port}"
+    pools = backend.pool
+    lines = [
+        f"tandem: serving {settings.served_model_name!r} at {url}/v1 (OpenAI API)",
+        f"  health {url}/health   ready {url}/ready   metrics {url}/metrics   admin {url}/admin/pools"
+        + ("" if settings.admin_key else " (closed: no --admin-key)"),
+        f"  Ray: {args.address or 'local'}   mode: {'colocated' if args.colocated else 'disaggregated'}",
+    ]
+    for role in ("prefill", "decode"):
+        ws = sorted(pools.ready(role), key=lambda w: w.worker_id)
+        lines.append(f"  {role} workers ({len(ws)}): " + (", ".join(f"{w.worker_id}@{w.client.address}" for w in ws) or "none"))
+    print("\n".join(lines), flush=True)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    level = (args.log_level or envs.log_level()).upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    app, backend, settings = build_app(args)
+    start = backend.start
+
+    async def start_and_announce() -> None:
+        await start()
+        announce(args, backend, settings)
+
+    backend.start = start_and_announce  # the app's lifespan starts the backend
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", lifespan="on", http="h11", ws="none")
+    return 0

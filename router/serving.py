@@ -1,0 +1,232 @@
+"""The OpenAI endpoints' work between parsing and bytes: tokenize, check limits, build
+SamplingParams, admit, run one engine request per choice, answer (JSON or SSE).
+
+Order of checks (first failure answers): model name, unsupported parameters, prompt
+shape, n limits, backend readiness (503), prompt length and max_tokens against the
+context, sampling parameter ranges, admission (429 / 503), then the backend's own
+refusal (BackendError: 400 / 429 / 503). Responses are built in router/responses.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import re
+import uuid
+from dataclasses import dataclass
+
+import jinja2
+from starlette.requests import Request
+from starlette.responses import Response
+
+from engine.output import TextStream
+from engine.sampling_params import SamplingParams
+from engine.sequence import BATCH, INTERACTIVE
+from engine.tokenizer import Tokenizer, TokenizerError
+from router.admission import Admission
+from router.backend import Backend, BackendError, GenerateRequest
+from router.choice import ChoiceRun, all_or_nothing
+from router.errors import ApiError
+from router.logprobs import TokenStrings
+from router.metrics import RouterMetrics
+from router.protocol import AnyRequest, ChatCompletionRequest, CompletionRequest, choice_seed, to_sampling_params
+from router.responses import Responder
+from router.settings import RouterSettings
+from router.sse import SSEResponse, until_disconnect
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,96}$")
+# Texts longer than this are tokenized on a worker thread, not on the event loop.
+_INLINE_TOKENIZE_CHARS = 32 * 1024
+_RESERVED_TEMPLATE_ARGS = {"messages", "add_generation_prompt", "tokenize", "bos_token", "eos_token"}
+
+
+@dataclass
+class PromptInput:
+    ids: list[int]
+    text: str | None  # the prompt's text (echo); None for token-id prompts until decoded
+
+
+class Job:
+    """The engine requests of one HTTP request and its admission slots; `close` ends
+    every engine request still running and gives the slots back, once."""
+
+    def __init__(self, admission: Admission, weight: int, prompts: list[PromptInput]) -> None:
+        self.admission = admission
+        self.weight = weight
+        self.prompts = prompts
+        self.runs: list[ChoiceRun] = []
+        self._closed = False
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for run in self.runs:
+                await run.close()
+        finally:
+            self.admission.release(self.weight)
+
+
+class OpenAIServing:
+    def __init__(self, backend: Backend, tokenizer: Tokenizer, settings: RouterSettings,
+                 metrics: RouterMetrics, admission: Admission) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.metrics = metrics
+        self.admission = admission
+        self.responder = Responder(TokenStrings(tokenizer), settings.served_model_name, metrics)
+
+    # ---- endpoints -------------------------------------------------------------
+    async def completion(self, request: Request, req: CompletionRequest, arrival: float) -> Response:
+        self._check_common(req)
+        prompts = await self._completion_prompts(req)
+        self._check_counts(req, len(prompts))
+        params = [self._params(req, p, self.settings.default_completion_max_tokens, "prompt") for p in prompts]
+        if req.echo:
+            for p in prompts:
+                p.text = p.text if p.text is not None else self.tokenizer.decode(p.ids)
+        rid = _response_id("cmpl", request)
+        return await self._serve(request, req, prompts, params, arrival, rid)
+
+    async def chat(self, request: Request, req: ChatCompletionRequest, arrival: float) -> Response:
+        self._check_common(req)
+        prompts = [await self._chat_prompt(req)]
+        self._check_counts(req, 1)
+        params = [self._params(req, prompts[0], None, "messages")]
+        rid = _response_id("chatcmpl", request)
+        return await self._serve(request, req, prompts, params, arrival, rid)
+
+    async def _serve(self, request: Request, req: AnyRequest, prompts: list[PromptInput],
+                     params: list[SamplingParams], arrival: float, rid: str) -> Response:
+        if req.stream:
+            job = await until_disconnect(request, self._open(req, prompts, params, arrival, rid))
+            return SSEResponse(self.responder.stream(job, req, rid), job.close)
+
+        async def answer() -> Response:
+            job = await self._open(req, prompts, params, arrival, rid)
+            try:
+                results = await all_or_nothing(run.collect() for run in job.runs)
+            except BackendError as e:
+                raise ApiError.from_backend(e) from None
+            finally:
+                await job.close()
+            return self.responder.body(job, req, rid, results)
+
+        return await until_disconnect(request, answer())
+
+    # ---- checks and inputs -------------------------------------------------------
+    def _check_common(self, req: AnyRequest) -> None:
+        if req.model is not None and req.model not in self.settings.model_names:
+            raise ApiError.model_not_found(req.model)
+        req.check_supported()
+
+    def _check_counts(self, req: AnyRequest, num_prompts: int) -> None:
+        s = self.settings
+        if req.num_choices > s.max_n:
+            raise ApiError.invalid(f"n must be at most {s.max_n}, got {req.num_choices}", "n")
+        if num_prompts * req.num_choices > s.max_choices_per_request:
+            raise ApiError.invalid(
+                f"{num_prompts} prompts x n={req.num_choices} is more than {s.max_choices_per_request} "
+                "choices per request; split the batch", "prompt")
+        if not self.backend.ready():
+            raise ApiError.overloaded(503, "the backend is not ready", self.settings.retry_after_s)
+
+    async def _off_loop(self, size: int, fn, *args):
+        """fn(*args), on a thread when the input is large (tokenizing megabytes)."""
+        return fn(*args) if size <= _INLINE_TOKENIZE_CHARS else await asyncio.to_thread(fn, *args)
+
+    async def _completion_prompts(self, req: CompletionRequest) -> list[PromptInput]:
+        p = req.prompt
+        items = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not items:
+            raise ApiError.invalid("prompt must not be empty", "prompt")
+        vocab = self.tokenizer.vocab_size
+        out = []
+        for i, item in enumerate(items):
+            where = "prompt" if len(items) == 1 else f"prompt[{i}]"
+            if not item:
+                raise ApiError.invalid(f"{where} must not be empty", "prompt")
+            if isinstance(item, str):
+                out.append(PromptInput(await self._off_loop(len(item), self.tokenizer.encode, item), item))
+                continue
+            bad = next((t for t in item if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ApiError.invalid(f"{where}: token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
+            out.append(PromptInput(list(item), None))
+        return out
+
+    async def _chat_prompt(self, req: ChatCompletionRequest) -> PromptInput:
+        kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_ARGS}
+        messages = [m.for_template() for m in req.messages]
+        size = sum(len(m["content"]) for m in messages)
+        render = functools.partial(self.tokenizer.apply_chat_template, messages, tokenize=True,
+                                   add_generation_prompt=req.add_generation_prompt is not False, **kwargs)
+        try:
+            ids = await self._off_loop(size, render)
+        except TokenizerError as e:
+            raise ApiError.invalid(str(e), "messages") from None
+        except (jinja2.TemplateError, TypeError, ValueError) as e:
+            raise ApiError.invalid(f"the chat template rejected the messages: {e}", "messages") from None
+        if not ids:
+            raise ApiError.invalid("the messages render to an empty prompt", "messages")
+        return PromptInput(list(ids), None)
+
+    def _params(self, req: AnyRequest, prompt: PromptInput, default_max: int | None,
+                prompt_param: str) -> SamplingParams:
+        """SamplingParams with max_tokens resolved against the room left in the context."""
+        limit = self.backend.max_model_len
+        n = len(prompt.ids)
+        if n >= limit:
+            raise ApiError.context_length(
+                f"This model's maximum context length is {limit} tokens, and the prompt has {n} tokens, "
+                "leaving no room for the completion. Shorten the prompt.", prompt_param)
+        room = limit - n
+        name, asked = req.requested_max_tokens()
+        if asked is None:
+            max_tokens = room if default_max is None else min(default_max, room)
+        elif asked < 1:
+            raise ApiError.invalid(f"{name} must be at least 1, got {asked}", name)
+        elif asked > room:
+            raise ApiError.context_length(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n + asked} tokens ({n} in the prompt, {asked} in the completion). "
+                f"Reduce the prompt or {name}.", name)
+        else:
+            max_tokens = asked
+        return to_sampling_params(req, max_tokens)
+
+    # ---- running -----------------------------------------------------------------
+    async def _open(self, req: AnyRequest, prompts: list[PromptInput], params: list[SamplingParams],
+                    arrival: float, rid: str) -> Job:
+        """Admit, then start one engine request per choice and wait for every first batch."""
+        n = req.num_choices
+        weight = await self.admission.acquire(len(prompts) * n)
+        job = Job(self.admission, weight, prompts)
+        priority = INTERACTIVE if (req.priority or 0) <= 0 else BATCH
+        try:
+            for pi, (prompt, base) in enumerate(zip(prompts, params)):
+                for j in range(n):
+                    p = base if req.seed is None else base.replace(seed=choice_seed(req.seed, j))
+                    index = pi * n + j
+                    greq = GenerateRequest(f"{rid}-{index}", prompt.ids, p, priority)
+                    job.runs.append(ChoiceRun(index, pi, self.backend, greq,
+                                              TextStream(self.tokenizer, p, prompt.ids), self.metrics.timer(arrival)))
+            await all_or_nothing(run.start() for run in job.runs)
+        except BackendError as e:
+            await job.close()
+            raise ApiError.from_backend(e) from None
+        except BaseException:
+            await job.close()
+            raise
+        return job
+
+
+def _response_id(prefix: str, request: Request) -> str:
+    """`<prefix>-<x-request-id>-<random>` (the client's id when it is a sane one):
+    engine request ids stay unique even when a client reuses its ids."""
+    given = request.headers.get("x-request-id", "")
+    tail = uuid.uuid4().hex[:16]
+    return f"{prefix}-{given}-{tail}" if _REQUEST_ID.match(given) else f"{prefix}-{tail}"
+

@@ -1,0 +1,67 @@
+"""RouterSettings: everything the HTTP layer needs, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class SettingsError(ValueError):
+    pass
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise SettingsError(msg)
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    served_model_name: str = "tandem-tiny-v1"
+    # More names a request's `model` may use for the same model (e.g. the checkpoint path).
+    model_aliases: tuple[str, ...] = ()
+    # API keys on /v1/*: none (and no file) means the OpenAI endpoints are open.
+    api_keys: frozenset[str] = frozenset()
+    api_key_file: str | None = None
+    # Key for /admin; None keeps /admin closed.
+    admin_key: str | None = None
+    # Admission in the router, counted in engine requests (prompts x n of each HTTP
+    # request): at most `max_concurrent_requests` in the backend, at most
+    # `max_queued_requests` waiting for a slot (beyond: 429), each waiting at most
+    # `queue_timeout_s` (then 503). Both answers carry Retry-After: `retry_after_s`.
+    max_concurrent_requests: int = 256
+    max_queued_requests: int = 1024
+    queue_timeout_s: float = 30.0
+    retry_after_s: float = 1.0
+    # Largest request body accepted (413 beyond).
+    max_request_body_bytes: int = 32 * 1024 * 1024
+    # Largest n, and largest prompts x n of one request.
+    max_n: int = 16
+    max_choices_per_request: int = 256
+    # max_tokens of /v1/completions when the request gives none (OpenAI legacy).
+    default_completion_max_tokens: int = 16
+    # SLO targets of tandem:slo_attainment_total.
+    slo_ttft_s: float = 1.0
+    slo_tpot_s: float = 0.1
+    # The app's lifespan starts the backend on startup and stops it on shutdown.
+    manage_backend: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "api_keys", frozenset(self.api_keys))  # accept any iterable
+        object.__setattr__(self, "model_aliases", tuple(self.model_aliases))
+        _require(bool(self.served_model_name), "served_model_name must not be empty")
+        _require(self.max_concurrent_requests >= 1, "max_concurrent_requests must be >= 1")
+        _require(self.max_queued_requests >= 0, "max_queued_requests must be >= 0 (0: no queue, 429 when busy)")
+        _require(self.queue_timeout_s > 0, "queue_timeout_s must be > 0")
+        _require(self.retry_after_s > 0, "retry_after_s must be > 0")
+        _require(self.max_request_body_bytes >= 1024, "max_request_body_bytes must be >= 1024")
+        _require(self.max_n >= 1, "max_n must be >= 1")
+        _require(self.max_choices_per_request >= self.max_n,
+                 "max_choices_per_request must be >= max_n")
+        _require(self.default_completion_max_tokens >= 1, "default_completion_max_tokens must be >= 1")
+        _require(self.slo_ttft_s > 0 and self.slo_tpot_s > 0, "SLO targets must be > 0 seconds")
+        _require(not self.admin_key or self.admin_key not in self.api_keys,
+                 "the admin key must differ from every API key")
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.model_aliases)
