@@ -52,6 +52,7 @@ class LLMEngine:
         self.eos_ids = eos_ids
         self.stats = StepStats()
         self.seqs: dict[str, Sequence] = {}
+        self.on_forward = None  # optional (num_tokens, forward_s) -> None, e.g. metrics
 
     @classmethod
     def from_config(cls, config: EngineConfig, checkpoint=None) -> "LLMEngine":
@@ -127,6 +128,8 @@ class LLMEngine:
         self.stats.num_tokens += result.num_tokens
         self.stats.forward_s += result.forward_s
         self.stats.last_step_s = result.forward_s
+        if self.on_forward is not None:
+            self.on_forward(result.num_tokens, result.forward_s)
         for seq in self.scheduler.update(out, result.token_ids):
             events.append(self._event(seq, seq.output_ids[-1], result.logprobs.get(seq.seq_id)))
             self._forget_if_done(seq)

@@ -23,6 +23,7 @@ from decode_worker.async_engine import AsyncEngine
 from decode_worker.engine import LLMEngine, TokenEvent
 from engine.config import WorkerConfig
 from engine.kv_events import KVEventHub
+from engine.worker_metrics import ENGINE_COUNTERS, WorkerMetrics, engine_state
 from engine.worker_common import make_transport
 from engine.rpc import new_epoch, start_server
 from engine.scheduler import AdmissionError, NoCapacity
@@ -75,6 +76,10 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         self.aengine.on_step = self._after_step
         loop = asyncio.get_running_loop()
         self.kv_events = KVEventHub(self.engine.pool, cfg.worker_id, self.epoch, loop)
+        self.metrics = WorkerMetrics(cfg.worker_id, self.role, self._metric_state, ENGINE_COUNTERS)
+        self.engine.on_forward = self.metrics.on_step
+        if cfg.metrics_port is not None:
+            self.metrics.serve(cfg.host, cfg.metrics_port)
         self.aengine.start(loop)
         self.server, port = await start_server(lambda s: pb_grpc.add_DecodeWorkerServicer_to_server(self, s),
                                                cfg.host, cfg.port, cfg.cluster_token)
@@ -88,6 +93,16 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
             await self.server.stop(grace)
         self.aengine.stop()
         self.transport.close()
+
+    def _metric_state(self) -> dict[str, float]:
+        s = self.engine.scheduler
+        waiting = [q for rid, q in list(s.awaiting_kv.items()) if rid not in self.quarantined]
+        return engine_state(s, self.engine.pool) | {
+            "tandem:requests_waiting_for_kv": len(waiting),
+            "tandem:blocks_reserved_for_incoming_kv": sum(len(q.block_ids) for q in waiting),
+            "tandem:blocks_quarantined": sum(len(q.block_ids) for rid, q in list(s.awaiting_kv.items())
+                                             if rid in self.quarantined),
+        }
 
     # ---- engine thread -------------------------------------------------------------------
     def _reserve(self, rid, prompt_ids, params, priority, lease_s):
@@ -112,9 +127,11 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
             self.ledger.mark_ready(msg.request_id)
             lp = logprobs_from_pb(msg.logprobs) if msg.HasField("logprobs") else None
             ev = self.engine.mark_landed(msg.request_id, msg.first_token, lp)
+            self.metrics.kv_landed.inc()
             self.ledger.start_running(msg.request_id)
             events.append(ev)
         for entry in self.ledger.sweep():
+            self.metrics.kv_expired.inc()
             events.append(self._error_event(entry.request_id, f"KV for this request never arrived: {entry.reason}"))
         return events
 
@@ -219,7 +236,8 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
 
     def _health(self) -> pb.HealthReply:
         return pb.HealthReply(healthy=self.aengine.healthy, worker_id=self.config.worker_id, epoch=self.epoch,
-                              role=self.role, error=self.aengine.error or "", draining=self.draining)
+                              role=self.role, error=self.aengine.error or "", draining=self.draining,
+                              metrics_address=self.metrics.address)
 
     async def Stats(self, request, context):
         s, pool = self.engine.scheduler, self.engine.pool

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import threading
@@ -75,7 +76,7 @@ class WorkerActor:
 
     def info(self) -> dict:
         return {"worker_id": self.host.config.worker_id, "role": self.host.config.role, "address": self.address,
-                "epoch": getattr(self.host.worker, "epoch", 0)}
+                "epoch": getattr(self.host.worker, "epoch", 0), "pid": os.getpid()}
 
     def check_integrity(self) -> bool:
         self.host.check_integrity()
@@ -93,6 +94,7 @@ def parse_args(role: str, argv: list[str] | None) -> WorkerConfig:
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
     p.add_argument("--transport", default="auto", choices=("auto", "nixl", "tcp"))
     p.add_argument("--cluster-token", default=None, help="shared secret every gRPC call must carry")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any free port)")
     p.add_argument("--no-layerwise-transfer", action="store_true", help="prefill: push KV after the whole forward")
     p.add_argument("--reservation-lease-s", type=float, default=30.0)
     p.add_argument("--reservation-quarantine-s", type=float, default=30.0,
@@ -102,7 +104,7 @@ def parse_args(role: str, argv: list[str] | None) -> WorkerConfig:
     return WorkerConfig(role=role, worker_id=a.worker_id, engine=engine_config_from_args(a), host=a.host,
                         port=a.port, transport=a.transport, cluster_token=a.cluster_token,
                         layerwise_transfer=not a.no_layerwise_transfer, reservation_lease_s=a.reservation_lease_s,
-                        reservation_quarantine_s=a.reservation_quarantine_s)
+                        reservation_quarantine_s=a.reservation_quarantine_s, metrics_port=a.metrics_port)
 
 
 def main(role: str, argv: list[str] | None = None) -> int:

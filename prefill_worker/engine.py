@@ -84,7 +84,7 @@ class PrefillEngine:
         self.block_bytes = runner.kv_cache.shape.block_bytes
         self.jobs: dict[str, Job] = {}
         self.ledger = Ledger(self._on_free, default_lease_s=handoff_lease_s, exclusive_blocks=False)
-        self.completed: list[tuple[str, float, int]] = []  # (outcome, transfer_s, bytes) for metrics
+        self.metrics = None  # optional engine.worker_metrics.WorkerMetrics
         self.faults = envs.faults()
 
     # ---- requests (engine thread) ---------------------------------------------------
@@ -141,6 +141,8 @@ class PrefillEngine:
             job.scheduled_at = job.scheduled_at or now
         hook = self._layer_hook(finishing) if self.layerwise and finishing else None
         result = self.runner.execute(out.plan, on_layer_done=hook)
+        if self.metrics is not None:
+            self.metrics.on_step(result.num_tokens, result.forward_s)
         self.scheduler.update(out, result.token_ids)
         for job in finishing:
             job.logprobs = result.logprobs.get(job.seq.seq_id)
@@ -211,11 +213,15 @@ class PrefillEngine:
         self.jobs.pop(job.seq.seq_id, None)
         if job.future.done():
             return
+        m = self.metrics
         if isinstance(outcome, Exception):
-            self.completed.append(("failed", 0.0, 0))
+            if m is not None:
+                m.transfer_failures.inc()
             job.future.set_exception(outcome)
         else:
-            self.completed.append(("ok", outcome.transfer_s, outcome.num_bytes))
+            if m is not None:
+                m.transfer_seconds.observe(outcome.transfer_s)
+                m.transfer_bytes.inc(outcome.num_bytes)
             job.future.set_result(outcome)
 
     def check_integrity(self) -> None:

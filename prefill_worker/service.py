@@ -19,6 +19,7 @@ import grpc
 from engine.build import build_parts
 from engine.config import WorkerConfig
 from engine.kv_events import KVEventHub
+from engine.worker_metrics import ENGINE_COUNTERS, WorkerMetrics, engine_state
 from engine.loop import EngineLoop
 from engine.worker_common import make_transport
 from engine.rpc import call_metadata, channel, new_epoch, start_server
@@ -59,6 +60,10 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         self.max_model_len = parts.scheduler_config.max_model_len
         loop = asyncio.get_running_loop()
         self.kv_events = KVEventHub(parts.pool, cfg.worker_id, self.epoch, loop)
+        self.metrics = WorkerMetrics(cfg.worker_id, self.role, self._metric_state, ENGINE_COUNTERS)
+        self.engine.metrics = self.metrics
+        if cfg.metrics_port is not None:
+            self.metrics.serve(cfg.host, cfg.metrics_port)
         self.loop = EngineLoop(self._step, self._wait_s, lambda _: None, self._on_fatal, name="prefill-engine")
         self.loop.start(loop)
         self.server, port = await start_server(lambda s: pb_grpc.add_PrefillWorkerServicer_to_server(self, s),
@@ -73,6 +78,11 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             await self.server.stop(grace)
         self.loop.stop()
         self.transport.close()
+
+    def _metric_state(self) -> dict[str, float]:
+        s = self.engine.scheduler
+        return engine_state(s, s.pool) | {"tandem:queued_prefill_tokens": s.queued_tokens,
+                                          "tandem:kv_handoffs_in_flight": len(s.handoff)}
 
     # ---- engine thread ------------------------------------------------------------------
     def _step(self) -> list:
@@ -180,7 +190,8 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
 
     def _health(self) -> pb.HealthReply:
         return pb.HealthReply(healthy=self.loop.healthy, worker_id=self.config.worker_id, epoch=self.epoch,
-                              role=self.role, error=self.loop.error or "", draining=self.draining)
+                              role=self.role, error=self.loop.error or "", draining=self.draining,
+                              metrics_address=self.metrics.address)
 
     async def Stats(self, request, context):
         s, pool = self.engine.scheduler, self.engine.scheduler.pool

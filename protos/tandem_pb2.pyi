@@ -246,20 +246,22 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("healthy", "worker_id", "epoch", "role", "error", "draining")
+    __slots__ = ("healthy", "worker_id", "epoch", "role", "error", "draining", "metrics_address")
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     healthy: bool
     worker_id: str
     epoch: int
     role: str
     error: str
     draining: bool
-    def __init__(self, healthy: _Optional[bool] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., role: _Optional[str] = ..., error: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, healthy: _Optional[bool] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., role: _Optional[str] = ..., error: _Optional[str] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

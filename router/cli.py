@@ -57,6 +57,8 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     c.add_argument("--pin-cores", default="auto", help="auto (local CPU runs), none, or a core list like 0-7")
     c.add_argument("--no-layerwise-transfer", action="store_true", help="push KV after the whole prefill")
     c.add_argument("--reservation-lease-s", type=float, default=30.0)
+    c.add_argument("--reservation-quarantine-s", type=float, default=30.0,
+                   help="blocks of a reservation that ended before its KV landed stay unused this long")
     add_engine_args(p)
     p.set_defaults(func=lambda a: _run_serve(a, p))
     return p

@@ -53,6 +53,8 @@ class Worker:
     client: WorkerClient | None = None
     state: str = "starting"  # starting | ready | draining | dead | stopped
     epoch: int = 0
+    metrics_address: str = ""
+    pid: int = 0
     stats: pb.WorkerStats | None = None
     in_flight: int = 0  # requests routed here and not finished (drain waits for 0)
     pending: int = 0  # of those, routed but not yet producing tokens (not in `stats` yet)
@@ -65,7 +67,8 @@ class Worker:
     def as_dict(self) -> dict:
         s = self.stats
         d = {"worker_id": self.worker_id, "role": self.role, "state": self.state, "in_flight": self.in_flight,
-             "address": self.client.address if self.client else "", "epoch": f"{self.epoch:x}"}
+             "address": self.client.address if self.client else "", "epoch": f"{self.epoch:x}",
+             "metrics": self.metrics_address, "pid": self.pid}
         if s is not None:
             d |= {"running": s.num_running, "waiting": s.num_waiting, "awaiting_kv": s.num_awaiting_kv,
                   "kv_usage": round(1 - s.num_free_blocks / max(s.num_blocks, 1), 4),
@@ -171,7 +174,9 @@ class PoolManager(AdminInterface):
         try:
             address = await asyncio.wait_for(actor.start.remote(), self.config.start_timeout_s)
             w.client = WorkerClient(worker_id, role, address, self.config.template.cluster_token)
-            w.epoch = (await wait_ready(w.client, timeout=60)).epoch
+            health = await wait_ready(w.client, timeout=60)
+            w.epoch, w.metrics_address = health.epoch, health.metrics_address
+            w.pid = (await asyncio.wait_for(actor.info.remote(), 30))["pid"]
             w.stats = await w.client.stats()
         except Exception as e:
             log.error("%s failed to start: %s", worker_id, e)

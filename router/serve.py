@@ -33,7 +33,8 @@ def build_app(args: argparse.Namespace):
     template = WorkerConfig(role="decode", worker_id="template", engine=engine, host=args.worker_host,
                             transport=args.transport, cluster_token=token,
                             layerwise_transfer=not args.no_layerwise_transfer,
-                            reservation_lease_s=args.reservation_lease_s)
+                            reservation_lease_s=args.reservation_lease_s,
+                            reservation_quarantine_s=args.reservation_quarantine_s, metrics_port=0)
     on_gpu = engine.device.device.startswith("cuda")
     gpus = args.num_gpus_per_worker if args.num_gpus_per_worker is not None else (1 if on_gpu else 0)
     resources = {"prefill": {"num_cpus": args.prefill_num_cpus, "num_gpus": gpus},
