@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ from router.worker_client import WorkerClient, wait_ready
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
+LOCAL_LOGICAL_CPUS = 64
 
 
 @dataclass(frozen=True)
@@ -95,8 +97,13 @@ class PoolManager(AdminInterface):
         import ray
 
         if not ray.is_initialized():
+            kw = {}
+            if self.ray_address is None:
+                # A local runtime advertises at least LOCAL_LOGICAL_CPUS, so pools can grow past the
+                # core count on one machine; workers share cores (pinned round-robin, PoolConfig.cores).
+                kw["num_cpus"] = max(os.cpu_count() or 1, LOCAL_LOGICAL_CPUS)
             await asyncio.to_thread(ray.init, address=self.ray_address, include_dashboard=False,
-                                    ignore_reinit_error=True, logging_level=logging.WARNING, log_to_driver=True)
+                                    ignore_reinit_error=True, logging_level=logging.WARNING, log_to_driver=True, **kw)
         from decode_worker.actor import DecodeWorkerActor
         from prefill_worker.actor import PrefillWorkerActor
 
