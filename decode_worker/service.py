@@ -24,7 +24,7 @@ from decode_worker.engine import LLMEngine, TokenEvent
 from engine.config import WorkerConfig
 from engine.kv_events import KVEventHub
 from engine.worker_metrics import ENGINE_COUNTERS, WorkerMetrics, engine_state
-from engine.worker_common import make_transport
+from engine.worker_common import WorkerRpcs, make_transport
 from engine.rpc import new_epoch, start_server
 from engine.scheduler import AdmissionError, NoCapacity
 from engine.sampling_params import SamplingParamsError
@@ -51,7 +51,7 @@ def tokens_message(ev: TokenEvent) -> pb.DecodeEvent:
     return pb.DecodeEvent(tokens=t)
 
 
-class DecodeWorker(pb_grpc.DecodeWorkerServicer):
+class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
     role = "decode"
 
     def __init__(self, config: WorkerConfig) -> None:
@@ -74,6 +74,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         self.aengine = AsyncEngine(self.engine, poll_input=self._poll_landings, abort=self._abort,
                                    expects_input=lambda: len(self.ledger) > 0)
         self.aengine.on_step = self._after_step
+        self.engine_loop = self.aengine.loop
         loop = asyncio.get_running_loop()
         self.kv_events = KVEventHub(self.engine.pool, cfg.worker_id, self.epoch, loop)
         self.metrics = WorkerMetrics(cfg.worker_id, self.role, self._metric_state, ENGINE_COUNTERS)
@@ -223,21 +224,6 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         return pb.HandshakeReply(worker_id=self.config.worker_id, epoch=self.epoch, backend=self.transport.name,
                                  descriptor=self.transport.local_descriptor())
 
-    async def Health(self, request, context):
-        return self._health()
-
-    async def CheckIntegrity(self, request, context):
-        reply = self._health()
-        try:
-            await self.aengine.loop.call(self.check_integrity)
-        except AssertionError as e:
-            reply.healthy, reply.error = False, f"integrity check failed: {e}"
-        return reply
-
-    def _health(self) -> pb.HealthReply:
-        return pb.HealthReply(healthy=self.aengine.healthy, worker_id=self.config.worker_id, epoch=self.epoch,
-                              role=self.role, error=self.aengine.error or "", draining=self.draining,
-                              metrics_address=self.metrics.address)
 
     async def Stats(self, request, context):
         s, pool = self.engine.scheduler, self.engine.pool
@@ -250,15 +236,3 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
             max_num_seqs=s.config.max_num_seqs, block_size=pool.block_size, prefix_cache_queries=pool.queries,
             prefix_cache_hits=pool.hits, num_preemptions=s.num_preemptions, draining=self.draining,
             transport=self.transport.name, max_model_len=s.config.max_model_len)
-
-    async def Drain(self, request, context):
-        self.draining = request.drain
-        return self._health()
-
-    async def KVEvents(self, request, context):
-        q = await self.aengine.call(self.kv_events.subscribe)
-        try:
-            while True:
-                yield await q.get()
-        finally:
-            self.aengine.post(self.kv_events.unsubscribe, q)

@@ -19,44 +19,22 @@ Block ownership lives in engine/block_pool.py (pure Python).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from engine.config import CacheConfig, ModelConfig
+from kv_transfer.layout import KVLayout
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass(frozen=True)
-class KVShape:
-    num_layers: int
-    num_blocks: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-
-    @property
-    def region_bytes(self) -> int:
-        """Bytes of one (layer, K|V, block) region."""
-        return self.block_size * self.num_kv_heads * self.head_dim * torch.tensor([], dtype=TORCH_DTYPES[self.dtype]).element_size()
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block across all layers, K and V."""
-        return 2 * self.num_layers * self.region_bytes
-
-
-def bytes_per_block(model: ModelConfig, block_size: int) -> int:
-    itemsize = torch.tensor([], dtype=TORCH_DTYPES[model.dtype]).element_size()
-    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * itemsize
+def layout_for(model: ModelConfig, block_size: int, num_blocks: int = 1) -> KVLayout:
+    return KVLayout(model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim, model.dtype)
 
 
 class KVCache:
     def __init__(self, model: ModelConfig, cache: CacheConfig, device: torch.device) -> None:
-        num_blocks = cache.resolve_num_blocks(bytes_per_block(model, cache.block_size))
-        self.shape = KVShape(model.num_layers, num_blocks, cache.block_size, model.num_kv_heads, model.head_dim, model.dtype)
+        num_blocks = cache.resolve_num_blocks(layout_for(model, cache.block_size).block_bytes)
+        self.layout = layout_for(model, cache.block_size, num_blocks)
         self.kv = torch.zeros(
             (model.num_layers, 2, num_blocks, cache.block_size, model.num_kv_heads, model.head_dim),
             dtype=TORCH_DTYPES[model.dtype],
@@ -66,8 +44,8 @@ class KVCache:
 
     @property
     def num_blocks(self) -> int:
-        return self.shape.num_blocks
+        return self.layout.num_blocks
 
     @property
     def block_size(self) -> int:
-        return self.shape.block_size
+        return self.layout.block_size

@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine import envs
 from engine.config import WorkerConfig
 from kv_transfer.base import Transport, TransportConfig, create_transport
+from protos import tandem_pb2 as pb
 
 
 def make_transport(cfg: WorkerConfig, epoch: int) -> Transport:
@@ -18,3 +19,37 @@ def make_transport(cfg: WorkerConfig, epoch: int) -> Transport:
 
         transport = FaultyTransport(transport, faults)
     return transport
+
+
+class WorkerRpcs:
+    """The RPCs both worker services answer the same way. A service sets `role`,
+    `config`, `epoch`, `draining`, `metrics`, `kv_events` and `engine_loop` (its
+    EngineLoop), and defines `check_integrity()` (run on the engine thread)."""
+
+    async def Health(self, request, context):
+        return self._health()
+
+    async def CheckIntegrity(self, request, context):
+        reply = self._health()
+        try:
+            await self.engine_loop.call(self.check_integrity)
+        except AssertionError as e:
+            reply.healthy, reply.error = False, f"integrity check failed: {e}"
+        return reply
+
+    def _health(self) -> pb.HealthReply:
+        loop = self.engine_loop
+        return pb.HealthReply(healthy=loop.healthy, worker_id=self.config.worker_id, epoch=self.epoch, role=self.role,
+                              error=loop.error or "", draining=self.draining, metrics_address=self.metrics.address)
+
+    async def Drain(self, request, context):
+        self.draining = request.drain
+        return self._health()
+
+    async def KVEvents(self, request, context):
+        q = await self.engine_loop.call(self.kv_events.subscribe)
+        try:
+            while True:
+                yield await q.get()
+        finally:
+            self.engine_loop.post(self.kv_events.unsubscribe, q)

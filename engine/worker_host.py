@@ -49,8 +49,7 @@ class WorkerHost:
 
     def check_integrity(self, timeout: float = 30.0) -> None:
         """Raise AssertionError if any block or ledger entry is leaked (runs on the engine thread)."""
-        loop = self.worker.aengine.loop if self.config.role == "decode" else self.worker.loop
-        self.run(loop.call(self.worker.check_integrity), timeout)
+        self.run(self.worker.engine_loop.call(self.worker.check_integrity), timeout)
 
     def stop(self, timeout: float = 15.0) -> None:
         try:

@@ -81,7 +81,7 @@ class PrefillEngine:
         self.eos_ids = eos_ids
         self.layerwise = layerwise
         self.num_layers = runner.model_config.num_layers
-        self.block_bytes = runner.kv_cache.shape.block_bytes
+        self.block_bytes = runner.kv_cache.layout.block_bytes
         self.jobs: dict[str, Job] = {}
         self.ledger = Ledger(self._on_free, default_lease_s=handoff_lease_s, exclusive_blocks=False)
         self.metrics = None  # optional engine.worker_metrics.WorkerMetrics

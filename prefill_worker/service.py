@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import logging
-import time
 
 import grpc
 
@@ -21,7 +20,7 @@ from engine.config import WorkerConfig
 from engine.kv_events import KVEventHub
 from engine.worker_metrics import ENGINE_COUNTERS, WorkerMetrics, engine_state
 from engine.loop import EngineLoop
-from engine.worker_common import make_transport
+from engine.worker_common import WorkerRpcs, make_transport
 from engine.rpc import call_metadata, channel, new_epoch, start_server
 from engine.sampling_params import SamplingParamsError
 from engine.scheduler import AdmissionError
@@ -38,7 +37,7 @@ HANDSHAKE_TIMEOUT_S = 10.0
 PREFILL_TIMEOUT_S = 600.0
 
 
-class PrefillWorker(pb_grpc.PrefillWorkerServicer):
+class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
     role = "prefill"
 
     def __init__(self, config: WorkerConfig) -> None:
@@ -65,6 +64,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         if cfg.metrics_port is not None:
             self.metrics.serve(cfg.host, cfg.metrics_port)
         self.loop = EngineLoop(self._step, self._wait_s, lambda _: None, self._on_fatal, name="prefill-engine")
+        self.engine_loop = self.loop
         self.loop.start(loop)
         self.server, port = await start_server(lambda s: pb_grpc.add_PrefillWorkerServicer_to_server(self, s),
                                                cfg.host, cfg.port, cfg.cluster_token)
@@ -177,21 +177,6 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         found = await self.loop.call(self.engine.abort, request.request_id, "aborted by the router")
         return pb.AbortReply(found=bool(found))
 
-    async def Health(self, request, context):
-        return self._health()
-
-    async def CheckIntegrity(self, request, context):
-        reply = self._health()
-        try:
-            await self.loop.call(self.check_integrity)
-        except AssertionError as e:
-            reply.healthy, reply.error = False, f"integrity check failed: {e}"
-        return reply
-
-    def _health(self) -> pb.HealthReply:
-        return pb.HealthReply(healthy=self.loop.healthy, worker_id=self.config.worker_id, epoch=self.epoch,
-                              role=self.role, error=self.loop.error or "", draining=self.draining,
-                              metrics_address=self.metrics.address)
 
     async def Stats(self, request, context):
         s, pool = self.engine.scheduler, self.engine.scheduler.pool
@@ -201,15 +186,3 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             queued_prefill_tokens=s.queued_tokens, max_num_seqs=s.config.max_num_seqs, block_size=pool.block_size,
             prefix_cache_queries=pool.queries, prefix_cache_hits=pool.hits, draining=self.draining,
             transport=self.transport.name, max_model_len=self.max_model_len)
-
-    async def Drain(self, request, context):
-        self.draining = request.drain
-        return self._health()
-
-    async def KVEvents(self, request, context):
-        q = await self.loop.call(self.kv_events.subscribe)
-        try:
-            while True:
-                yield await q.get()
-        finally:
-            self.loop.post(self.kv_events.unsubscribe, q)

