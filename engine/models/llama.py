@@ -96,10 +96,18 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin rows of `positions` [T], each [T, 1, D] in `dtype`. Built once per
+        step and shared by every layer."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return apply_rotary(q, k, *self.tables(positions, q.dtype))
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k [T, Hkv, D] rotated by cos, sin [T, 1, D]."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -116,10 +124,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = self.hd**-0.5
 
-    def forward(self, x, positions, rotary: Rotary, kv: tuple[torch.Tensor, torch.Tensor], meta, backend: AttentionBackend):
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor], meta, backend: AttentionBackend):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = rotary(q.view(t, self.nh, self.hd), k.view(t, self.nkv, self.hd), positions)
+        q, k = apply_rotary(q.view(t, self.nh, self.hd), k.view(t, self.nkv, self.hd), *rope)
         o = backend.forward(q, k, v.view(t, self.nkv, self.hd), kv[0], kv[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -144,8 +152,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rotary, kv, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv, meta, backend)
+    def forward(self, x, rope, kv, meta, backend):  # rope: (cos, sin) [T, 1, D] from Rotary.tables
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -169,8 +177,9 @@ class LlamaForCausalLM(nn.Module):
         on_layer_done=None,  # called with the layer index once its KV is in the cache
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rotary, kv_caches[i], meta, backend)
+            x = layer(x, rope, kv_caches[i], meta, backend)
             if on_layer_done is not None:
                 on_layer_done(i)
         return self.norm(x)

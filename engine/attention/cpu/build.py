@@ -1,0 +1,161 @@
+"""Just-in-time build of the CPU attention kernel (paged_attention.cpp, shipped here).
+
+`load()` compiles it with torch.utils.cpp_extension.load (needs ninja and a C++
+compiler) the first time on a machine, then loads the cached binary (well under a
+second). The extension's name carries a fingerprint of the torch version, the flags
+and the CPU's instruction set, so an upgraded torch, or a cache directory shared by
+different machines, never loads a stale or illegal binary.
+
+Where: $TANDEM_CACHE_DIR/torch_extensions/<name> when that variable is set, else
+torch's own extension cache ($TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions).
+
+Concurrency: torch's loader creates `<build dir>/lock` with O_EXCL; another process
+that finds it waits until it is gone, then loads the same binary. A lock left by a
+build that was killed would make every later process wait forever, so one older
+than STALE_LOCK_S is removed (with a warning) before loading.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+CACHE_DIR_ENV = "TANDEM_CACHE_DIR"  # the same root as the built-in model (engine/models/builtin.py)
+STALE_LOCK_S = 600.0
+BASE_CFLAGS = ["-O3", "-fopenmp", "-DNDEBUG"]
+
+
+class KernelBuildError(RuntimeError):
+    """The CPU kernel could not be compiled or loaded; the message says why."""
+
+
+def load() -> Any:
+    """The kernel's ops, `torch.ops.<name>` (built on first use per machine).
+
+    Raises KernelBuildError when the build or the load fails; a failure is
+    remembered, so a process tries (and logs) at most once.
+    """
+    ops, error = _load_once()
+    if error is not None:
+        raise error
+    return ops
+
+
+@functools.lru_cache(maxsize=None)
+def _load_once() -> tuple[Any, KernelBuildError | None]:
+    try:
+        return _build_and_load(), None
+    except KernelBuildError as e:
+        return None, e
+
+
+def _build_and_load() -> Any:
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:
+        raise KernelBuildError("ninja is not installed (`pip install ninja`)")
+    cxx = cpp_extension.get_cxx_compiler()
+    if shutil.which(cxx) is None:
+        raise KernelBuildError(f"no C++ compiler: {cxx!r} not found (install g++ or set CXX)")
+    cflags = BASE_CFLAGS + march_flags()
+    name = extension_name(cflags)
+    build_dir = build_directory(name)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_lock(build_dir / "lock")
+    cached = (build_dir / f"{name}.so").exists()
+    if not cached:
+        log.info("attention: compiling the cpu kernel into %s (once per machine)", build_dir)
+    t0 = time.perf_counter()
+    try:
+        cpp_extension.load(  # registers the ops with torch (TORCH_LIBRARY)
+            name=name, sources=[str(SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir), verbose=False, is_python_module=False,
+        )
+        ops = getattr(torch.ops, name)
+        ops.simd_lanes()
+    except Exception as e:  # compiler errors arrive as RuntimeError with the log
+        raise KernelBuildError(f"building {SOURCE.name} failed: {_reason(e)}") from e
+    if not cached:
+        log.info("attention: cpu kernel ready in %.1fs", time.perf_counter() - t0)
+    return ops
+
+
+def march_flags() -> list[str]:
+    """["-march=native"] when the compiler accepts it, else [] (portable build)."""
+    from torch.utils import cpp_extension
+
+    try:
+        cxx = cpp_extension.get_cxx_compiler()
+        probe = subprocess.run(
+            [cxx, "-march=native", "-x", "c++", "-E", "-o", os.devnull, os.devnull],
+            capture_output=True, timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return ["-march=native"] if probe.returncode == 0 else []
+
+
+def extension_name(cflags: list[str]) -> str:
+    """`tandem_cpu_attn_<hash>` over torch version, flags, CPU flags and the source."""
+    h = hashlib.sha256()
+    for part in (torch.__version__, " ".join(cflags), platform.machine(), _cpu_flags(), SOURCE.read_bytes()):
+        h.update(part.encode() if isinstance(part, str) else part)
+        h.update(b"\0")
+    return f"tandem_cpu_attn_{h.hexdigest()[:12]}"
+
+
+def build_directory(name: str) -> Path:
+    root = os.environ.get(CACHE_DIR_ENV)
+    if root:
+        return Path(root).expanduser() / "torch_extensions" / name
+    from torch.utils import cpp_extension
+
+    torch_root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    py = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return Path(torch_root) / f"{py}_cpu" / name
+
+
+def _cpu_flags() -> str:
+    """The instruction-set flags of this CPU (Linux /proc/cpuinfo), else the processor name."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("attention: removing a stale build lock %s (%.0fs old)", lock, age)
+        lock.unlink(missing_ok=True)
+
+
+def _reason(e: Exception) -> str:
+    """The informative line of a build log: a compiler error, else a missing tool."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    for marker in ("error:", "not found", "undefined symbol", "cannot open"):
+        hit = next((ln for ln in lines if marker in ln), None)
+        if hit:
+            return hit[:300]
+    return lines[0][:300] if lines else type(e).__name__

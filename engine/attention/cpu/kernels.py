@@ -1,0 +1,28 @@
+"""Thin launchers for the compiled CPU kernels: check what Python can cheaply, then
+call into C++ (which checks shapes, dtypes, strides and block ids itself)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.cpu import build
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [B, H, D] fp32/bf16/fp16, last dim contiguous
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D] fp32/bf16/fp16
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D], same dtype and strides as k_cache
+    block_tables: torch.Tensor,  # [B, M] int32
+    seq_lens: torch.Tensor,  # [B] int32, context length including the new token
+    scale: float,
+    out: torch.Tensor | None = None,  # [B, H, D], query's dtype; allocated when None
+) -> torch.Tensor:  # [B, H, D]
+    """Attention of one query token per sequence over its paged context."""
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
+        block_tables = block_tables.to(torch.int32).contiguous()
+    if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
+        seq_lens = seq_lens.to(torch.int32).contiguous()
+    build.load().paged_decode_attention(out, query, k_cache, v_cache, block_tables, seq_lens, float(scale))
+    return out

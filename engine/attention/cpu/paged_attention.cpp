@@ -1,0 +1,352 @@
+// Paged decode attention on CPU: one query token per sequence, reading K/V in place
+// from the paged cache (no gather, no mask, no padded copies).
+//
+//   query, out:  [B, H, D]            (last dim contiguous)
+//   k/v_cache:   [N, bs, Hkv, D]      (last dim contiguous; K and V share strides)
+//   block_tables [B, M] int32, seq_lens [B] int32 (context incl. the new token)
+//
+// Work item = (sequence b, a run of ng kv heads, normally all of them). The G =
+// H / Hkv query heads of each kv head are handled together, so each K/V row is read
+// from memory once per group, and a block's rows are walked in address order. Two
+// passes over the context, fp32 throughout:
+//   1. s[h, t] = scale * q[h] . k[t]       (scores in a per-thread scratch)
+//   2. p = exp(s - max_t s); out[h] = sum_t p[h, t] v[t] / sum_t p[h, t]
+// Items are handed out through an atomic counter so ragged lengths balance.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using c10::BFloat16;
+using c10::Half;
+
+// ---- 16-lane fp32 vector: AVX-512 when compiled for it, else a plain array the
+// compiler vectorises for whatever -march allows. One kernel body uses either.
+#if defined(__AVX512F__)
+struct V16 {
+  __m512 v;
+};
+inline V16 vzero() { return {_mm512_setzero_ps()}; }
+inline V16 vset1(float x) { return {_mm512_set1_ps(x)}; }
+inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline V16 vadd(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V16 vmul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V16 vmax(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline float vsum(V16 a) { return _mm512_reduce_add_ps(a.v); }
+inline float vhmax(V16 a) { return _mm512_reduce_max_ps(a.v); }
+inline V16 vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline V16 vload(const BFloat16* p) {
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+}
+inline V16 vload(const Half* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+inline void vstore(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
+inline void vstore_n(float* p, V16 a, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), a.v); }
+// Lane t of the result = the sum of a[t]'s 16 lanes: 16 horizontal sums in 45 ops
+// (pairwise interleave-and-add within 128-bit lanes, then across them).
+inline V16 vsum16(const V16* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i].v, a[2 * i + 1].v),
+                         _mm512_unpackhi_ps(a[2 * i].v, a[2 * i + 1].v));
+  for (int i = 0; i < 4; ++i) {
+    __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // c[i]'s 128-bit lane j holds lane-j partial sums of tokens 4i..4i+3: add over j.
+  __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44), _mm512_shuffle_f32x4(c[0], c[1], 0xEE));
+  __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x44), _mm512_shuffle_f32x4(c[2], c[3], 0xEE));
+  return {_mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD))};
+}
+// exp for x <= 0: x = n ln2 + r, |r| <= ln2/2; e^r by a degree-6 polynomial
+// (Cephes expf coefficients, ~1 ulp), scaled by 2^n with vscalefps (underflows to 0).
+inline V16 vexp(V16 x) {
+  __m512 xv = _mm512_max_ps(x.v, _mm512_set1_ps(-104.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xv, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xv);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return {_mm512_scalef_ps(p, n)};
+}
+constexpr bool kAvx512 = true;
+#else
+struct V16 {
+  float v[16];
+};
+inline V16 vset1(float x) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = x; return r; }
+inline V16 vzero() { return vset1(0.f); }
+inline V16 vadd(V16 a, V16 b) { for (int i = 0; i < 16; ++i) a.v[i] += b.v[i]; return a; }
+inline V16 vfma(V16 a, V16 b, V16 c) { for (int i = 0; i < 16; ++i) c.v[i] += a.v[i] * b.v[i]; return c; }
+inline V16 vmul(V16 a, V16 b) { for (int i = 0; i < 16; ++i) a.v[i] *= b.v[i]; return a; }
+inline V16 vmax(V16 a, V16 b) { for (int i = 0; i < 16; ++i) a.v[i] = std::max(a.v[i], b.v[i]); return a; }
+inline float vsum(V16 a) { float s = 0.f; for (int i = 0; i < 16; ++i) s += a.v[i]; return s; }
+inline float vhmax(V16 a) { float m = a.v[0]; for (int i = 1; i < 16; ++i) m = std::max(m, a.v[i]); return m; }
+template <typename T>
+inline V16 vload(const T* p) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = static_cast<float>(p[i]); return r; }
+inline void vstore(float* p, V16 a) { for (int i = 0; i < 16; ++i) p[i] = a.v[i]; }
+inline void vstore_n(float* p, V16 a, int n) { for (int i = 0; i < n; ++i) p[i] = a.v[i]; }
+inline V16 vsum16(const V16* a) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = vsum(a[i]); return r; }
+inline V16 vexp(V16 x) { for (int i = 0; i < 16; ++i) x.v[i] = std::exp(x.v[i]); return x; }
+constexpr bool kAvx512 = false;
+#endif
+
+// Everything one call needs, in elements (not bytes). K and V share strides.
+struct Problem {
+  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  int64_t q_seq, q_head, o_seq, o_head;        // query / out strides
+  int64_t kv_block, kv_token, kv_head;          // cache strides
+  int64_t bt_row, num_cache_blocks;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  float scale;
+};
+
+// Per-thread scratch, grown on demand and reused across calls (no per-call malloc).
+float* thread_scratch(size_t n) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
+inline int64_t round16(int64_t n) { return (n + 15) & ~int64_t(15); }
+
+// One work item: sequence b, kv heads [g0, g0 + ng) and their ng * G query heads.
+// Blocks are walked in order and, inside a block, a token's ng head slices are
+// adjacent, so a block is read as one contiguous run. C = D / 16 when known at
+// compile time (a K row lives in registers), else 0 (run-time head_dim).
+template <int C, typename KV, typename Q>
+void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out,
+            int64_t b, int64_t g0, int64_t ng) {
+  const int64_t D = P.head_dim, G = P.num_heads / P.num_kv_heads, GT = ng * G, bs = P.block_size;
+  const int nc = C ? C : static_cast<int>(D / 16);
+  const int64_t L = P.seq_lens[b];
+  Q* o = out + b * P.o_seq + g0 * G * P.o_head;
+  if (L <= 0) {  // nothing to attend to: the output is defined as zeros
+    for (int64_t h = 0; h < GT; ++h)
+      for (int64_t d = 0; d < D; ++d) o[h * P.o_head + d] = Q(0.f);
+    return;
+  }
+  TORCH_CHECK(L <= P.max_blocks * bs, "seq_len ", L, " of sequence ", b,
+              " exceeds its block table (", P.max_blocks, " blocks of ", bs, ")");
+  const int32_t* table = P.block_tables + b * P.bt_row;
+  const int64_t Lp = round16(L), nblk = (L + bs - 1) / bs;
+  for (int64_t i = 0; i < nblk; ++i)
+    TORCH_CHECK(table[i] >= 0 && table[i] < P.num_cache_blocks, "block id ", table[i],
+                " of sequence ", b, " is outside the cache (", P.num_cache_blocks, " blocks)");
+  float* q = thread_scratch(2 * GT * D + GT * Lp + GT);  // [GT, D] query * scale
+  float* acc = q + GT * D;                                 // [GT, D] unnormalised output
+  float* s = acc + GT * D;                                 // [GT, Lp] scores, then exp(s - max)
+  float* inv_sum = s + GT * Lp;                            // [GT]
+  const Q* qb = query + b * P.q_seq + g0 * G * P.q_head;
+  for (int64_t h = 0; h < GT; ++h)
+    for (int64_t d = 0; d < D; ++d) q[h * D + d] = static_cast<float>(qb[h * P.q_head + d]) * P.scale;
+  auto block_of = [&](const KV* cache, int64_t i) { return cache + table[i] * P.kv_block + g0 * P.kv_head; };
+
+  // Pass 1: scores, 16 tokens at a time: one query head's row stays in registers
+  // while the tile's K rows stream past (from memory for the first head, then L1),
+  // and the 16 dot products are reduced together.
+  for (int64_t i = 0; i < nblk; ++i) {
+    const KV* kb = block_of(kc, i);
+    const int64_t n = std::min(bs, L - i * bs);
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      const int nt = static_cast<int>(std::min<int64_t>(16, n - t0));
+      for (int64_t gg = 0; gg < ng; ++gg) {
+        const KV* rows = kb + t0 * P.kv_token + gg * P.kv_head;
+        for (int64_t h = gg * G; h < (gg + 1) * G; ++h) {
+          const float* qh = q + h * D;
+          V16 a[16];
+          if constexpr (C > 0) {
+            V16 qr[C];
+            for (int c = 0; c < C; ++c) qr[c] = vload(qh + 16 * c);
+            for (int t = 0; t < 16; ++t) {
+              if (t >= nt) { a[t] = vzero(); continue; }
+              const KV* row = rows + t * P.kv_token;
+              V16 x = vmul(qr[0], vload(row)), y = C > 1 ? vmul(qr[1], vload(row + 16)) : vzero();
+              for (int c = 2; c < C; c += 2) {  // two chains: half the FMA latency per token
+                x = vfma(qr[c], vload(row + 16 * c), x);
+                if (c + 1 < C) y = vfma(qr[c + 1], vload(row + 16 * c + 16), y);
+              }
+              a[t] = vadd(x, y);
+            }
+          } else {
+            for (int t = 0; t < 16; ++t) {
+              a[t] = vzero();
+              for (int c = 0; t < nt && c < nc; ++c)
+                a[t] = vfma(vload(qh + 16 * c), vload(rows + t * P.kv_token + 16 * c), a[t]);
+            }
+          }
+          vstore_n(s + h * Lp + i * bs + t0, vsum16(a), nt);
+        }
+      }
+    }
+  }
+
+  // Softmax numerators per head, stable (minus the max). Padding up to Lp is set to
+  // -inf (exp -> 0) so the vector loops need no tails.
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t h = 0; h < GT; ++h) {
+    float* sh = s + h * Lp;
+    for (int64_t t = L; t < Lp; ++t) sh[t] = ninf;
+    V16 m = vset1(ninf);
+    for (int64_t t = 0; t < Lp; t += 16) m = vmax(m, vload(sh + t));
+    const V16 neg_max = vset1(-vhmax(m));
+    V16 sum = vzero();
+    for (int64_t t = 0; t < Lp; t += 16) {
+      const V16 e = vexp(vadd(vload(sh + t), neg_max));
+      vstore(sh + t, e);
+      sum = vadd(sum, e);
+    }
+    inv_sum[h] = 1.f / vsum(sum);
+  }
+
+  // Pass 2: acc[h] += p[h, t] v[t], block by block. Query heads go NH at a time so
+  // their accumulators sit in registers over a block's tokens.
+  constexpr int NH = C > 0 ? std::max(1, 16 / C) : 1;
+  constexpr int CR = C > 0 ? C : 1;
+  for (int64_t x = 0; x < GT * D; ++x) acc[x] = 0.f;
+  for (int64_t i = 0; i < nblk; ++i) {
+    const KV* vb = block_of(vc, i);
+    const int64_t n = std::min(bs, L - i * bs);
+    for (int64_t gg = 0; gg < ng; ++gg) {
+      for (int64_t h0 = gg * G; h0 < (gg + 1) * G; h0 += NH) {
+        const int nh = static_cast<int>(std::min<int64_t>(NH, (gg + 1) * G - h0));
+        const float* pt = s + h0 * Lp + i * bs;
+        float* ah = acc + h0 * D;
+        if constexpr (C > 0) {
+          V16 a[NH][CR];
+          for (int h = 0; h < NH; ++h)
+            for (int c = 0; c < C; ++c) a[h][c] = h < nh ? vload(ah + h * D + 16 * c) : vzero();
+          for (int64_t t = 0; t < n; ++t) {
+            const KV* row = vb + t * P.kv_token + gg * P.kv_head;
+            V16 p[NH];
+            for (int h = 0; h < NH; ++h) p[h] = vset1(h < nh ? pt[h * Lp + t] : 0.f);
+            for (int c = 0; c < C; ++c) {
+              const V16 v = vload(row + 16 * c);
+              for (int h = 0; h < NH; ++h)
+                if (h < nh) a[h][c] = vfma(p[h], v, a[h][c]);
+            }
+          }
+          for (int h = 0; h < nh; ++h)
+            for (int c = 0; c < C; ++c) vstore(ah + h * D + 16 * c, a[h][c]);
+        } else {
+          for (int64_t t = 0; t < n; ++t) {
+            const KV* row = vb + t * P.kv_token + gg * P.kv_head;
+            const V16 p = vset1(pt[t]);
+            for (int c = 0; c < nc; ++c) vstore(ah + 16 * c, vfma(p, vload(row + 16 * c), vload(ah + 16 * c)));
+          }
+        }
+      }
+    }
+  }
+  for (int64_t h = 0; h < GT; ++h)
+    for (int64_t d = 0; d < D; ++d) o[h * P.o_head + d] = Q(acc[h * D + d] * inv_sum[h]);
+}
+
+// Work items are (sequence, run of ng kv heads): whole token rows (ng = Hkv) when
+// there are enough sequences to keep every thread busy, narrower runs otherwise.
+template <int C, typename KV, typename Q>
+void run_all(const Problem& P, const at::Tensor& k_cache, const at::Tensor& v_cache,
+             const at::Tensor& query, const at::Tensor& out, int64_t num_seqs) {
+  const KV* kc = reinterpret_cast<const KV*>(k_cache.data_ptr());
+  const KV* vc = reinterpret_cast<const KV*>(v_cache.data_ptr());
+  const Q* q = reinterpret_cast<const Q*>(query.data_ptr());
+  Q* o = reinterpret_cast<Q*>(out.data_ptr());
+  const int64_t threads = at::get_num_threads(), hkv = P.num_kv_heads;
+  int64_t ng = hkv;
+  while (ng > 1 && num_seqs * (hkv / ng) < 4 * threads) ng = ng % 2 == 0 ? ng / 2 : 1;
+  const int64_t runs = hkv / ng, items = num_seqs * runs;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1))
+      attend<C, KV, Q>(P, kc, vc, q, o, it / runs, (it % runs) * ng, ng);
+  });
+}
+
+template <typename KV, typename Q>
+void dispatch_dim(const Problem& P, const at::Tensor& kc, const at::Tensor& vc,
+                  const at::Tensor& q, const at::Tensor& o, int64_t num_seqs) {
+  switch (P.head_dim) {
+    case 64: return run_all<4, KV, Q>(P, kc, vc, q, o, num_seqs);
+    case 128: return run_all<8, KV, Q>(P, kc, vc, q, o, num_seqs);
+    case 256: return run_all<16, KV, Q>(P, kc, vc, q, o, num_seqs);
+    default: return run_all<0, KV, Q>(P, kc, vc, q, o, num_seqs);
+  }
+}
+
+template <typename KV>
+void dispatch_query(const Problem& P, const at::Tensor& kc, const at::Tensor& vc,
+                    const at::Tensor& q, const at::Tensor& o, int64_t num_seqs) {
+  switch (q.scalar_type()) {
+    case at::kFloat: return dispatch_dim<KV, float>(P, kc, vc, q, o, num_seqs);
+    case at::kBFloat16: return dispatch_dim<KV, BFloat16>(P, kc, vc, q, o, num_seqs);
+    case at::kHalf: return dispatch_dim<KV, Half>(P, kc, vc, q, o, num_seqs);
+    default: TORCH_CHECK(false, "query dtype ", q.scalar_type(), " is not fp32/bf16/fp16");
+  }
+}
+
+void paged_decode_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [B, H, D] alike");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+              v_cache.strides() == k_cache.strides(), "k/v cache must be [N, bs, Hkv, D] with equal strides");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k/v cache dtypes differ");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "out dtype must match query dtype");
+  TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
+              out.device().is_cpu() && block_tables.device().is_cpu() && seq_lens.device().is_cpu(),
+              "all tensors must be on the CPU");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1,
+              "query, out and caches need a contiguous last (head_dim) dimension");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+              block_tables.stride(1) == 1, "block_tables must be [B, M] int32, rows contiguous");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.is_contiguous(),
+              "seq_lens must be a contiguous [B] int32 tensor");
+  const int64_t B = query.size(0), H = query.size(1), D = query.size(2), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && D % 16 == 0, "head_dim ", D, " must match the cache and be a multiple of 16");
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "num_heads ", H, " is not a multiple of num_kv_heads ", Hkv);
+  TORCH_CHECK(block_tables.size(0) == B && seq_lens.size(0) == B, "block_tables/seq_lens need B rows");
+  if (B == 0) return;
+  Problem P{H, Hkv, D, k_cache.size(1), block_tables.size(1),
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0), k_cache.size(0),
+            block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), static_cast<float>(scale)};
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: return dispatch_query<float>(P, k_cache, v_cache, query, out, B);
+    case at::kBFloat16: return dispatch_query<BFloat16>(P, k_cache, v_cache, query, out, B);
+    case at::kHalf: return dispatch_query<Half>(P, k_cache, v_cache, query, out, B);
+    default: TORCH_CHECK(false, "cache dtype ", k_cache.scalar_type(), " is not fp32/bf16/fp16");
+  }
+}
+
+int64_t simd_lanes() { return kAvx512 ? 16 : 0; }
+
+}  // namespace
+
+// Ops live in a namespace named after the build (TORCH_EXTENSION_NAME carries a hash),
+// so two builds loaded into one process never collide. They show up in torch.profiler.
+TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor seq_lens, float scale) -> ()", &paged_decode_attention);
+  m.def("simd_lanes() -> int", &simd_lanes);  // 16 with AVX-512, 0 for the portable build
+}

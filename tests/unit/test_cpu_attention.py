@@ -1,0 +1,193 @@
+"""The C++ CPU paged-decode kernel against the torch reference, and the CpuAttention
+backend against TorchAttention on a mixed decode + prefill step.
+
+The kernel is compiled on first use (cached per machine afterwards). A build failure
+fails these tests rather than skipping them: CI machines have a compiler and ninja.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import AttentionMetadata, TorchAttention, get_backend, reference
+from engine.attention.cpu import build, kernels
+from engine.attention.cpu.backend import CpuAttention
+
+pytestmark = pytest.mark.unit
+
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled():
+    try:
+        return build.load()
+    except build.KernelBuildError as e:
+        pytest.fail(f"the cpu attention kernel must build here: {e}")
+
+
+def ragged_lens(block_size: int, batch: int, g: torch.Generator) -> list[int]:
+    """1, block boundaries +-1, a few hundred; then random lengths in [1, 400)."""
+    bs = block_size
+    lens = [1, bs - 1, bs, bs + 1, 2 * bs - 1, 2 * bs, 2 * bs + 1, 300, 333]
+    lens += torch.randint(1, 400, (max(0, batch - len(lens)),), generator=g).tolist()
+    return lens[:batch]
+
+
+def make_case(group, head_dim, block_size, dtype, lens, num_kv_heads=2, seed=0):
+    """Random cache + query; each sequence gets distinct blocks in shuffled order, and
+    the table is wider than needed (its tail holds garbage ids that must not be read)."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(lens)
+    m = max((n + block_size - 1) // block_size for n in lens) + 1
+    num_blocks = b * m + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    block_tables = torch.randperm(num_blocks, generator=g)[: b * m].view(b, m).to(torch.int32)
+    for i, n in enumerate(lens):  # ids past the context are never read: poison them
+        block_tables[i, (n + block_size - 1) // block_size :] = -1
+    query = torch.randn(b, group * num_kv_heads, head_dim, generator=g).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    return query, k_cache, v_cache, block_tables, seq_lens
+
+
+def run_both(query, k_cache, v_cache, block_tables, seq_lens):
+    scale = query.shape[-1] ** -0.5
+    got = kernels.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
+    ref_tables = block_tables.clamp(min=0)  # the reference gathers padded blocks, then masks
+    want = reference.paged_decode_attention(
+        query.float(), k_cache.float(), v_cache.float(), ref_tables, seq_lens, scale
+    )
+    return got, want
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_decode_fp32_matches_reference(group, head_dim, block_size):
+    g = torch.Generator().manual_seed(group * 1000 + head_dim + block_size)
+    for batch in (1, 64):
+        lens = ragged_lens(block_size, batch, g) if batch > 1 else [333]
+        case = make_case(group, head_dim, block_size, torch.float32, lens, seed=batch)
+        got, want = run_both(*case)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_half_precision_matches_reference(dtype, head_dim, group):
+    g = torch.Generator().manual_seed(7)
+    case = make_case(group, head_dim, 16, dtype, ragged_lens(16, 24, g), seed=3)
+    got, want = run_both(*case)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("head_dim,block_size", [(32, 16), (80, 16), (256, 16), (64, 8), (128, 64)])
+def test_decode_other_head_dims_and_blocks(head_dim, block_size):
+    """256 has its own unrolled path; 32 and 80 take the run-time head_dim path;
+    blocks of 8 are shorter than a 16-token score tile."""
+    g = torch.Generator().manual_seed(head_dim)
+    case = make_case(4, head_dim, block_size, torch.float32, ragged_lens(block_size, 12, g), num_kv_heads=1)
+    got, want = run_both(*case)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+def test_decode_non_contiguous_views_and_out():
+    """Caches as views of the engine's [layers, 2, ...] tensor; query a strided slice."""
+    g = torch.Generator().manual_seed(1)
+    kv = torch.randn(2, 2, 40, 16, 2, 64, generator=g)
+    k_cache, v_cache = kv[1, 0], kv[1, 1]
+    qkv = torch.randn(5, 3, 4, 64, generator=g)
+    query = qkv[:, 0]  # [5, 4, 64], stride(0) = 3 * 4 * 64
+    block_tables = torch.randperm(40, generator=g)[:20].view(5, 4).to(torch.int32)
+    seq_lens = torch.tensor([1, 17, 33, 64, 50], dtype=torch.int32)
+    out = torch.full((5, 4, 64), float("nan"))
+    got = kernels.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 0.125, out=out)
+    assert got is out
+    want = reference.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 0.125)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+def test_decode_is_bitwise_independent_of_threads_and_split():
+    """1 thread vs several, whole rows vs split kv heads: same arithmetic per head."""
+    g = torch.Generator().manual_seed(11)
+    case = make_case(4, 64, 16, torch.float32, ragged_lens(16, 4, g), num_kv_heads=8)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 4):  # 4 sequences: whole rows (8 kv heads) with 1 thread, runs of 2 with 4
+            torch.set_num_threads(n)
+            outs.append(kernels.paged_decode_attention(*case, scale=0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_decode_rejects_bad_block_ids():
+    query, k_cache, v_cache, block_tables, seq_lens = make_case(2, 64, 16, torch.float32, [40, 20])
+    block_tables[1, 0] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 0.125)
+    seq_lens[0] = block_tables.shape[1] * 16 + 1
+    with pytest.raises(RuntimeError, match="exceeds its block table"):
+        kernels.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 0.125)
+
+
+def test_backend_forward_mixed_batch_matches_torch():
+    """Two decodes then two prefill chunks (one with a cached prefix), through forward()."""
+    g = torch.Generator().manual_seed(5)
+    nh, nkv, d, bs, num_blocks = 4, 2, 64, 16, 32
+    k_cache = torch.randn(num_blocks, bs, nkv, d, generator=g)
+    v_cache = torch.randn_like(k_cache)
+    tables = [[3, 9, 4], [7], [12, 1, 20], [30, 31]]
+    decode_lens, prefill = [40, 5], [(37, 37), (10, 25)]  # (query_len, seq_len)
+    slots = [tables[i][(n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(decode_lens)]
+    for i, (q_len, s_len) in enumerate(prefill):
+        table = tables[2 + i]
+        slots += [table[p // bs] * bs + p % bs for p in range(s_len - q_len, s_len)]
+    t = len(slots)
+    query = torch.randn(t, nh, d, generator=g)
+    key = torch.randn(t, nkv, d, generator=g)
+    value = torch.randn(t, nkv, d, generator=g)
+    pad = lambda rows: torch.tensor([r + [0] * (3 - len(r)) for r in rows], dtype=torch.int32)  # noqa: E731
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), num_decode_tokens=2,
+        decode_block_tables=pad(tables[:2]), decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int32),
+        decode_max_seq_len=max(decode_lens), prefill_block_tables=pad(tables[2:]),
+        prefill_query_lens=[q for q, _ in prefill], prefill_seq_lens=[s for _, s in prefill],
+    )
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    got = CpuAttention().forward(query, key, value, *caches[0], meta, d**-0.5)
+    want = TorchAttention().forward(query, key, value, *caches[1], meta, d**-0.5)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    torch.testing.assert_close(caches[0][0], caches[1][0], rtol=0, atol=0)
+    decode_only = AttentionMetadata(**{**meta.__dict__, "slot_mapping": meta.slot_mapping[:2]})
+    got = CpuAttention().forward(query[:2], key[:2], value[:2], *caches[0], decode_only, d**-0.5)
+    torch.testing.assert_close(got, want[:2], **TOL[torch.float32])
+
+
+def test_get_backend_picks_cpu_on_cpu():
+    assert get_backend("auto", torch.device("cpu")).name == "cpu"
+    assert get_backend("cpu", torch.device("cpu")).name == "cpu"
+    assert get_backend("torch", torch.device("cpu")).name == "torch"
+
+
+def test_auto_falls_back_to_torch_when_the_build_fails(monkeypatch, caplog):
+    def broken():
+        raise build.KernelBuildError("no compiler")
+
+    monkeypatch.setattr(build, "load", broken)
+    with caplog.at_level("WARNING", logger="engine.attention"):
+        assert get_backend("auto", torch.device("cpu")).name == "torch"
+    assert [r.message for r in caplog.records if "no compiler" in r.message]
+    with pytest.raises(RuntimeError, match="use auto or torch"):
+        get_backend("cpu", torch.device("cpu"))
