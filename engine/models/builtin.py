@@ -48,7 +48,6 @@ from engine.models.builtin_corpus import GAMMA, corpus
 from engine.models.llama import expected_shapes
 
 BUILTIN_VERSION = "tandem-tiny-v1"
-CACHE_DIR_ENV = "TANDEM_CACHE_DIR"
 SEED = 0x7A9DE31
 CORPUS_CHARS = 900_000
 GAIN = 2.0

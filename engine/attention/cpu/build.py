@@ -24,17 +24,17 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine import envs
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
-CACHE_DIR_ENV = "TANDEM_CACHE_DIR"  # the same root as the built-in model (engine/models/builtin.py)
 STALE_LOCK_S = 600.0
 BASE_CFLAGS = ["-O3", "-fopenmp", "-DNDEBUG"]
 
@@ -119,14 +119,8 @@ def extension_name(cflags: list[str]) -> str:
 
 
 def build_directory(name: str) -> Path:
-    root = os.environ.get(CACHE_DIR_ENV)
-    if root:
-        return Path(root).expanduser() / "torch_extensions" / name
-    from torch.utils import cpp_extension
-
-    torch_root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    py = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return Path(torch_root) / f"{py}_cpu" / name
+    """Under the tandem cache (engine/envs.py), next to the built-in model."""
+    return envs.cache_dir() / "torch_extensions" / name
 
 
 def _cpu_flags() -> str:
