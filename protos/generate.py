@@ -6,6 +6,7 @@ Run from anywhere; the output lands next to the .proto unless OUT_DIR is given
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,19 +14,20 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def generate(out_dir: Path = ROOT) -> list[Path]:
-    from grpc_tools import protoc
-
+    """Run grpcio-tools' protoc in a child process: its bundled C++ protobuf must not
+    meet other native libraries already loaded here (a test process has many)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     args = [
-        "grpc_tools.protoc",
+        sys.executable, "-m", "grpc_tools.protoc",
         f"-I{ROOT}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
         str(ROOT / "protos" / "tandem.proto"),
     ]
-    if protoc.main(args) != 0:
-        raise RuntimeError("protoc failed on protos/tandem.proto")
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"protoc failed on protos/tandem.proto: {done.stderr.strip()}")
     return sorted((out_dir / "protos").glob("tandem_pb2*"))
 
 
