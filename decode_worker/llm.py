@@ -40,7 +40,8 @@ class _Pending:
     index: int
     prompt: str | None
     prompt_ids: list[int]
-    stream: TextStream
+    params: SamplingParams
+    stream: TextStream | None  # only with stop strings; else the text is decoded once at the end
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     cached: int = 0
@@ -88,7 +89,7 @@ class LLM:
             rid = f"offline-{self._next_id}"
             self._next_id += 1
             self.engine.add_request(rid, ids, p, priority)
-            pending[rid] = _Pending(i, text, ids, TextStream(self.tokenizer, p, ids))
+            pending[rid] = _Pending(i, text, ids, p, TextStream(self.tokenizer, p, ids) if p.stop else None)
         return self._run(pending, len(prompts), use_tqdm)
 
     def chat(self, conversations: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
@@ -110,11 +111,18 @@ class LLM:
                     req = pending.pop(ev.seq_id)
                     results[req.index] = RequestOutput(
                         ev.seq_id, req.prompt, req.prompt_ids,
-                        [CompletionOutput(req.stream.text, req.token_ids, done, req.logprobs or None)], req.cached,
+                        [CompletionOutput(self._text(req), req.token_ids, done, req.logprobs or None)], req.cached,
                     )
                     bar.update(1)
         bar.close()
         return results  # type: ignore[return-value]
+
+    def _text(self, req: _Pending) -> str:
+        if req.stream is None:  # same TextStream, fed once: the text per-token streaming would give
+            req.stream = TextStream(self.tokenizer, req.params, req.prompt_ids)
+            req.stream.add(req.token_ids)
+            req.stream.finish()
+        return req.stream.text
 
     def _on_event(self, req: _Pending, ev: TokenEvent) -> str | None:
         """Apply one token event; return the finish reason when the request is over."""
@@ -123,11 +131,12 @@ class LLM:
             req.token_ids.append(ev.token_id)
             if ev.logprobs is not None:
                 req.logprobs.append(ev.logprobs)
-            if req.stream.add([ev.token_id]).stopped:
+            if req.stream is not None and req.stream.add([ev.token_id]).stopped:
                 if not ev.finished:
                     self.engine.abort(ev.seq_id)
                 return FinishReason.STOP.value
         if ev.finished:
-            req.stream.finish()
+            if req.stream is not None:
+                req.stream.finish()
             return ev.finish_reason.value if ev.finish_reason else None
         return None

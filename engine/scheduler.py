@@ -295,20 +295,25 @@ class Scheduler:
     def _take(self, seq: Sequence, hits: list[int], need_new: int) -> None:
         self.pool.acquire_cached(hits)
         seq.block_ids = hits + self.pool.allocate(need_new)
+        seq.num_named_blocks = len(hits)  # hit blocks are already in the prefix cache
         seq.num_computed = len(hits) * self.bs
         if not seq.num_preemptions:  # usage reports the first admission's hit
             seq.num_cached_tokens = seq.num_computed
 
     def _cache_full_blocks(self, seq: Sequence) -> None:
+        """Offer blocks that became full since the last call to the prefix cache."""
         full = min(seq.num_computed // self.bs, len(seq.block_ids))
+        if full <= seq.num_named_blocks:
+            return
         hashes = self._hashes(seq, full)
-        for i in range(full):
+        for i in range(seq.num_named_blocks, full):
             self.pool.cache_block(seq.block_ids[i], hashes[i], seq.token_slice(i * self.bs, (i + 1) * self.bs))
+        seq.num_named_blocks = full
 
     def _free_blocks(self, seq: Sequence) -> None:
         self.pool.release(list(reversed(seq.block_ids)))
         seq.block_ids = []
-        seq.num_computed = 0
+        seq.num_computed = seq.num_named_blocks = 0
 
     # ---- invariants ----------------------------------------------------------
     def live_refs(self) -> dict[int, int]:

@@ -46,6 +46,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_computed: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_named_blocks: int = 0  # leading blocks already offered to the prefix cache
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
