@@ -168,8 +168,8 @@ class PoolManager(AdminInterface):
         t = self.config.template
         device = t.engine.device
         if self.config.cores and device.device == "cpu":
-            core = self.config.cores[slot % len(self.config.cores)]
-            device = dataclasses.replace(device, cpu_affinity=(core,), num_threads=device.num_threads or 1)
+            cores = share_cores(self.config.cores, sum(self.targets.values()), slot)
+            device = dataclasses.replace(device, cpu_affinity=cores, num_threads=device.num_threads or len(cores))
         return dataclasses.replace(t, role=role, worker_id=worker_id,
                                    engine=dataclasses.replace(t.engine, device=device))
 
@@ -314,3 +314,11 @@ def shutdown_local_ray(grace_s: float = 3.0) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(alive, timeout=grace_s)
+
+
+def share_cores(cores: tuple[int, ...], num_workers: int, slot: int) -> tuple[int, ...]:
+    """The cores of worker `slot` when `num_workers` share `cores`: an equal contiguous
+    share when they fit (1 worker on 8 cores gets all 8), else one core, round-robin."""
+    per = max(1, len(cores) // max(num_workers, 1))
+    start = (slot * per) % len(cores)
+    return tuple(cores[(start + i) % len(cores)] for i in range(per))

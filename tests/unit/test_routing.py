@@ -1,0 +1,59 @@
+"""Routing policy, prefix index and core sharing: plain data in, decisions out."""
+
+import pytest
+
+from engine.block_pool import block_hashes
+from protos import tandem_pb2 as pb
+from router.policy import RoutingConfig, WorkerView, choose_decode, choose_prefill, plan
+from router.pool import share_cores
+from router.prefix_index import PrefixIndex
+
+pytestmark = pytest.mark.unit
+
+
+def d(wid, free, running=0, in_flight=0, in_flight_blocks=0, cached=0, max_seqs=8):
+    return WorkerView(wid, free_blocks=free, num_blocks=100, running=running, in_flight=in_flight,
+                      in_flight_blocks=in_flight_blocks, max_num_seqs=max_seqs, cached_blocks=cached)
+
+
+def test_decode_worker_with_most_headroom_wins_and_full_ones_are_skipped():
+    ws = [d("a", 50), d("b", 80, in_flight_blocks=40), d("c", 60)]
+    assert choose_decode(ws, need_blocks=5).worker_id == "c"  # b's headroom is 40
+    assert choose_decode([d("a", 3), d("b", 100, running=8)], need_blocks=5) is None  # no blocks / no seats
+    assert choose_decode([d("a", 50, running=2), d("b", 50, running=1)], 5).worker_id == "b"
+
+
+def test_prefill_worker_by_cached_overlap_minus_queue():
+    a = WorkerView("a", 100, 100, queued_tokens=400, cached_blocks=30)  # 480 - 400 = 80
+    b = WorkerView("b", 100, 100, queued_tokens=0, cached_blocks=0)  # 0
+    c = WorkerView("c", 100, 100, queued_tokens=100, in_flight_tokens=300, cached_blocks=20)  # 320 - 400
+    assert choose_prefill([a, b, c], block_size=16).worker_id == "a"
+    assert choose_prefill([], 16) is None
+
+
+def test_conditional_disaggregation():
+    cfg = RoutingConfig(local_prefill_threshold=64)
+    pf = [WorkerView("p", 100, 100)]
+    assert plan(40, d("d", 90), pf, cfg, 16).reason == "short_uncached"
+    assert plan(200, d("d", 90, cached=9), pf, cfg, 16).reason == "short_uncached"  # 200 - 144 < 64
+    r = plan(200, d("d", 90, cached=2), pf, cfg, 16)
+    assert (r.prefill, r.reason) == ("p", "remote")
+    assert plan(500, d("d", 90), [], cfg, 16).reason == "no_prefill_worker"
+    assert plan(500, d("d", 90), pf, RoutingConfig(colocated=True), 16).reason == "colocated"
+
+
+def test_prefix_index_follows_kv_events():
+    idx = PrefixIndex()
+    hashes = block_hashes(list(range(64)), 16)
+    idx.apply("w", pb.KVEventBatch(cleared=True, stored=hashes[:3]))
+    assert idx.overlap_blocks("w", hashes) == 3
+    idx.apply("w", pb.KVEventBatch(removed=[hashes[1]]))
+    assert idx.overlap_blocks("w", hashes) == 1  # a leading run only
+    idx.apply("w", pb.KVEventBatch(cleared=True))
+    assert idx.overlap_blocks("w", hashes) == 0 and idx.overlap_blocks("other", hashes) == 0
+
+
+@pytest.mark.parametrize("cores,n,slot,want", [((0, 1), 1, 0, (0, 1)), ((0, 1), 2, 1, (1,)), ((0, 1), 5, 4, (0,)),
+                                               (tuple(range(8)), 3, 2, (4, 5)), (tuple(range(8)), 4, 3, (6, 7))])
+def test_share_cores(cores, n, slot, want):
+    assert share_cores(cores, n, slot) == want
