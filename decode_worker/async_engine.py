@@ -11,10 +11,25 @@ import asyncio
 import contextlib
 from typing import AsyncIterator, Callable
 
+from dataclasses import dataclass
+
 from decode_worker.engine import LLMEngine, TokenEvent
 from engine.loop import EngineDead, EngineLoop  # noqa: F401 (re-exported)
+from engine.output import TextStream
 from engine.sampling_params import SamplingParams
 from engine.sequence import INTERACTIVE, FinishReason
+
+@dataclass
+class TextEvent:
+    """One step of a request as text: the new token and the text that is now final
+    (never a partial stop string). The last event has finished=True."""
+
+    token_id: int | None
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+
 
 REMOTE_POLL_S = 0.0005  # poll interval while reservations wait for their KV
 
@@ -76,6 +91,21 @@ class AsyncEngine:
         async with contextlib.aclosing(self.events(seq_id, q)) as events:
             async for ev in events:
                 yield ev
+
+    async def generate_text(self, seq_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer,
+                            priority: int = INTERACTIVE) -> AsyncIterator[TextEvent]:
+        """`generate` with detokenized text deltas and stop strings applied; a stop string
+        ends the request (finish_reason "stop") and aborts it in the engine."""
+        stream = TextStream(tokenizer, params, prompt_ids)
+        async with contextlib.aclosing(self.generate(seq_id, prompt_ids, params, priority)) as events:
+            async for ev in events:
+                delta = stream.add([ev.token_id]) if ev.token_id is not None else None
+                if delta is not None and delta.stopped:
+                    yield TextEvent(ev.token_id, delta.text, True, FinishReason.STOP.value)
+                    return  # closing `events` aborts the request
+                text = (delta.text if delta else "") + (stream.finish() if ev.finished else "")
+                yield TextEvent(ev.token_id, text, ev.finished,
+                                ev.finish_reason.value if ev.finish_reason else None, ev.error)
 
     async def events(self, seq_id: str, q: asyncio.Queue) -> AsyncIterator[TokenEvent]:
         """A subscribed request's events until it finishes; aborts it if the consumer

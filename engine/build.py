@@ -31,6 +31,11 @@ def build_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
     model = build_model(ckpt, config.device.device)
     runner = ModelRunner(model, ckpt.config, config.cache, config.device, sampler_seed=config.seed)
     max_len = min(config.scheduler.max_model_len, ckpt.config.max_position_embeddings)
+    window = ckpt.config.sliding_window
+    if window is not None and window < max_len:
+        log.warning("model uses sliding-window attention (%d tokens), which tandem does not implement: "
+                    "max_model_len is capped at %d so every answer is exact", window, window)
+        max_len = window
     sched = dataclasses.replace(config.scheduler, max_model_len=max_len)
     if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_len:
         sched = dataclasses.replace(sched, max_num_batched_tokens=max_len)

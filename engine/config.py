@@ -84,6 +84,9 @@ class ModelConfig:
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mistral / Qwen2 sliding-window attention is not implemented: contexts are capped
+    # at the window instead (engine/build.py), where full attention is the same thing.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.architecture in SUPPORTED_ARCHITECTURES.values(), f"unknown architecture family {self.architecture!r}")
@@ -154,7 +157,16 @@ class ModelConfig:
             dtype=dtype if dtype not in (None, "auto") else torch_dtype,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            sliding_window=_sliding_window(d),
         )
+
+
+def _sliding_window(d: dict[str, Any]) -> int | None:
+    """The attention window a checkpoint really uses (Qwen2 lists one but disables it)."""
+    window = d.get("sliding_window")
+    if not window or d.get("use_sliding_window") is False:
+        return None
+    return int(window)
 
 
 @dataclass(frozen=True)

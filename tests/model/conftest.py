@@ -18,7 +18,7 @@ def builtin_dir() -> Path:
     return builtin_model_path()
 
 
-def _write_hf(kind: str, path: Path, tokenizer_src: Path) -> Path:
+def _write_hf(kind: str, path: Path, tokenizer_src: Path, window: int | None = None) -> Path:
     import transformers
 
     common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -29,6 +29,9 @@ def _write_hf(kind: str, path: Path, tokenizer_src: Path) -> Path:
                                        rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 128})
         cls = transformers.LlamaForCausalLM
+    elif kind == "mistral":
+        cfg = transformers.MistralConfig(tie_word_embeddings=False, sliding_window=window, head_dim=32, **common)
+        cls = transformers.MistralForCausalLM
     else:
         cfg = transformers.Qwen2Config(tie_word_embeddings=False, **common)
         cls = transformers.Qwen2ForCausalLM
@@ -51,9 +54,20 @@ def qwen2_dir(tmp_path_factory, builtin_dir) -> Path:
     return _write_hf("qwen2", tmp_path_factory.mktemp("hf-qwen2"), builtin_dir)
 
 
-@pytest.fixture(scope="session", params=["builtin", "llama", "qwen2"])
+@pytest.fixture(scope="session")
+def mistral_dir(tmp_path_factory, builtin_dir) -> Path:
+    return _write_hf("mistral", tmp_path_factory.mktemp("hf-mistral"), builtin_dir)
+
+
+@pytest.fixture(scope="session")
+def mistral_window_dir(tmp_path_factory, builtin_dir) -> Path:
+    """Mistral with a 64-token sliding window."""
+    return _write_hf("mistral", tmp_path_factory.mktemp("hf-mistral-w64"), builtin_dir, window=64)
+
+
+@pytest.fixture(scope="session", params=["builtin", "llama", "qwen2", "mistral"])
 def model_dir(request) -> Path:
-    return request.getfixturevalue({"builtin": "builtin_dir", "llama": "llama_dir", "qwen2": "qwen2_dir"}[request.param])
+    return request.getfixturevalue(f"{request.param}_dir")
 
 
 from tests.oracle import VOCAB, hf_greedy, random_prompts  # noqa: E402,F401 (re-exported)

@@ -174,3 +174,31 @@ def test_seeded_sampling_is_reproducible_across_batches(builtin_dir):
     assert crowd[1].outputs[0].token_ids == alone.outputs[0].token_ids
     unseeded = llm.generate([random_prompts([12], seed=5)[0]] * 2, SamplingParams(max_tokens=20, temperature=1.0), use_tqdm=False)
     assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
+
+
+def test_async_text_stream_with_stop_strings(builtin_dir):
+    llm = LLM(str(builtin_dir), num_blocks=128)
+    prompt = llm.tokenizer.encode("The weather today is")
+    full = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0), use_tqdm=False)[0].outputs[0]
+    stop = full.text[12:15]
+
+    async def main(params):
+        aeng = AsyncEngine(engine_for(builtin_dir))
+        aeng.start()
+        try:
+            events = [ev async for ev in aeng.generate_text("t", prompt, params, llm.tokenizer)]
+            for _ in range(200):
+                if not aeng.engine.has_work():
+                    break
+                await asyncio.sleep(0.01)
+            await aeng.call(aeng.engine.check_integrity)
+            return events
+        finally:
+            aeng.stop()
+
+    plain = asyncio.run(main(SamplingParams(max_tokens=40, temperature=0)))
+    assert "".join(e.text for e in plain) == full.text and [e.token_id for e in plain] == full.token_ids
+    stopped = asyncio.run(main(SamplingParams(max_tokens=40, temperature=0, stop=(stop,))))
+    assert stopped[-1].finished and stopped[-1].finish_reason == "stop"
+    # exactly the text before the stop string: no part of it was ever shown
+    assert "".join(e.text for e in stopped) == full.text[: full.text.index(stop)]

@@ -1,5 +1,6 @@
 """Greedy outputs equal transformers' token for token: the built-in model, a random
-GQA Llama with tied embeddings and llama3 rope scaling, a random Qwen2 (q/k/v bias).
+GQA Llama with tied embeddings and llama3 rope scaling, a random Qwen2 (q/k/v bias),
+a random Mistral (untied, explicit head_dim).
 Prompts of different lengths, crossing block boundaries, run together in one paged
 batch; then chunked; then with a shared prefix served from the prefix cache."""
 
@@ -64,3 +65,10 @@ def test_shared_prefix_from_prefix_cache_matches_transformers(model_dir):
     assert engine.pool.hits >= 7 * 32  # every later prompt reused the two full prefix blocks
     for p, g in zip(prompts, first + rest):
         assert g == hf_greedy(model_dir, p, NEW)
+
+
+def test_sliding_window_caps_the_context(mistral_window_dir):
+    engine = make_engine(mistral_window_dir)
+    assert engine.max_model_len == 64  # capped: inside the window full attention is exact
+    [prompt] = random_prompts([40], seed=5)
+    assert run(engine, [prompt], SamplingParams(max_tokens=NEW, temperature=0)) == [hf_greedy(mistral_window_dir, prompt, NEW)]
