@@ -19,6 +19,7 @@ processes of its session still alive afterwards). At the end one report is writt
 """
 from __future__ import annotations
 
+import abc
 import argparse
 import asyncio
 import json
@@ -172,7 +173,7 @@ class Shutdown:
         return "; ".join(parts)
 
 
-class ManagedServer:
+class ManagedServer(abc.ABC):
     """A server process in its own session, on 127.0.0.1:port, with its log in a file."""
 
     name = "server"
@@ -191,8 +192,9 @@ class ManagedServer:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @abc.abstractmethod
     def command(self) -> list[str]:
-        raise NotImplementedError
+        """The server's command line."""
 
     def env_overrides(self) -> dict[str, str]:
         return {}
