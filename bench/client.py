@@ -94,7 +94,8 @@ class _Stream:
             raise _StreamFailed(f"stream_error: {_error_text(chunk)}")
         if not isinstance(chunk, dict):
             raise _StreamFailed(f"bad_chunk: not an object: {data[:200]!r}")
-        usage = chunk.get("usage") if isinstance(chunk.get("usage"), dict) else None
+        usage = chunk.get("usage")
+        usage = usage if isinstance(usage, dict) else None
         if usage:
             self.usage_out = _int_or(usage.get("completion_tokens"), self.usage_out)
             self.usage_in = _int_or(usage.get("prompt_tokens"), self.usage_in)
@@ -170,6 +171,8 @@ class StreamClient:
         self.max_connections = max_connections
         self.session: aiohttp.ClientSession | None = None
         self.model = cfg.model
+        self._chat = cfg.endpoint == "chat"
+        self._timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
 
     async def __aenter__(self) -> StreamClient:
         connector = aiohttp.TCPConnector(limit=self.max_connections,
@@ -222,8 +225,8 @@ class StreamClient:
         rec.expected_output_tokens = spec.output_len
         rec.input_tokens = spec.input_len
         send_t = time.perf_counter()
-        try:
-            body = self.payload(spec)  # built before the clock starts
+        try:  # the body is built and encoded once, before the clock starts
+            body = json.dumps(self.payload(spec)).encode()
         except _StreamFailed as exc:
             rec.sent, rec.error = send_t - t0, str(exc)
             return rec
@@ -245,14 +248,14 @@ class StreamClient:
         rec.finished = time.perf_counter() - send_t
         return rec
 
-    async def _stream(self, body: dict[str, Any], spec: RequestSpec, rec: RequestRecord,
+    async def _stream(self, body: bytes, spec: RequestSpec, rec: RequestRecord,
                       send_t: float) -> None:
         rec.chunk_times, rec.chunk_tokens, rec.error = [], [], None
-        state = _Stream(rec, self.cfg.endpoint == "chat", self.cfg.continuous_usage)
-        timeout = aiohttp.ClientTimeout(total=self.cfg.request_timeout_s)
+        state = _Stream(rec, self._chat, self.cfg.continuous_usage)
         answered = False
         try:
-            async with self.session.post(self.cfg.url, json=body, timeout=timeout) as resp:
+            async with self.session.post(self.cfg.url, data=body, headers=_JSON,
+                                         timeout=self._timeout) as resp:
                 answered = True
                 await self._read(resp, state, spec, send_t)
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
@@ -275,6 +278,9 @@ class StreamClient:
         for event, data in parser.close():
             state.on_event(event, data, now)
         state.finish(spec)
+
+
+_JSON = {"Content-Type": "application/json"}
 
 
 class _Stale(Exception):

@@ -65,16 +65,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from bench.engine import (DTYPE_ALIASES, default_threads, environment, format_table, set_threads, warn_if_busy,
-                          write_json)
+from bench import metrics
+from bench.engine import (DTYPE_ALIASES, TOKEN_LOW, _log, default_threads, environment, format_table, set_threads,
+                          warn_if_busy, write_json)
 
-TOKEN_LOW = 5  # the built-in tokenizer's special tokens are ids 0-4
 SECTIONS = ("batching", "interference", "vllm")
 Log = Callable[..., None]
-
-
-def _log(*a: object) -> None:
-    print(*a, file=sys.stderr, flush=True)
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -90,7 +86,7 @@ def lognormal_lengths(n: int, median: float, sigma: float, max_len: int, seed: i
 
 
 def percentile(xs: list[float], q: float) -> float | None:
-    return float(np.percentile(np.asarray(xs), q)) if xs else None
+    return metrics.percentile(xs, q) if xs else None
 
 
 def _vocab(model: str | None) -> int:

@@ -91,13 +91,6 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
-def median_time(fn: Callable[[], object], reps: int, warmup: int,
-                between: Callable[[], object] | None = None) -> float:
-    """Median wall seconds of `fn` over `reps` calls after `warmup` untimed ones;
-    `between` runs untimed after every call (e.g. to reset state)."""
-    return interleaved_medians([(fn, between)], reps, warmup)[0]
-
-
 def interleaved_medians(cases: list[tuple[Callable[[], object], Callable[[], object] | None]],
                         reps: int, warmup: int) -> list[float]:
     """Median wall seconds of each (fn, between) case, the cases alternating call by call

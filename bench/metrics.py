@@ -106,18 +106,23 @@ def failure_reasons(records: Iterable[RequestRecord]) -> dict[str, dict[str, Any
     return out
 
 
-def latency_stats(records: Sequence[RequestRecord], percentiles: Iterable[float]
-                  ) -> dict[str, dict[str, Any]]:
+def latency_series(records: Sequence[RequestRecord]) -> dict[str, list[float]]:
+    """Per-metric samples (seconds) of the completed requests: ttft, tpot, itl, e2e
+    and client_queue (scheduled -> sent, the client's own lateness)."""
     done = [r for r in records if r.ok]
-    pcts = list(percentiles)
-    series = {
+    return {
         "ttft": [r.ttft for r in done],
         "tpot": [t for t in map(tpot, done) if t is not None],
         "itl": [s for r in done for s in itl_samples(r)],
         "e2e": [r.e2e for r in done],
         "client_queue": [r.sent - r.scheduled for r in done],
     }
-    return {name: describe(vals, pcts, scale=1000.0) for name, vals in series.items()}
+
+
+def latency_stats(records: Sequence[RequestRecord], percentiles: Iterable[float]
+                  ) -> dict[str, dict[str, Any]]:
+    pcts = list(percentiles)
+    return {name: describe(vals, pcts, scale=1000.0) for name, vals in latency_series(records).items()}
 
 
 def token_stats(records: Sequence[RequestRecord]) -> dict[str, Any]:

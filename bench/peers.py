@@ -91,7 +91,7 @@ class VllmServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vllm exited with {self.proc.returncode} while starting; "
                                    f"last log lines:\n{self.log_tail()}")
-            if _healthy(self.cfg.base_url + "/health"):
+            if http_status(self.cfg.base_url + "/health") == 200:
                 return time.monotonic() - t0
             time.sleep(1.0)
         raise TimeoutError(f"vllm not healthy after {self.cfg.startup_timeout_s:g}s; "
@@ -113,11 +113,7 @@ class VllmServer:
         self.proc = None
 
     def log_tail(self, n: int = 20) -> str:
-        try:
-            lines = Path(self.cfg.log_path).read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(lines[-n:])
+        return log_tail(Path(self.cfg.log_path), n)
 
     def __enter__(self) -> VllmServer:
         self.start()
@@ -132,12 +128,24 @@ class VllmServer:
         self.stop()
 
 
-def _healthy(url: str) -> bool:
+def http_status(url: str, timeout: float = 2.0) -> int | None:
+    """The HTTP status of GET `url`; None when nothing answers."""
     try:
-        with urllib.request.urlopen(url, timeout=2.0) as resp:
-            return resp.status == 200
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
     except (urllib.error.URLError, OSError):
-        return False
+        return None
+
+
+def log_tail(path: Path, n: int) -> str:
+    """The last `n` lines of a server's log file."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(lines[-n:])
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.metrics import itl_samples, tpot
+from bench.metrics import latency_series
 from bench.records import RequestRecord
 from bench.report import LATENCIES, records_of
 
@@ -18,25 +18,15 @@ def _pyplot():
     return plt
 
 
-def latency_series(records: list[RequestRecord]) -> dict[str, list[float]]:
-    """Per-metric samples in ms of the completed requests."""
-    done = [r for r in records if r.ok]
-    return {
-        "ttft": [r.ttft * 1000 for r in done],
-        "tpot": [t * 1000 for t in map(tpot, done) if t is not None],
-        "itl": [s * 1000 for r in done for s in itl_samples(r)],
-        "e2e": [r.e2e * 1000 for r in done],
-    }
-
-
 def plot_cdfs(curves: list[tuple[str, list[RequestRecord]]], path: str | Path,
               title: str = "") -> Path:
     """One panel per latency metric, one empirical CDF per (label, records)."""
     plt = _pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    series = [(label, latency_series(records)) for label, records in curves]
     for ax, (key, name) in zip(axes.flat, LATENCIES):
-        for label, records in curves:
-            xs = sorted(latency_series(records)[key])
+        for label, by_metric in series:
+            xs = sorted(x * 1000 for x in by_metric[key])
             if xs:
                 ys = [(i + 1) / len(xs) for i in range(len(xs))]
                 ax.step(xs, ys, where="post", label=label)

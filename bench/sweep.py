@@ -33,13 +33,15 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from bench.peers import http_status, log_tail
+from bench.report import _f, rate_json
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -94,7 +96,6 @@ def free_port() -> int:
 class Proc:
     pid: int
     name: str
-    state: str
     cmdline: str
 
     def __str__(self) -> str:
@@ -118,7 +119,7 @@ def session_processes(sid: int) -> list[Proc]:
         fields = stat[stat.rindex(")") + 2:].split()
         state, session = fields[0], int(fields[3])
         if session == sid and state != "Z":
-            out.append(Proc(int(entry.name), name, state, cmd.strip()))
+            out.append(Proc(int(entry.name), name, cmd.strip()))
     return sorted(out, key=lambda p: p.pid)
 
 
@@ -203,9 +204,6 @@ class ManagedServer(abc.ABC):
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env_overrides().items())
         return (env + " " if env else "") + shlex.join(self.command())
 
-    def describe(self) -> dict[str, Any]:
-        return {}
-
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
@@ -273,11 +271,7 @@ class ManagedServer(abc.ABC):
         return info
 
     def log_tail(self, n: int = 25) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(lines[-n:])
+        return log_tail(self.log_path, n)
 
 
 class TandemServer(ManagedServer):
@@ -360,16 +354,6 @@ class LlamaCppServer(ManagedServer):
                 "--override-kv", "tokenizer.ggml.pre=str:gpt-2"]
 
 
-def http_status(url: str, timeout: float = 2.0) -> int | None:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except (urllib.error.URLError, OSError):
-        return None
-
-
 # ---- server-side counters ------------------------------------------------------------
 
 COUNTERS = ("prompt_tokens", "generation_tokens", "request_success")
@@ -448,9 +432,7 @@ def parse_rates(text: str) -> tuple[list[float], tuple[float, ...] | None]:
 
 
 def rate_name(rate: float | str) -> str:
-    if rate == "inf" or (isinstance(rate, float) and math.isinf(rate)):
-        return "inf"
-    return f"{float(rate):g}"
+    return f"{float(rate):g}"  # float("inf") -> "inf"
 
 
 class Sweep:
@@ -487,7 +469,7 @@ class Sweep:
         from bench.report import load_json, records_of
 
         seed = SEED + index
-        pt = Point(server.name, workload, index, "inf" if math.isinf(rate) else rate, seed)
+        pt = Point(server.name, workload, index, rate_json(rate), seed)
         rel = f"raw/{server.name}/{workload}-rate-{rate_name(rate)}.json"
         pt.argv = self.bench_argv(server.base_url, workload, rate, seed, self.num_requests,
                                   f"{server.name} {workload}")
@@ -770,21 +752,9 @@ def versions(args: argparse.Namespace) -> dict[str, str]:
 # ---- the report ----------------------------------------------------------------------
 
 
-def _rate_key(rate: Any) -> float:
-    return math.inf if rate == "inf" else float(rate)
-
-
-def _f(x: Any, digits: int = 1) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, int):
-        return f"{x:,}"
-    return f"{x:,.{digits}f}"
-
-
 def _lat(s: dict[str, Any], key: str, stat: str) -> str:
     d = s["latency_ms"].get(key) or {}
-    return _f(d.get(stat))
+    return _f(d.get(stat), 1)
 
 
 def render(out: Path) -> list[Path]:
@@ -795,7 +765,7 @@ def render(out: Path) -> list[Path]:
     order = {s["name"]: i for i, s in enumerate(servers)}
     worder = {w: i for i, w in enumerate(meta["workloads"])}
     ok.sort(key=lambda p: (order.get(p["server"], 99), worder.get(p["workload"], 99),
-                           _rate_key(p["rate"])))
+                           float(p["rate"])))
     for p in ok:  # results from before the burst share was recorded
         if p.get("itl_bunched") is None and p.get("raw"):
             from bench.report import load_json, records_of
@@ -805,7 +775,7 @@ def render(out: Path) -> list[Path]:
             except (OSError, ValueError, KeyError):
                 pass
     pngs = _plots(out, ok, meta)
-    lines = _report_lines(meta, servers, points, ok, pngs, out)
+    lines = _report_lines(meta, servers, points, ok, pngs)
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return [out / "report.md", *pngs]
 
@@ -844,8 +814,8 @@ def _plots(out: Path, ok: list[dict[str, Any]], meta: dict[str, Any]) -> list[Pa
 
 
 def _report_lines(meta: dict[str, Any], servers: list[dict[str, Any]],
-                  points: list[dict[str, Any]], ok: list[dict[str, Any]], pngs: list[Path],
-                  out: Path) -> list[str]:
+                  points: list[dict[str, Any]], ok: list[dict[str, Any]],
+                  pngs: list[Path]) -> list[str]:
     m, v = meta["machine"], meta["versions"]
     L = [f"# tandem bench sweep, {meta['date']}", ""]
     if meta["mode"] == "quick":
@@ -910,8 +880,8 @@ def _report_lines(meta: dict[str, Any], servers: list[dict[str, Any]],
             s = p["summary"]
             t, r, gp = s["throughput"], s["requests"], s.get("goodput") or {}
             L.append(f"| {p['server']} | {rate_name(p['rate'])} | {r['completed']} | "
-                     f"{r['failed']} | {_f(s['duration_s'])} | {_f(t['requests_per_s'], 2)} | "
-                     f"{_f(t['input_tokens_per_s'])} | {_f(t['output_tokens_per_s'])} | "
+                     f"{r['failed']} | {_f(s['duration_s'], 1)} | {_f(t['requests_per_s'], 2)} | "
+                     f"{_f(t['input_tokens_per_s'], 1)} | {_f(t['output_tokens_per_s'], 1)} | "
                      f"{_f(gp.get('requests_per_s'), 2)} | "
                      + (f"{gp['attainment']:.0%}" if gp else "-") + " |")
         L += ["", "Latency (ms):", "",
@@ -938,7 +908,7 @@ def _report_lines(meta: dict[str, Any], servers: list[dict[str, Any]],
                 for name, s in p["categories"].items():
                     L.append(f"| {p['server']} | {rate_name(p['rate'])} | {name} | "
                              f"{s['requests']['completed']} | "
-                             f"{_f(s['throughput']['output_tokens_per_s'])} | "
+                             f"{_f(s['throughput']['output_tokens_per_s'], 1)} | "
                              f"{_lat(s, 'ttft', 'p50')} | {_lat(s, 'ttft', 'p99')} | "
                              f"{_lat(s, 'tpot', 'p50')} | {_lat(s, 'tpot', 'p99')} | "
                              f"{_lat(s, 'e2e', 'p99')} |")

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator, Callable
-
 from dataclasses import dataclass
+from typing import AsyncIterator, Callable
 
 from decode_worker.engine import LLMEngine, TokenEvent
 from engine.loop import EngineDead, EngineLoop  # noqa: F401 (re-exported)
 from engine.output import TextStream
 from engine.sampling_params import SamplingParams
 from engine.sequence import INTERACTIVE, FinishReason
+
 
 @dataclass
 class TextEvent:

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.sweep import free_port
 from router.worker_client import WorkerClient
 from tests.oracle import hf_greedy, random_prompts
 
@@ -26,7 +27,7 @@ ADMIN, TOKEN = "test-admin-key", "test-cluster-token"
 
 class Serve:
     def __init__(self, args: list[str], log_path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
         cmd = [sys.executable, "-m", "router.cli", "serve", "--port", str(self.port), "--admin-key", ADMIN,
@@ -64,14 +65,6 @@ class Serve:
             for s in fam.samples:
                 out[s.name] = out.get(s.name, 0.0) + s.value
         return out
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
