@@ -213,9 +213,18 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
                 self.aengine.post(self._abort, rid)  # idempotent; queued after the reserve/add
 
     async def Abort(self, request, context):
-        found = await self.aengine.call(lambda: request.request_id in self.engine.seqs)
-        self.aengine.post(self._abort, request.request_id)
-        return pb.AbortReply(found=found)
+        return pb.AbortReply(found=await self.aengine.call(self._abort_by_rpc, request.request_id))
+
+    def _abort_by_rpc(self, rid: str) -> bool:
+        """Engine thread: abort `rid` and end its Decode stream (its subscriber gets a
+        finished event; a plain abort emits none, the stream's own exit being the usual
+        caller). False for an unknown or already finished request."""
+        if rid not in self.engine.seqs or rid in self.quarantined:
+            return False
+        self._abort(rid)
+        self.aengine.loop.deliver([TokenEvent(rid, None, finished=True, finish_reason=FinishReason.ABORT,
+                                              error="aborted by an Abort request")])
+        return True
 
     async def Handshake(self, request, context):
         if request.backend != self.transport.name:

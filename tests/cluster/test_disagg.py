@@ -146,6 +146,21 @@ async def test_abort_at_every_stage(spawn, model_path):
     stream = local_stream(dc, req("a4", prompts[3], n=500))
     await stream.__anext__()
     await stream.aclose()
+    # 5. the Abort RPC (an operator's, not the router's): the running stream ends at once
+    # with finish_reason abort; ids it does not hold are not found, on either worker
+    stream = local_stream(dc, req("a5", prompts[3], n=500))
+    await stream.__anext__()
+    assert await dc.abort("a5") is True
+
+    async def last_batch():
+        last = None
+        async for b in stream:
+            last = b
+        return last
+
+    last = await asyncio.wait_for(last_batch(), 10.0)
+    assert last.finished and last.finish_reason == "abort" and "Abort" in last.error
+    assert await dc.abort("a5") is False and await pc.abort("nope") is False
     await assert_clean(dc, pc)
     # the pool still serves correctly afterwards
     out = await collect(disaggregated_stream(pc, dc, req("after", prompts[0])))
