@@ -50,10 +50,6 @@ class KeyChecker:
         self._api_keys = [k.encode("utf-8") for k in sorted(set(api_keys)) if k]
         self._admin_key = admin_key.encode("utf-8") if admin_key else None
 
-    @property
-    def api_keys_enabled(self) -> bool:
-        return bool(self._api_keys)
-
     def require_api_key(self, request: Request) -> None:
         """Raise 401 unless the request carries a configured API key (or none are set)."""
         if not self._api_keys:

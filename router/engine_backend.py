@@ -35,7 +35,6 @@ class EngineBackend(Backend):
         import asyncio
 
         engine = await asyncio.to_thread(LLMEngine.from_config, self.config)
-        self.checkpoint = engine.checkpoint
         self.aengine = AsyncEngine(engine)
         self.aengine.start()
 

@@ -78,6 +78,11 @@ class ApiError(Exception):
         return cls(status, str(err), None, code, retry_after=retry)
 
     @classmethod
+    def internal(cls, exc: BaseException) -> "ApiError":
+        """An unexpected failure: the exception's type only (details stay in the log)."""
+        return cls(500, f"internal server error: {type(exc).__name__}", None, "internal_error")
+
+    @classmethod
     def from_validation(cls, errors: list[dict]) -> "ApiError":
         """The first of pydantic's `errors()`; `param` is the top-level field."""
         first = errors[0]
@@ -117,7 +122,7 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None 
 
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        return answer(ApiError(500, f"internal server error: {type(exc).__name__}", None, "internal_error"))
+        return answer(ApiError.internal(exc))
 
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)

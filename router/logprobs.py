@@ -101,11 +101,12 @@ def completion_logprobs(strings: TokenStrings, entries: Sequence[TokenLogprobs],
 
 def chat_logprobs(strings: TokenStrings, entries: Sequence[TokenLogprobs]) -> list[TokenLogprob]:
     """The `logprobs.content` entries of chat for some tokens."""
-    def top(token_id: int, logprob: float) -> TopLogprob:
+    def fields(token_id: int, logprob: float) -> dict:
         text, raw = strings.lookup(token_id)
-        return TopLogprob(token=text, logprob=_clamp(logprob), bytes=list(raw))
+        return {"token": text, "logprob": _clamp(logprob), "bytes": list(raw)}
 
     return [
-        TokenLogprob(**top(lp.token_id, lp.logprob).model_dump(), top_logprobs=[top(t, v) for t, v in lp.top])
+        TokenLogprob(**fields(lp.token_id, lp.logprob),
+                     top_logprobs=[TopLogprob(**fields(t, v)) for t, v in lp.top])
         for lp in entries
     ]

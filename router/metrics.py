@@ -83,9 +83,15 @@ class RouterMetrics:
             self.errors.labels(model_name, status)
         for met in ("true", "false"):
             self.slo.labels(model_name, met)
-        for c in (self.prompt_tokens, self.generation_tokens, self.cache_queries, self.cache_hits,
-                  self.ttft, self.itl, self.tpot, self.e2e):
-            c.labels(model_name)
+        # The model's children of the per-token series, looked up once (not per token).
+        self.m_prompt_tokens = self.prompt_tokens.labels(model_name)
+        self.m_generation_tokens = self.generation_tokens.labels(model_name)
+        self.m_cache_queries = self.cache_queries.labels(model_name)
+        self.m_cache_hits = self.cache_hits.labels(model_name)
+        self.m_ttft = self.ttft.labels(model_name)
+        self.m_itl = self.itl.labels(model_name)
+        self.m_tpot = self.tpot.labels(model_name)
+        self.m_e2e = self.e2e.labels(model_name)
 
     def register(self, collector: Collector) -> None:
         """Serve another collector's series (worker / cluster metrics) on /metrics too."""
@@ -115,21 +121,21 @@ class ChoiceTimer:
     def on_tokens(self, n: int, prompt_tokens: int, cached_tokens: int, now: float | None = None) -> None:
         if n <= 0:
             return
-        m, label = self.m, self.m.model
+        m = self.m
         now = time.monotonic() if now is None else now
         if self.first is None:
             self.first = now
-            m.ttft.labels(label).observe(now - self.arrival)
-            m.prompt_tokens.labels(label).inc(prompt_tokens)
-            m.cache_queries.labels(label).inc(prompt_tokens)
-            m.cache_hits.labels(label).inc(cached_tokens)
+            m.m_ttft.observe(now - self.arrival)
+            m.m_prompt_tokens.inc(prompt_tokens)
+            m.m_cache_queries.inc(prompt_tokens)
+            m.m_cache_hits.inc(cached_tokens)
         else:
             gap = (now - self.last) / n
             for _ in range(n):
-                m.itl.labels(label).observe(gap)
+                m.m_itl.observe(gap)
         self.last = now
         self.tokens += n
-        m.generation_tokens.labels(label).inc(n)
+        m.m_generation_tokens.inc(n)
 
     def finish(self, reason: str, now: float | None = None) -> None:
         """Once per engine request; `reason` stop | length | abort."""
@@ -141,11 +147,11 @@ class ChoiceTimer:
         if reason not in OK_REASONS:
             return
         now = time.monotonic() if now is None else now
-        m.e2e.labels(label).observe(now - self.arrival)
+        m.m_e2e.observe(now - self.arrival)
         tpot = None
         if self.first is not None and self.tokens > 1:
             tpot = (self.last - self.first) / (self.tokens - 1)
-            m.tpot.labels(label).observe(tpot)
+            m.m_tpot.observe(tpot)
         ttft = None if self.first is None else self.first - self.arrival
         met = ttft is not None and ttft <= m.slo_ttft_s and (tpot is None or tpot <= m.slo_tpot_s)
         m.slo.labels(label, "true" if met else "false").inc()

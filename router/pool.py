@@ -63,7 +63,6 @@ class Worker:
     in_flight_blocks: int = 0
     in_flight_tokens: int = 0
     failures: int = 0
-    started_at: float = field(default_factory=time.monotonic)
     tasks: list[asyncio.Task] = field(default_factory=list)
 
     def as_dict(self) -> dict:

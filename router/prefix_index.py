@@ -31,6 +31,3 @@ class PrefixIndex:
                 break
             n += 1
         return n
-
-    def size(self, worker_id: str) -> int:
-        return len(self._hashes.get(worker_id, ()))

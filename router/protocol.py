@@ -251,8 +251,13 @@ def choice_seed(seed: int | None, index: int) -> int | None:
 
 # --------------------------------------------------------------- responses ----
 class _Response(BaseModel):
-    """Serialised with OpenAI's nulls; fields named in `_omit_if_none` are left out
-    when None (vLLM extras, and `usage` on chunks without include_usage)."""
+    """Serialised with OpenAI's nulls."""
+
+
+class _Sparse(_Response):
+    """A response whose fields named in `_omit_if_none` are left out when None (vLLM
+    extras, and `usage` on chunks without include_usage). Only these classes pay for
+    the Python serializer hook; the rest (logprob entries, per token) stay in pydantic-core."""
 
     _omit_if_none: ClassVar[tuple[str, ...]] = ()
 
@@ -283,7 +288,7 @@ class CompletionLogprobs(_Response):
     text_offset: list[int] = []
 
 
-class CompletionChoice(_Response):
+class CompletionChoice(_Sparse):
     _omit_if_none = ("token_ids", "prompt_token_ids")
     index: int
     text: str
@@ -293,7 +298,7 @@ class CompletionChoice(_Response):
     token_ids: list[int] | None = None
 
 
-class CompletionResponse(_Response):
+class CompletionResponse(_Sparse):
     _omit_if_none = ("usage",)
     id: str
     object: str = "text_completion"
@@ -325,7 +330,7 @@ class ChatMessageOut(_Response):
     refusal: str | None = None
 
 
-class ChatChoice(_Response):
+class ChatChoice(_Sparse):
     _omit_if_none = ("token_ids",)
     index: int
     message: ChatMessageOut
@@ -334,7 +339,7 @@ class ChatChoice(_Response):
     token_ids: list[int] | None = None
 
 
-class ChatCompletionResponse(_Response):
+class ChatCompletionResponse(_Sparse):
     _omit_if_none = ("prompt_token_ids",)
     id: str
     object: str = "chat.completion"
@@ -346,13 +351,13 @@ class ChatCompletionResponse(_Response):
     prompt_token_ids: list[int] | None = None
 
 
-class ChatDelta(_Response):
+class ChatDelta(_Sparse):
     _omit_if_none = ("role", "content")
     role: str | None = None
     content: str | None = None
 
 
-class ChatChunkChoice(_Response):
+class ChatChunkChoice(_Sparse):
     _omit_if_none = ("token_ids",)
     index: int
     delta: ChatDelta
@@ -361,7 +366,7 @@ class ChatChunkChoice(_Response):
     token_ids: list[int] | None = None
 
 
-class ChatCompletionChunk(_Response):
+class ChatCompletionChunk(_Sparse):
     _omit_if_none = ("usage",)
     id: str
     object: str = "chat.completion.chunk"

@@ -112,7 +112,7 @@ class Responder:
                 err = ApiError.from_backend(e)
             else:
                 log.error("stream %s failed", rid, exc_info=e)
-                err = ApiError(500, f"internal server error: {type(e).__name__}", None, "internal_error")
+                err = ApiError.internal(e)
             self.metrics.count_error(err.status)
             yield sse_event(json.dumps(err.body()))
         finally:
@@ -126,10 +126,12 @@ class Responder:
         created = int(time.time())
         offsets: dict[int, TextOffsets] = {}  # per choice (logprobs' text_offset)
         async for run, d in merge(job.runs):
-            first = run.index not in offsets
+            offset = offsets.get(run.index)
+            first = offset is None
+            if first:
+                offset = offsets[run.index] = TextOffsets()
             prompt = job.prompts[run.prompt_index]
             text = (prompt.text or "") + d.text if first and req.echo else d.text
-            offset = offsets.setdefault(run.index, TextOffsets())
             lp = None if req.logprobs is None else completion_logprobs(self.strings, d.logprobs, offset)
             choice = CompletionChoice(
                 index=run.index, text=text, logprobs=lp, finish_reason=d.finish_reason,

@@ -42,15 +42,12 @@ class WorkerClient:
         self.metadata = call_metadata(token)
         self.channel = channel(address)
         self.stub = (pb_grpc.DecodeWorkerStub if role == "decode" else pb_grpc.PrefillWorkerStub)(self.channel)
-        self.epoch = 0
 
     async def close(self) -> None:
         await self.channel.close()
 
     async def health(self, timeout: float = 5.0) -> pb.HealthReply:
-        reply = await self.stub.Health(pb.HealthRequest(), timeout=timeout, metadata=self.metadata)
-        self.epoch = reply.epoch
-        return reply
+        return await self.stub.Health(pb.HealthRequest(), timeout=timeout, metadata=self.metadata)
 
     async def stats(self, timeout: float = 5.0) -> pb.WorkerStats:
         return await self.stub.Stats(pb.StatsRequest(), timeout=timeout, metadata=self.metadata)
