@@ -47,10 +47,6 @@ class WorkerHost:
     def run(self, coro, timeout: float = 60.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def check_integrity(self, timeout: float = 30.0) -> None:
-        """Raise AssertionError if any block or ledger entry is leaked (runs on the engine thread)."""
-        self.run(self.worker.engine_loop.call(self.worker.check_integrity), timeout)
-
     def stop(self, timeout: float = 15.0) -> None:
         try:
             self.run(self.worker.stop(), timeout)
@@ -76,10 +72,6 @@ class WorkerActor:
     def info(self) -> dict:
         return {"worker_id": self.host.config.worker_id, "role": self.host.config.role, "address": self.address,
                 "epoch": getattr(self.host.worker, "epoch", 0), "pid": os.getpid()}
-
-    def check_integrity(self) -> bool:
-        self.host.check_integrity()
-        return True
 
     def stop(self) -> bool:
         self.host.stop()

@@ -10,7 +10,6 @@ loop); `poll` never blocks, `wait` blocks for a bounded time.
 from __future__ import annotations
 
 import abc
-import asyncio
 import dataclasses
 import logging
 import time
@@ -174,15 +173,6 @@ class Transport(abc.ABC):
                 return status
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
-
-    async def wait_async(self, handle: TransferHandle, timeout: float) -> TransferStatus:
-        """Like `wait`, yielding to the event loop between polls."""
-        deadline = time.monotonic() + timeout
-        while True:
-            status = self.poll(handle)
-            if status.finished or time.monotonic() >= deadline:
-                return status
-            await asyncio.sleep(5e-4)
 
     def __enter__(self) -> "Transport":
         return self

@@ -164,3 +164,16 @@ class HandleBook:
         if time.monotonic() <= write.deadline:
             return None
         return TransferStatus.failed(f"timed out after {self._timeout_s:.1f} s")
+
+    def poll(self, handle_id: int) -> TransferStatus:
+        """`status`, failing the write first if it is past its deadline (the backend's
+        I/O thread sees the write finished and stops working on it)."""
+        write = self.live(handle_id)
+        if write is not None:
+            timeout = self.timed_out(write)
+            if timeout is not None:
+                self.finish(handle_id, timeout)
+        return self.status(handle_id)
+
+    def release(self, handle_id: int) -> None:
+        self.finish(handle_id, TransferStatus.failed("released by its owner"))

@@ -83,10 +83,6 @@ class KVLayout:
         """Bytes of one block across all layers, K and V."""
         return self.region_bytes * 2 * self.num_layers
 
-    @property
-    def total_bytes(self) -> int:
-        return self.block_bytes * self.num_blocks
-
     def region_offset(self, layer: int, kv: int, block: int) -> int:
         return ((layer * 2 + kv) * self.num_blocks + block) * self.region_bytes
 

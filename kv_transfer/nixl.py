@@ -217,15 +217,10 @@ class NixlTransport(Transport):
         return write.handle
 
     def poll(self, handle: TransferHandle) -> TransferStatus:
-        write = self._book.live(handle.id)
-        if write is not None:
-            timeout = self._book.timed_out(write)
-            if timeout is not None:  # the poster thread cancels the request
-                self._book.finish(handle.id, timeout)
-        return self._book.status(handle.id)
+        return self._book.poll(handle.id)
 
     def release(self, handle: TransferHandle) -> None:
-        self._book.finish(handle.id, TransferStatus.failed("released by its owner"))
+        self._book.release(handle.id)
 
     def notifications(self) -> list[Notification]:
         self._require_registered()

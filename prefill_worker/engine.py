@@ -123,9 +123,6 @@ class PrefillEngine:
         for job in [j for j in self.jobs.values() if j.peer == peer]:
             self.abort(job.seq.seq_id, reason)
 
-    def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.scheduler.handoff)
-
     # ---- one iteration (engine thread) ----------------------------------------------
     def step(self) -> list:
         self._poll_transfers()
