@@ -32,17 +32,24 @@ async def _wait_disconnect(receive: Receive) -> None:
         pass
 
 
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await `work` (body already read); if the client disconnects first, cancel it
-    and raise ClientDisconnected."""
+async def _race_disconnect(work: Awaitable[T], receive: Receive) -> asyncio.Future[T]:
+    """Run `work` until it ends or the client disconnects, whichever comes first; the
+    other is cancelled and awaited. Returns the work's (done or cancelled) future."""
     task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_wait_disconnect(request.receive))
+    watch = asyncio.ensure_future(_wait_disconnect(receive))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watch.cancel()
-        task.cancel()  # no-op when done
-        await asyncio.gather(watch, task, return_exceptions=True)
+        for t in (task, watch):
+            t.cancel()  # no-op when done
+        await asyncio.gather(task, watch, return_exceptions=True)
+    return task
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work` (body already read); if the client disconnects first, cancel it
+    and raise ClientDisconnected."""
+    task = await _race_disconnect(work, request.receive)
     if task.cancelled():
         raise ClientDisconnected()
     return task.result()
@@ -70,14 +77,9 @@ class SSEResponse(Response):
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        pump = asyncio.ensure_future(self._pump(send))
-        watch = asyncio.ensure_future(_wait_disconnect(receive))
         try:
-            await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+            pump = await _race_disconnect(self._pump(send), receive)
         finally:
-            for t in (pump, watch):
-                t.cancel()
-            await asyncio.gather(pump, watch, return_exceptions=True)
             try:
                 await self.body_iter.aclose()
             finally:
