@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterable, TypeVar
+from typing import Callable, Iterable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -70,7 +70,10 @@ def parse(model: type[M], body: bytes) -> M:
 
 
 def create_app(backend: Backend, tokenizer: Tokenizer, settings: RouterSettings,
-               admin: AdminInterface | None = None, collectors: Iterable[Collector] = ()) -> FastAPI:
+               admin: AdminInterface | None = None, collectors: Iterable[Collector] = (),
+               on_started: Callable[[], None] | None = None) -> FastAPI:
+    """`on_started` runs once the lifespan has started the backend (e.g. to say where
+    things are)."""
     keys = set(settings.api_keys)
     if settings.api_key_file:
         keys.update(read_key_file(settings.api_key_file))
@@ -89,6 +92,8 @@ def create_app(backend: Backend, tokenizer: Tokenizer, settings: RouterSettings,
     async def lifespan(app: FastAPI):
         if settings.manage_backend:
             await backend.start()
+        if on_started is not None:
+            on_started()
         try:
             yield
         finally:

@@ -17,7 +17,7 @@ log = logging.getLogger("tandem")
 
 
 def build_app(args: argparse.Namespace):
-    """Everything `serve` runs, from parsed options: (app, backend, settings)."""
+    """The app `serve` runs, from parsed options; it announces the cluster once started."""
     from engine.models.builtin import builtin_model_path
     from engine.tokenizer import Tokenizer
     from router.app import create_app
@@ -55,8 +55,8 @@ def build_app(args: argparse.Namespace):
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
         queue_timeout_s=args.queue_timeout_s, slo_ttft_s=args.slo_ttft_ms / 1000, slo_tpot_s=args.slo_tpot_ms / 1000)
     app = create_app(backend, Tokenizer.from_dir(model_path), settings, admin=pool,
-                     collectors=[backend.metrics.registry])
-    return app, backend, settings
+                     collectors=[backend.metrics.registry], on_started=lambda: announce(args, backend, settings))
+    return app
 
 
 def announce(args, backend, settings) -> None:
@@ -79,13 +79,5 @@ def serve(args: argparse.Namespace) -> int:
 
     level = (args.log_level or envs.log_level()).upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    app, backend, settings = build_app(args)
-    start = backend.start
-
-    async def start_and_announce() -> None:
-        await start()
-        announce(args, backend, settings)
-
-    backend.start = start_and_announce  # the app's lifespan starts the backend
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", lifespan="on", http="h11", ws="none")
+    uvicorn.run(build_app(args), host=args.host, port=args.port, log_level="warning", lifespan="on", http="h11", ws="none")
     return 0
