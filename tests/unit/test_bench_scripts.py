@@ -1,4 +1,4 @@
-"""bench.engine and bench.decode run end to end on the built-in model with tiny sizes:
+"""bench.engine, bench.decode and bench.profile run end to end on the built-in model with tiny sizes:
 the structure of their reports, never their speed. vLLM itself is not started."""
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 
 from bench import decode as bench_decode
 from bench import engine as bench_engine
+from bench import profile as bench_profile
 
 pytestmark = pytest.mark.model
 
@@ -104,3 +105,19 @@ def test_quick_settings_are_small():
     assert args.vllm.dtypes == ("bfloat16", "float32") and args.vllm.num_prompts == 7
     with pytest.raises(SystemExit):
         bench_decode.parse_args(["batching", "--num-requests", "0"])
+
+
+def test_profile_report(capsys):
+    assert bench_profile.main(["--batch", "3", "--prompt-len", "20", "--steps", "2", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "decode step at batch 3, context ~20, float32, 1 threads" in out
+    groups = [line.split()[0] for line in out.split("by group")[1].split("top ")[0].splitlines()[3:] if line.strip()]
+    assert {"matmul", "attention", "python"} <= set(groups)
+    assert "aten::mm" in out
+
+
+def test_profile_groups():
+    assert bench_profile.group_of("aten::addmm") == "matmul"
+    assert bench_profile.group_of("tandem_cpu_attn_0::paged_decode_attention") == "attention"
+    assert bench_profile.group_of("aten::argmax") == "sampling"
+    assert bench_profile.group_of("aten::silu_") == "other"
