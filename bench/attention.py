@@ -40,7 +40,8 @@ SHAPES = [Shape("builtin", 4, 2, 64), Shape("llama8b", 32, 8, 128)]
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m bench.attention", description=__doc__,
+        prog="python -m bench.attention",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
@@ -71,7 +72,9 @@ def kv_bytes(shape: Shape, dtype: torch.dtype, batch: int, ctx: int) -> int:
     return 2 * batch * ctx * shape.kv_heads * shape.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def bench_case(shape: Shape, dtype: torch.dtype, bs: int, batch: int, ctx: int, args) -> tuple[float | None, float, float]:
+def bench_case(
+    shape: Shape, dtype: torch.dtype, bs: int, batch: int, ctx: int, args
+) -> tuple[float | None, float, float]:
     """(reference median ms or None, kernel median ms, kernel best ms) for one (batch, context)."""
     from engine.attention import reference
     from engine.attention.cpu import kernels
@@ -90,10 +93,17 @@ def bench_case(shape: Shape, dtype: torch.dtype, bs: int, batch: int, ctx: int, 
     scale = shape.head_dim**-0.5
     turn = itertools.cycle(tables)  # a fresh table per call: K/V come from DRAM
 
-    t_cpu, best_cpu = time_ms(lambda: kernels.paged_decode_attention(query, k_cache, v_cache, next(turn), seq_lens, scale, out=out), args.min_time)
+    t_cpu, best_cpu = time_ms(
+        lambda: kernels.paged_decode_attention(query, k_cache, v_cache, next(turn), seq_lens, scale, out=out),
+        args.min_time,
+    )
     t_ref = None
     if kv_bytes(shape, dtype, batch, ctx) <= args.ref_max_gb * 1e9:
-        t_ref = time_ms(lambda: reference.paged_decode_attention(query, k_cache, v_cache, next(turn), seq_lens, scale, ctx), args.min_time, min_reps=3)[0]
+        t_ref = time_ms(
+            lambda: reference.paged_decode_attention(query, k_cache, v_cache, next(turn), seq_lens, scale, ctx),
+            args.min_time,
+            min_reps=3,
+        )[0]
     return t_ref, t_cpu, best_cpu
 
 
@@ -105,12 +115,16 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     ops = build.load()
-    print(f"cpu kernel loaded in {time.perf_counter() - t0:.1f}s (simd lanes: {ops.simd_lanes()}); "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"cpu kernel loaded in {time.perf_counter() - t0:.1f}s (simd lanes: {ops.simd_lanes()}); "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     dtype = DTYPES[args.dtype]
     for shape in (s for s in SHAPES if s.name in args.shapes):
-        print(f"\npaged decode  {shape.name}: H={shape.heads} Hkv={shape.kv_heads} D={shape.head_dim} "
-              f"block={args.block_size} {args.dtype}")
+        print(
+            f"\npaged decode  {shape.name}: H={shape.heads} Hkv={shape.kv_heads} D={shape.head_dim} "
+            f"block={args.block_size} {args.dtype}"
+        )
         print(f"{'batch':>6} {'ctx':>6} {'torch ms':>10} {'cpu ms':>9} {'best ms':>9} {'speedup':>8} {'cpu GB/s':>9}")
         for ctx in args.contexts:
             for batch in args.batches:

@@ -19,10 +19,9 @@ from rich.console import Console
 from bench.arrivals import parse_rate, parse_rates
 from bench.client import ENDPOINTS, BenchError, ClientConfig, StreamClient
 from bench.metrics import DEFAULT_PERCENTILES, SLO_METRICS
-from bench.prompts import PromptMaker, load_tokenizer
 from bench.progress import LiveProgress
-from bench.report import (compare_tables, load_json, print_run, result_doc, run_json,
-                          sweep_table, write_json)
+from bench.prompts import PromptMaker, load_tokenizer
+from bench.report import compare_tables, load_json, print_run, result_doc, run_json, sweep_table, write_json
 from bench.runner import RunConfig, timed_run, warm_up
 from bench.workloads import WORKLOADS, LengthDist, WorkloadConfig, iter_specs
 

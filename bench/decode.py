@@ -66,8 +66,17 @@ from typing import Any, Callable
 import numpy as np
 
 from bench import metrics
-from bench.engine import (DTYPE_ALIASES, TOKEN_LOW, _log, default_threads, environment, format_table, set_threads,
-                          warn_if_busy, write_json)
+from bench.engine import (
+    DTYPE_ALIASES,
+    TOKEN_LOW,
+    _log,
+    default_threads,
+    environment,
+    format_table,
+    set_threads,
+    warn_if_busy,
+    write_json,
+)
 
 SECTIONS = ("batching", "interference", "vllm")
 Log = Callable[..., None]
@@ -124,9 +133,11 @@ def run_batching(a: BatchingArgs, model: str | None, dtype: str | None, threads:
     lengths = lognormal_lengths(a.num_requests, a.median_out, a.sigma, a.max_out, a.seed + 1)
     params = [_greedy(n) for n in lengths]
     out_tokens = sum(lengths)
-    log(f"[batching] {a.num_requests} requests x {a.prompt_len} prompt tokens, output lengths "
+    log(
+        f"[batching] {a.num_requests} requests x {a.prompt_len} prompt tokens, output lengths "
         f"median {statistics.median(lengths):g}, mean {statistics.mean(lengths):.1f}, max {max(lengths)}, "
-        f"total {out_tokens}; max_num_seqs {a.max_num_seqs}")
+        f"total {out_tokens}; max_num_seqs {a.max_num_seqs}"
+    )
     rows = []
     backend = None
     for policy in ("continuous", "static"):
@@ -141,24 +152,40 @@ def run_batching(a: BatchingArgs, model: str | None, dtype: str | None, threads:
         if got != lengths:
             raise RuntimeError(f"[batching/{policy}] output lengths differ from the workload's (ignore_eos broken?)")
         steps = llm.engine.stats.num_steps - steps0
-        rows.append({"scheduler": policy, "wall_s": wall, "output_tok_s": out_tokens / wall,
-                     "requests_s": a.num_requests / wall, "steps": steps,
-                     "mean_tokens_per_step": (out_tokens + a.num_requests * a.prompt_len) / steps})
+        rows.append(
+            {
+                "scheduler": policy,
+                "wall_s": wall,
+                "output_tok_s": out_tokens / wall,
+                "requests_s": a.num_requests / wall,
+                "steps": steps,
+                "mean_tokens_per_step": (out_tokens + a.num_requests * a.prompt_len) / steps,
+            }
+        )
         log(f"[batching] {policy}: {wall:.2f} s, {out_tokens / wall:.0f} output tok/s, {steps} steps")
         del llm, outs
         gc.collect()
     cont, stat = rows
-    return {"settings": asdict(a), "attention_backend": backend, "output_tokens": out_tokens,
-            "rows": rows, "ratio": cont["output_tok_s"] / stat["output_tok_s"]}
+    return {
+        "settings": asdict(a),
+        "attention_backend": backend,
+        "output_tokens": out_tokens,
+        "rows": rows,
+        "ratio": cont["output_tok_s"] / stat["output_tok_s"],
+    }
 
 
 def render_batching(r: dict) -> str:
     s = r["settings"]
-    head = (f"== batching: {s['num_requests']} requests, prompt {s['prompt_len']}, output lognormal median "
-            f"{s['median_out']:g} sigma {s['sigma']:g} max {s['max_out']} ({r['output_tokens']} tokens), "
-            f"max_num_seqs {s['max_num_seqs']}, attention {r['attention_backend']} ==")
-    table = format_table(["scheduler", "output tok/s", "requests/s", "wall s", "steps"],
-                         [[x["scheduler"], x["output_tok_s"], x["requests_s"], x["wall_s"], x["steps"]] for x in r["rows"]])
+    head = (
+        f"== batching: {s['num_requests']} requests, prompt {s['prompt_len']}, output lognormal median "
+        f"{s['median_out']:g} sigma {s['sigma']:g} max {s['max_out']} ({r['output_tokens']} tokens), "
+        f"max_num_seqs {s['max_num_seqs']}, attention {r['attention_backend']} =="
+    )
+    table = format_table(
+        ["scheduler", "output tok/s", "requests/s", "wall s", "steps"],
+        [[x["scheduler"], x["output_tok_s"], x["requests_s"], x["wall_s"], x["steps"]] for x in r["rows"]],
+    )
     return f"{head}\n{table}\ncontinuous / static throughput: {r['ratio']:.2f}x"
 
 
@@ -181,16 +208,28 @@ def _interference_once(a: InterferenceArgs, chunked: bool, model: str | None, dt
     from engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 
     max_len = max(a.max_model_len, a.long_prompt_len + a.long_output + 1, a.stream_prompt_len + a.stream_tokens + 1)
-    sched = SchedulerConfig(max_num_seqs=a.streams + 64, max_model_len=max_len, enable_chunked_prefill=chunked,
-                            max_num_batched_tokens=a.chunk if chunked else max_len)
+    sched = SchedulerConfig(
+        max_num_seqs=a.streams + 64,
+        max_model_len=max_len,
+        enable_chunked_prefill=chunked,
+        max_num_batched_tokens=a.chunk if chunked else max_len,
+    )
     # Streams, plus the long prompts that can be alive at once: one waits for its first
     # token at a time, and each decodes --long-output tokens after it.
     longs_alive = min(64, 1 + a.long_output)
-    blocks_needed = (a.streams * math.ceil((a.stream_prompt_len + a.stream_tokens) / 16)
-                     + longs_alive * math.ceil((a.long_prompt_len + a.long_output) / 16) + 64)
-    config = EngineConfig(model=model, dtype=dtype, scheduler=sched,
-                          cache=CacheConfig(num_blocks=blocks_needed, enable_prefix_caching=False),
-                          device=DeviceConfig(num_threads=None), seed=0)
+    blocks_needed = (
+        a.streams * math.ceil((a.stream_prompt_len + a.stream_tokens) / 16)
+        + longs_alive * math.ceil((a.long_prompt_len + a.long_output) / 16)
+        + 64
+    )
+    config = EngineConfig(
+        model=model,
+        dtype=dtype,
+        scheduler=sched,
+        cache=CacheConfig(num_blocks=blocks_needed, enable_prefix_caching=False),
+        device=DeviceConfig(num_threads=None),
+        seed=0,
+    )
     engine = LLMEngine.from_config(config)
     backend = engine.runner.backend.name
 
@@ -222,7 +261,9 @@ def _interference_once(a: InterferenceArgs, chunked: bool, model: str | None, dt
         in_flight = len(long_added) > len(ttft)
         if measure_from is not None and len(done) < a.streams and now >= next_arrival and not in_flight:
             rid = f"long{len(long_added)}"
-            engine.add_request(rid, long_rng.integers(TOKEN_LOW, vocab, a.long_prompt_len).tolist(), _greedy(a.long_output))
+            engine.add_request(
+                rid, long_rng.integers(TOKEN_LOW, vocab, a.long_prompt_len).tolist(), _greedy(a.long_output)
+            )
             long_added[rid] = now
             next_arrival = now + a.interval
         events = engine.step()
@@ -250,26 +291,38 @@ def _interference_once(a: InterferenceArgs, chunked: bool, model: str | None, dt
     if missing:
         raise RuntimeError(f"[interference] long prompts without a first token: {sorted(missing)}")
     ttfts = list(ttft.values())
-    return {"chunked": chunked, "max_num_batched_tokens": sched.max_num_batched_tokens, "attention_backend": backend,
-            "itl_count": len(itl), "itl_p50_ms": percentile(itl, 50) * 1e3, "itl_p99_ms": percentile(itl, 99) * 1e3,
-            "itl_max_ms": max(itl) * 1e3, "itl_mean_ms": statistics.mean(itl) * 1e3,
-            "long_prompts": len(ttfts),
-            "long_ttft_p50_ms": percentile(ttfts, 50) * 1e3 if ttfts else None,
-            "long_ttft_max_ms": max(ttfts) * 1e3 if ttfts else None,
-            "steps": steps, "wall_s": wall}
+    return {
+        "chunked": chunked,
+        "max_num_batched_tokens": sched.max_num_batched_tokens,
+        "attention_backend": backend,
+        "itl_count": len(itl),
+        "itl_p50_ms": percentile(itl, 50) * 1e3,
+        "itl_p99_ms": percentile(itl, 99) * 1e3,
+        "itl_max_ms": max(itl) * 1e3,
+        "itl_mean_ms": statistics.mean(itl) * 1e3,
+        "long_prompts": len(ttfts),
+        "long_ttft_p50_ms": percentile(ttfts, 50) * 1e3 if ttfts else None,
+        "long_ttft_max_ms": max(ttfts) * 1e3 if ttfts else None,
+        "steps": steps,
+        "wall_s": wall,
+    }
 
 
 def run_interference(a: InterferenceArgs, model: str | None, dtype: str | None, threads: int, log: Log = _log) -> dict:
     set_threads(threads)
     vocab = _vocab(model)
-    log(f"[interference] {a.streams} streams x {a.stream_tokens} tokens; a {a.long_prompt_len}-token prompt "
-        f"every {a.interval:g} s; chunk {a.chunk}")
+    log(
+        f"[interference] {a.streams} streams x {a.stream_tokens} tokens; a {a.long_prompt_len}-token prompt "
+        f"every {a.interval:g} s; chunk {a.chunk}"
+    )
     rows = []
     for chunked in (True, False):
         r = _interference_once(a, chunked, model, dtype, vocab)
-        log(f"[interference] {'chunked' if chunked else 'unchunked'}: ITL p50 {r['itl_p50_ms']:.1f} ms, "
+        log(
+            f"[interference] {'chunked' if chunked else 'unchunked'}: ITL p50 {r['itl_p50_ms']:.1f} ms, "
             f"p99 {r['itl_p99_ms']:.1f} ms, max {r['itl_max_ms']:.1f} ms; {r['long_prompts']} long prompts, "
-            f"TTFT p50 {r['long_ttft_p50_ms'] or 0:.0f} ms")
+            f"TTFT p50 {r['long_ttft_p50_ms'] or 0:.0f} ms"
+        )
         rows.append(r)
         gc.collect()
     ch, un = rows
@@ -277,26 +330,55 @@ def run_interference(a: InterferenceArgs, model: str | None, dtype: str | None, 
     def ratio(key: str) -> float | None:
         return un[key] / ch[key] if ch[key] and un[key] else None
 
-    return {"settings": asdict(a), "rows": rows,
-            "ratios_unchunked_over_chunked": {k: ratio(k) for k in
-                                              ("itl_p50_ms", "itl_p99_ms", "itl_max_ms", "long_ttft_p50_ms")}}
+    return {
+        "settings": asdict(a),
+        "rows": rows,
+        "ratios_unchunked_over_chunked": {
+            k: ratio(k) for k in ("itl_p50_ms", "itl_p99_ms", "itl_max_ms", "long_ttft_p50_ms")
+        },
+    }
 
 
 def render_interference(r: dict) -> str:
     s = r["settings"]
-    head = (f"== interference: {s['streams']} streams x {s['stream_tokens']} tokens (prompt {s['stream_prompt_len']}); "
-            f"a {s['long_prompt_len']}-token prompt every {s['interval']:g} s; attention "
-            f"{r['rows'][0]['attention_backend']} ==")
+    head = (
+        f"== interference: {s['streams']} streams x {s['stream_tokens']} tokens (prompt {s['stream_prompt_len']}); "
+        f"a {s['long_prompt_len']}-token prompt every {s['interval']:g} s; attention "
+        f"{r['rows'][0]['attention_backend']} =="
+    )
     table = format_table(
-        ["prefill", "budget", "ITL p50 ms", "ITL p99 ms", "ITL max ms", "ITLs", "long prompts", "long TTFT p50 ms",
-         "long TTFT max ms"],
-        [["chunked" if x["chunked"] else "whole", x["max_num_batched_tokens"], x["itl_p50_ms"], x["itl_p99_ms"],
-          x["itl_max_ms"], x["itl_count"], x["long_prompts"], x["long_ttft_p50_ms"], x["long_ttft_max_ms"]]
-         for x in r["rows"]])
+        [
+            "prefill",
+            "budget",
+            "ITL p50 ms",
+            "ITL p99 ms",
+            "ITL max ms",
+            "ITLs",
+            "long prompts",
+            "long TTFT p50 ms",
+            "long TTFT max ms",
+        ],
+        [
+            [
+                "chunked" if x["chunked"] else "whole",
+                x["max_num_batched_tokens"],
+                x["itl_p50_ms"],
+                x["itl_p99_ms"],
+                x["itl_max_ms"],
+                x["itl_count"],
+                x["long_prompts"],
+                x["long_ttft_p50_ms"],
+                x["long_ttft_max_ms"],
+            ]
+            for x in r["rows"]
+        ],
+    )
     q = r["ratios_unchunked_over_chunked"]
     fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
-    return (f"{head}\n{table}\nunchunked / chunked: ITL p50 {fmt(q['itl_p50_ms'])}, p99 {fmt(q['itl_p99_ms'])}, "
-            f"max {fmt(q['itl_max_ms'])}; long-prompt TTFT p50 {fmt(q['long_ttft_p50_ms'])}")
+    return (
+        f"{head}\n{table}\nunchunked / chunked: ITL p50 {fmt(q['itl_p50_ms'])}, p99 {fmt(q['itl_p99_ms'])}, "
+        f"max {fmt(q['itl_max_ms'])}; long-prompt TTFT p50 {fmt(q['long_ttft_p50_ms'])}"
+    )
 
 
 # ---- 3. tandem vs vLLM CPU, offline -------------------------------------------------
@@ -317,7 +399,7 @@ class VllmArgs:
 
 # Runs under the vLLM venv's python: no tandem imports. Prompts and settings come in a
 # JSON file; the result goes to another.
-VLLM_CHILD = textwrap.dedent('''
+VLLM_CHILD = textwrap.dedent("""
     import json, sys, time
 
     def main():
@@ -343,7 +425,7 @@ VLLM_CHILD = textwrap.dedent('''
 
     if __name__ == "__main__":
         main()
-''')
+""")
 
 
 def _vllm_env(model: str, a: VllmArgs, threads: int) -> dict[str, str]:
@@ -356,22 +438,46 @@ def _vllm_env(model: str, a: VllmArgs, threads: int) -> dict[str, str]:
     return env
 
 
-def run_vllm_child(model: str, dtype: str, prompt_sets: list[list[list[int]]], warmup_prompts: list[list[int]],
-                   a: VllmArgs, threads: int, log: Log = _log) -> dict:
+def run_vllm_child(
+    model: str,
+    dtype: str,
+    prompt_sets: list[list[list[int]]],
+    warmup_prompts: list[list[int]],
+    a: VllmArgs,
+    threads: int,
+    log: Log = _log,
+) -> dict:
     """vLLM's offline generate of each prompt set in a subprocess: wall seconds of each
     (`walls_s`), start-up seconds, version, and the outputs of the first set."""
     with tempfile.TemporaryDirectory(prefix="tandem-bench-vllm-") as tmp:
         tmp_p = Path(tmp)
         (tmp_p / "child.py").write_text(VLLM_CHILD)
         out = tmp_p / "result.json"
-        (tmp_p / "args.json").write_text(json.dumps({
-            "model": model, "dtype": dtype, "max_model_len": a.max_model_len, "output_len": a.output_len,
-            "enforce_eager": a.enforce_eager, "prompt_sets": prompt_sets, "warmup_prompts": warmup_prompts, "out": str(out)}))
+        (tmp_p / "args.json").write_text(
+            json.dumps(
+                {
+                    "model": model,
+                    "dtype": dtype,
+                    "max_model_len": a.max_model_len,
+                    "output_len": a.output_len,
+                    "enforce_eager": a.enforce_eager,
+                    "prompt_sets": prompt_sets,
+                    "warmup_prompts": warmup_prompts,
+                    "out": str(out),
+                }
+            )
+        )
         logf = tmp_p / "vllm.log"
         with open(logf, "wb") as lf:
-            proc = subprocess.Popen([f"{a.venv}/bin/python", str(tmp_p / "child.py"), str(tmp_p / "args.json")],
-                                    env=_vllm_env(model, a, threads), cwd=tmp, stdout=lf, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                [f"{a.venv}/bin/python", str(tmp_p / "child.py"), str(tmp_p / "args.json")],
+                env=_vllm_env(model, a, threads),
+                cwd=tmp,
+                stdout=lf,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
             try:
                 rc = proc.wait(timeout=a.timeout_s)
             except subprocess.TimeoutExpired:
@@ -400,8 +506,14 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_tandem_offline(model: str | None, dtype: str, prompt_sets: list[list[list[int]]],
-                       warmup_prompts: list[list[int]], output_len: int, threads: int) -> dict:
+def run_tandem_offline(
+    model: str | None,
+    dtype: str,
+    prompt_sets: list[list[list[int]]],
+    warmup_prompts: list[list[int]],
+    output_len: int,
+    threads: int,
+) -> dict:
     """tandem's offline generate of each prompt set, in this process; like run_vllm_child."""
     from decode_worker.llm import LLM
 
@@ -430,8 +542,10 @@ def run_vllm(a: VllmArgs, model: str | None, threads: int, log: Log = _log, tand
     warmup_prompts = random_prompts(4, a.input_len, vocab, a.seed + 1)
     n_out = a.num_prompts * a.output_len
     n_in = a.num_prompts * a.input_len
-    log(f"[vllm] {a.num_prompts} prompts x {a.input_len} tokens -> {a.output_len} tokens, greedy, ignore_eos; "
-        f"{threads} threads; model {path}")
+    log(
+        f"[vllm] {a.num_prompts} prompts x {a.input_len} tokens -> {a.output_len} tokens, greedy, ignore_eos; "
+        f"{threads} threads; model {path}"
+    )
     rows: list[dict] = []
     skipped = None
     if not tandem_only and not Path(a.venv, "bin", "python").is_file():
@@ -452,21 +566,38 @@ def run_vllm(a: VllmArgs, model: str | None, threads: int, log: Log = _log, tand
             continue
         _check_lengths("vllm", theirs["outputs"], a.output_len)
         same = sum(x == y for x, y in zip(ours["outputs"], theirs["outputs"])) / a.num_prompts
-        row = _row("vllm", dtype, theirs["walls_s"], n_in, n_out, version=theirs["version"],
-                   startup_s=theirs["startup_s"], enforce_eager=a.enforce_eager)
+        row = _row(
+            "vllm",
+            dtype,
+            theirs["walls_s"],
+            n_in,
+            n_out,
+            version=theirs["version"],
+            startup_s=theirs["startup_s"],
+            enforce_eager=a.enforce_eager,
+        )
         rows.append(row)
         rows[-2]["ratio"] = row["wall_s"] / rows[-2]["wall_s"]
         rows[-2]["same_outputs"] = same
-        log(f"[vllm] vLLM {theirs['version']} {dtype}: {_walls(theirs)}, {row['output_tok_s']:.0f} "
-            f"output tok/s (start-up {theirs['startup_s']:.0f} s); identical greedy outputs {same:.0%}")
+        log(
+            f"[vllm] vLLM {theirs['version']} {dtype}: {_walls(theirs)}, {row['output_tok_s']:.0f} "
+            f"output tok/s (start-up {theirs['startup_s']:.0f} s); identical greedy outputs {same:.0%}"
+        )
     return {"settings": {**asdict(a), "threads": threads, "model": path}, "rows": rows, "vllm_skipped": skipped}
 
 
 def _row(engine: str, dtype: str, walls: list[float], n_in: int, n_out: int, **extra: Any) -> dict:
     """Throughput from the median wall time over the repeats (all kept in `walls_s`)."""
     wall = statistics.median(walls)
-    return {"engine": engine, "dtype": dtype, "wall_s": wall, "walls_s": walls, "output_tok_s": n_out / wall,
-            "total_tok_s": (n_in + n_out) / wall, **extra}
+    return {
+        "engine": engine,
+        "dtype": dtype,
+        "wall_s": wall,
+        "walls_s": walls,
+        "output_tok_s": n_out / wall,
+        "total_tok_s": (n_in + n_out) / wall,
+        **extra,
+    }
 
 
 def _walls(result: dict) -> str:
@@ -481,18 +612,35 @@ def _check_lengths(engine: str, outputs: list[list[int]], n: int) -> None:
 
 def render_vllm(r: dict) -> str:
     s = r["settings"]
-    head = (f"== offline generation, tandem vs vLLM CPU: {s['num_prompts']} prompts x {s['input_len']} -> "
-            f"{s['output_len']} tokens, greedy, {s['threads']} threads, median of {s['repeats']} ==")
+    head = (
+        f"== offline generation, tandem vs vLLM CPU: {s['num_prompts']} prompts x {s['input_len']} -> "
+        f"{s['output_len']} tokens, greedy, {s['threads']} threads, median of {s['repeats']} =="
+    )
     rows = []
     for x in r["rows"]:
         if "error" in x:
             rows.append([x["engine"], x["dtype"], None, None, None, None, None, x["error"][:60]])
             continue
-        note = (f"attention {x['attention_backend']}" if x["engine"] == "tandem"
-                else f"v{x['version']}, start-up {x['startup_s']:.0f} s" + (", eager" if x.get("enforce_eager") else ""))
-        rows.append([x["engine"], x["dtype"], x["output_tok_s"], x["total_tok_s"], x["wall_s"],
-                     x.get("ratio"), x.get("same_outputs"), note])
-    table = format_table(["engine", "dtype", "output tok/s", "total tok/s", "wall s", "tandem/vLLM", "same", "note"], rows)
+        note = (
+            f"attention {x['attention_backend']}"
+            if x["engine"] == "tandem"
+            else f"v{x['version']}, start-up {x['startup_s']:.0f} s" + (", eager" if x.get("enforce_eager") else "")
+        )
+        rows.append(
+            [
+                x["engine"],
+                x["dtype"],
+                x["output_tok_s"],
+                x["total_tok_s"],
+                x["wall_s"],
+                x.get("ratio"),
+                x.get("same_outputs"),
+                note,
+            ]
+        )
+    table = format_table(
+        ["engine", "dtype", "output tok/s", "total tok/s", "wall s", "tandem/vLLM", "same", "note"], rows
+    )
     tail = f"\nvLLM skipped: {r['vllm_skipped']}" if r.get("vllm_skipped") else ""
     return f"{head}\n{table}{tail}"
 
@@ -500,22 +648,36 @@ def render_vllm(r: dict) -> str:
 # ---- command line -----------------------------------------------------------------
 QUICK = {
     "batching": BatchingArgs(num_requests=48, prompt_len=32, median_out=8, sigma=1.0, max_out=64, max_num_seqs=8),
-    "interference": InterferenceArgs(streams=4, stream_prompt_len=32, stream_tokens=48, long_prompt_len=512,
-                                     interval=0.1, chunk=128, max_model_len=1024),
+    "interference": InterferenceArgs(
+        streams=4,
+        stream_prompt_len=32,
+        stream_tokens=48,
+        long_prompt_len=512,
+        interval=0.1,
+        chunk=128,
+        max_model_len=1024,
+    ),
     "vllm": VllmArgs(num_prompts=32, input_len=128, output_len=32, dtypes=("bfloat16",), enforce_eager=True),
 }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.decode", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("section", nargs="?", default="all", choices=[*SECTIONS, "all"])
     p.add_argument("--quick", action="store_true", help="smoke-sized runs (explicit flags still win)")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON (- for stdout)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all CPUs); vLLM gets as many cores")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: all CPUs); vLLM gets as many cores"
+    )
     p.add_argument("--model", default=None, help="HF checkpoint dir (default: the built-in model)")
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPE_ALIASES),
-                   help="batching/interference dtype (default: the checkpoint's)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=sorted(DTYPE_ALIASES),
+        help="batching/interference dtype (default: the checkpoint's)",
+    )
     p.add_argument("--seed", type=int, default=None)
     b = p.add_argument_group("batching")
     b.add_argument("--num-requests", type=int)
@@ -573,8 +735,13 @@ def main(argv: list[str] | None = None) -> dict:
     set_threads(args.threads)
     warn_if_busy(_log)
     sections = SECTIONS if args.section == "all" else (args.section,)
-    doc: dict[str, Any] = {"tool": "tandem-bench-decode", "schema_version": 1, "quick": args.quick,
-                           "model": args.model or "builtin", "environment": environment(args.threads)}
+    doc: dict[str, Any] = {
+        "tool": "tandem-bench-decode",
+        "schema_version": 1,
+        "quick": args.quick,
+        "model": args.model or "builtin",
+        "environment": environment(args.threads),
+    }
     text = []
     out = sys.stderr if args.json == "-" else sys.stdout
     for section in sections:

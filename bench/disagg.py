@@ -25,10 +25,10 @@ import tempfile
 import time
 
 from engine.sampling_params import SamplingParams
-from engine.worker_process import spawn_worker
 from protos import tandem_pb2 as pb
 from router.backend import GenerateRequest
 from router.worker_client import _decode_request, local_stream, run_prefill, wait_ready
+from worker_runtime.process import spawn_worker
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -51,15 +51,23 @@ async def _one_remote(pc, dc, rid: str, prompt: list[int]) -> dict:
     t_second = None
     while True:
         ev = await call.read()
-        if ev.WhichOneof("kind") == "tokens" and any(i >= 1 for i in range(ev.tokens.first_index, ev.tokens.first_index + len(ev.tokens.token_ids))):
+        if ev.WhichOneof("kind") == "tokens" and any(
+            i >= 1 for i in range(ev.tokens.first_index, ev.tokens.first_index + len(ev.tokens.token_ids))
+        ):
             t_second = time.perf_counter()
         if ev.tokens.finished:
             break
     t = outcome.reply.timings
     prefill_call = t_first - t_res
-    return {"ttft": t_first - t0, "reserve": t_res - t0, "queue": t.queue_s, "prefill": t.prefill_s,
-            "transfer": t.transfer_s, "rpc": prefill_call - t.queue_s - t.prefill_s - t.transfer_s,
-            "decode1": (t_second or t_first) - t_first}
+    return {
+        "ttft": t_first - t0,
+        "reserve": t_res - t0,
+        "queue": t.queue_s,
+        "prefill": t.prefill_s,
+        "transfer": t.transfer_s,
+        "rpc": prefill_call - t.queue_s - t.prefill_s - t.transfer_s,
+        "decode1": (t_second or t_first) - t_first,
+    }
 
 
 async def _one_local(dc, rid: str, prompt: list[int]) -> float:
@@ -89,8 +97,15 @@ async def _ttft_case(transport: str, layerwise: bool, lengths: list[int], reps: 
             runs = [await _one_remote(pc, dc, f"r{n}-{i}", _prompt(n, 1000 * n + i)) for i in range(reps)]
             local = [await _one_local(dc, f"l{n}-{i}", _prompt(n, 7000 * n + i)) for i in range(reps)]
             row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            rows.append({"transport": transport, "layerwise": layerwise, "prompt": n, **row,
-                         "local_ttft": statistics.median(local)})
+            rows.append(
+                {
+                    "transport": transport,
+                    "layerwise": layerwise,
+                    "prompt": n,
+                    **row,
+                    "local_ttft": statistics.median(local),
+                }
+            )
         await dc.close()
         await pc.close()
     finally:
@@ -104,12 +119,16 @@ def _print_ttft(rows: list[dict]) -> None:
     print("\nTTFT split, ms (median)")
     print(f"{'transport':9} {'layerwise':9} {'prompt':>6} " + " ".join(f"{c:>10}" for c in cols))
     for r in rows:
-        print(f"{r['transport']:9} {str(r['layerwise']):9} {r['prompt']:>6} " + " ".join(f"{r[c] * 1000:10.2f}" for c in cols))
+        print(
+            f"{r['transport']:9} {str(r['layerwise']):9} {r['prompt']:>6} "
+            + " ".join(f"{r[c] * 1000:10.2f}" for c in cols)
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.disagg", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.disagg", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--transports", default="nixl,tcp")
     ap.add_argument("--lengths", default="128,512,2048", help="prompt lengths (tokens)")
     ap.add_argument("--reps", type=int, default=5)
@@ -124,8 +143,16 @@ def main(argv: list[str] | None = None) -> int:
         from bench import transfer
 
         print("KV transfer bandwidth (bench/transfer.py)")
-        transfer.main(["--transports", ",".join(transports), "--blocks", "1,64" if a.quick else "1,64,1024",
-                       "--configs", "tiny" if a.quick else "tiny,large"])
+        transfer.main(
+            [
+                "--transports",
+                ",".join(transports),
+                "--blocks",
+                "1,64" if a.quick else "1,64,1024",
+                "--configs",
+                "tiny" if a.quick else "tiny,large",
+            ]
+        )
     rows = []
     with tempfile.TemporaryDirectory() as log_dir:
         for transport in transports:

@@ -91,8 +91,9 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
-def interleaved_medians(cases: list[tuple[Callable[[], object], Callable[[], object] | None]],
-                        reps: int, warmup: int) -> list[float]:
+def interleaved_medians(
+    cases: list[tuple[Callable[[], object], Callable[[], object] | None]], reps: int, warmup: int
+) -> list[float]:
     """Median wall seconds of each (fn, between) case, the cases alternating call by call
     so that a busy neighbour slows all of them alike. `between` runs untimed after each
     call of its fn."""
@@ -111,6 +112,7 @@ def interleaved_medians(cases: list[tuple[Callable[[], object], Callable[[], obj
 
 def format_table(headers: list[str], rows: list[list[object]]) -> str:
     """A plain, right-aligned text table (floats to 2 significant decimals)."""
+
     def cell(v: object) -> str:
         if v is None:
             return "-"
@@ -120,8 +122,7 @@ def format_table(headers: list[str], rows: list[list[object]]) -> str:
 
     cells = [[cell(v) for v in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths)),
-             "  ".join("-" * w for w in widths)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths)), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
     return "\n".join(lines)
 
@@ -143,12 +144,21 @@ def environment(threads: int) -> dict[str, Any]:
     import transformers
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    return {"torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "threads": threads,
-            "cpus": default_threads(), "machine": platform.machine(), "loadavg_1m": load,
-            # allocator / OpenMP runtime swaps change CPU timings a lot: record them
-            "env": {k: v for k, v in os.environ.items()
-                    if k in ("LD_PRELOAD", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "KMP_BLOCKTIME", "TANDEM_CACHE_DIR")}}
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "threads": threads,
+        "cpus": default_threads(),
+        "machine": platform.machine(),
+        "loadavg_1m": load,
+        # allocator / OpenMP runtime swaps change CPU timings a lot: record them
+        "env": {
+            k: v
+            for k, v in os.environ.items()
+            if k in ("LD_PRELOAD", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "KMP_BLOCKTIME", "TANDEM_CACHE_DIR")
+        },
+    }
 
 
 def warn_if_busy(log=print) -> None:
@@ -158,8 +168,10 @@ def warn_if_busy(log=print) -> None:
         return
     load, cpus = os.getloadavg()[0], default_threads()
     if load > 0.5 * cpus:
-        log(f"warning: load average {load:.1f} on {cpus} CPUs: other processes are running; timings will be "
-            "noisy (with several threads, badly so). Re-run on a quiet machine for published figures.")
+        log(
+            f"warning: load average {load:.1f} on {cpus} CPUs: other processes are running; timings will be "
+            "noisy (with several threads, badly so). Re-run on a quiet machine for published figures."
+        )
 
 
 # ---- checkpoints -------------------------------------------------------------------
@@ -187,8 +199,16 @@ class Ours:
     """tandem's ModelRunner with a KV cache sized for the largest step, driven by
     hand-made StepPlans (no scheduler)."""
 
-    def __init__(self, path: Path, dtype: str, max_batch: int, context: int,
-                 prefill_prompts: int, prefill_len: int, block_size: int = 16) -> None:
+    def __init__(
+        self,
+        path: Path,
+        dtype: str,
+        max_batch: int,
+        context: int,
+        prefill_prompts: int,
+        prefill_len: int,
+        block_size: int = 16,
+    ) -> None:
         from engine.build import build_parts
         from engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
         from engine.sampling_params import SamplingParams
@@ -197,10 +217,13 @@ class Ours:
         self.blocks_per_decode = math.ceil((context + 1) / block_size)
         need = max(max_batch * self.blocks_per_decode, prefill_prompts * math.ceil(prefill_len / block_size))
         max_len = max(context + 1, prefill_len) + 1
-        config = EngineConfig(model=str(path), dtype=dtype,
-                              cache=CacheConfig(block_size=block_size, num_blocks=need + 1, enable_prefix_caching=False),
-                              scheduler=SchedulerConfig(max_model_len=max(max_len, 16)),
-                              device=DeviceConfig(device="cpu", num_threads=torch.get_num_threads()))
+        config = EngineConfig(
+            model=str(path),
+            dtype=dtype,
+            cache=CacheConfig(block_size=block_size, num_blocks=need + 1, enable_prefix_caching=False),
+            scheduler=SchedulerConfig(max_model_len=max(max_len, 16)),
+            device=DeviceConfig(device="cpu", num_threads=torch.get_num_threads()),
+        )
         parts = build_parts(config)
         self.runner = parts.runner
         self.config = parts.checkpoint.config
@@ -217,20 +240,25 @@ class Ours:
     def decode_step(self, batch: int, token_ids: list[int]) -> Callable[[], object]:
         from engine.plan import SampleRow, SeqWork, StepPlan
 
-        plan = StepPlan(decodes=[
-            SeqWork(i, [token_ids[i]], self.context, self._table(i, self.blocks_per_decode),
-                    SampleRow(self.params, []))
-            for i in range(batch)
-        ])
+        plan = StepPlan(
+            decodes=[
+                SeqWork(
+                    i, [token_ids[i]], self.context, self._table(i, self.blocks_per_decode), SampleRow(self.params, [])
+                )
+                for i in range(batch)
+            ]
+        )
         return lambda: self.runner.execute(plan)
 
     def prefill(self, prompts: list[list[int]]) -> Callable[[], object]:
         from engine.plan import SampleRow, SeqWork, StepPlan
 
         nblocks = math.ceil(len(prompts[0]) / self.bs)
-        plan = StepPlan(prefills=[
-            SeqWork(i, p, 0, self._table(i, nblocks), SampleRow(self.params, [])) for i, p in enumerate(prompts)
-        ])
+        plan = StepPlan(
+            prefills=[
+                SeqWork(i, p, 0, self._table(i, nblocks), SampleRow(self.params, [])) for i, p in enumerate(prompts)
+            ]
+        )
         return lambda: self.runner.execute(plan)
 
 
@@ -258,10 +286,12 @@ class HF:
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         shape = (batch, c.num_key_value_heads, self.context, head_dim)
         g = torch.Generator().manual_seed(batch)
-        cache = DynamicCache(ddp_cache_data=[
-            (torch.randn(shape, generator=g).to(self.dtype), torch.randn(shape, generator=g).to(self.dtype))
-            for _ in range(c.num_hidden_layers)
-        ])
+        cache = DynamicCache(
+            ddp_cache_data=[
+                (torch.randn(shape, generator=g).to(self.dtype), torch.randn(shape, generator=g).to(self.dtype))
+                for _ in range(c.num_hidden_layers)
+            ]
+        )
         ids = torch.tensor(token_ids[:batch], dtype=torch.long).reshape(batch, 1)
         ctx = self.context
 
@@ -310,37 +340,63 @@ def bench_model(name: str, path: Path, s: Settings, log=print) -> dict[str, Any]
     vocab = ours.config.vocab_size
     hf = HF(path, s.dtype, s.context) if s.hf else None
     tokens = torch.randint(TOKEN_LOW, min(vocab, 8192), (max(s.batches),), generator=g).tolist()
-    log(f"[{name}] {ours.config.num_params / 1e6:.1f}M params, {s.dtype}, attention backend "
-        f"{ours.backend}" + (f", transformers attn {hf.attn_implementation}" if hf else ""))
+    log(
+        f"[{name}] {ours.config.num_params / 1e6:.1f}M params, {s.dtype}, attention backend "
+        f"{ours.backend}" + (f", transformers attn {hf.attn_implementation}" if hf else "")
+    )
     rows = []
     for b in s.batches:
         cases = [(ours.decode_step(b, tokens), None)]
         if hf is not None:
             cases.append(hf.decode_step(b, tokens))
         ours_s, hf_s = (*interleaved_medians(cases, s.reps, s.warmup), None)[:2]
-        rows.append({"batch": b, "ours_ms": ours_s * 1e3, "ours_tok_s": b / ours_s,
-                     "hf_ms": hf_s * 1e3 if hf_s else None, "hf_tok_s": b / hf_s if hf_s else None,
-                     "speedup": hf_s / ours_s if hf_s else None})
+        rows.append(
+            {
+                "batch": b,
+                "ours_ms": ours_s * 1e3,
+                "ours_tok_s": b / ours_s,
+                "hf_ms": hf_s * 1e3 if hf_s else None,
+                "hf_tok_s": b / hf_s if hf_s else None,
+                "speedup": hf_s / ours_s if hf_s else None,
+            }
+        )
         log(f"[{name}] decode B={b}: ours {ours_s * 1e3:.2f} ms" + (f", HF {hf_s * 1e3:.2f} ms" if hf_s else ""))
     prompts = torch.randint(TOKEN_LOW, min(vocab, 8192), (s.prefill_prompts, s.prefill_len), generator=g).tolist()
     n = s.prefill_prompts * s.prefill_len
     cases = [(ours.prefill(prompts), None)] + ([(hf.prefill(prompts), None)] if hf is not None else [])
     ours_p, hf_p = (*interleaved_medians(cases, s.prefill_reps, s.warmup), None)[:2]
-    prefill = {"prompts": s.prefill_prompts, "prompt_len": s.prefill_len, "tokens": n,
-               "ours_s": ours_p, "ours_tok_s": n / ours_p,
-               "hf_s": hf_p, "hf_tok_s": n / hf_p if hf_p else None,
-               "speedup": hf_p / ours_p if hf_p else None}
+    prefill = {
+        "prompts": s.prefill_prompts,
+        "prompt_len": s.prefill_len,
+        "tokens": n,
+        "ours_s": ours_p,
+        "ours_tok_s": n / ours_p,
+        "hf_s": hf_p,
+        "hf_tok_s": n / hf_p if hf_p else None,
+        "speedup": hf_p / ours_p if hf_p else None,
+    }
     log(f"[{name}] prefill {n} tokens: ours {ours_p:.3f} s" + (f", HF {hf_p:.3f} s" if hf_p else ""))
-    return {"model": name, "params_m": round(ours.config.num_params / 1e6, 1), "dtype": s.dtype,
-            "attention_backend": ours.backend, "hf_attn_implementation": hf.attn_implementation if hf else None,
-            "context": s.context, "decode": rows, "prefill": prefill}
+    return {
+        "model": name,
+        "params_m": round(ours.config.num_params / 1e6, 1),
+        "dtype": s.dtype,
+        "attention_backend": ours.backend,
+        "hf_attn_implementation": hf.attn_implementation if hf else None,
+        "context": s.context,
+        "decode": rows,
+        "prefill": prefill,
+    }
 
 
 def run(s: Settings, log=print) -> dict[str, Any]:
     threads = set_threads(s.threads)
-    doc: dict[str, Any] = {"tool": "tandem-bench-engine", "schema_version": 1,
-                           "settings": {**s.__dict__, "threads": threads},
-                           "environment": environment(threads), "models": []}
+    doc: dict[str, Any] = {
+        "tool": "tandem-bench-engine",
+        "schema_version": 1,
+        "settings": {**s.__dict__, "threads": threads},
+        "environment": environment(threads),
+        "models": [],
+    }
     workdir = Path(tempfile.mkdtemp(prefix="tandem-bench-engine-"))
     try:
         for name in s.models:
@@ -359,27 +415,42 @@ def render(doc: dict[str, Any]) -> str:
     out = []
     env = doc["environment"]
     for m in doc["models"]:
-        out.append(f"\n== {m['model']} ({m['params_m']}M params, {m['dtype']}, {env['threads']} threads, "
-                   f"context {m['context']}; attention: ours {m['attention_backend']}, "
-                   f"transformers {m['hf_attn_implementation']}) ==")
+        out.append(
+            f"\n== {m['model']} ({m['params_m']}M params, {m['dtype']}, {env['threads']} threads, "
+            f"context {m['context']}; attention: ours {m['attention_backend']}, "
+            f"transformers {m['hf_attn_implementation']}) =="
+        )
         out.append("decode step (speedup = HF ms / ours ms):")
-        out.append(format_table(
-            ["batch", "ours ms/step", "ours tok/s", "HF ms/step", "HF tok/s", "speedup"],
-            [[r["batch"], r["ours_ms"], r["ours_tok_s"], r["hf_ms"], r["hf_tok_s"], r["speedup"]] for r in m["decode"]]))
+        out.append(
+            format_table(
+                ["batch", "ours ms/step", "ours tok/s", "HF ms/step", "HF tok/s", "speedup"],
+                [
+                    [r["batch"], r["ours_ms"], r["ours_tok_s"], r["hf_ms"], r["hf_tok_s"], r["speedup"]]
+                    for r in m["decode"]
+                ],
+            )
+        )
         p = m["prefill"]
         out.append(f"prefill ({p['prompts']} x {p['prompt_len']} tokens in one forward):")
-        out.append(format_table(["tokens", "ours tok/s", "HF tok/s", "speedup"],
-                                [[p["tokens"], p["ours_tok_s"], p["hf_tok_s"], p["speedup"]]]))
+        out.append(
+            format_table(
+                ["tokens", "ours tok/s", "HF tok/s", "speedup"],
+                [[p["tokens"], p["ours_tok_s"], p["hf_tok_s"], p["speedup"]]],
+            )
+        )
     return "\n".join(out)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--models", default="builtin,150m", help="comma-separated: builtin, 150m")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPE_ALIASES))
     p.add_argument("--threads", type=int, default=None, help="torch threads for both engines (default: all CPUs)")
-    p.add_argument("--batches", type=int, nargs="+", default=None, help=f"decode batch sizes (default {list(DEFAULT_BATCHES)})")
+    p.add_argument(
+        "--batches", type=int, nargs="+", default=None, help=f"decode batch sizes (default {list(DEFAULT_BATCHES)})"
+    )
     p.add_argument("--context", type=int, default=128, help="tokens already cached per decoding sequence")
     p.add_argument("--prefill-prompts", type=int, default=None, help="prompts in the prefill forward (default 8)")
     p.add_argument("--prefill-len", type=int, default=None, help="tokens per prefill prompt (default 512)")
@@ -387,8 +458,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill-reps", type=int, default=None, help="timed prefill repetitions (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions per point")
     p.add_argument("--no-hf", action="store_true", help="ours only")
-    p.add_argument("--quick", action="store_true",
-                   help="CI-sized: batches 1 8, 2 prompts x 128 for prefill, 2 reps (override with the flags)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="CI-sized: batches 1 8, 2 prompts x 128 for prefill, 2 reps (override with the flags)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the report as JSON (- for stdout)")
     args = p.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -397,12 +471,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--models: unknown {bad}; choose from {', '.join(MODELS)}")
     q = args.quick
     args.settings = Settings(
-        models=models, dtype=DTYPE_ALIASES[args.dtype], threads=args.threads or default_threads(),
+        models=models,
+        dtype=DTYPE_ALIASES[args.dtype],
+        threads=args.threads or default_threads(),
         batches=sorted(set(args.batches or (QUICK_BATCHES if q else DEFAULT_BATCHES))),
         context=args.context,
         prefill_prompts=args.prefill_prompts or (2 if q else 8),
         prefill_len=args.prefill_len or (128 if q else 512),
-        reps=args.reps or (2 if q else 5), warmup=args.warmup, hf=not args.no_hf,
+        reps=args.reps or (2 if q else 5),
+        warmup=args.warmup,
+        hf=not args.no_hf,
         prefill_reps=args.prefill_reps or (2 if q else 3),
     )
     st = args.settings

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from worker_runtime.process import stop_process_group
 
 DEFAULT_VENV = "/work/venvs/vllm"
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
@@ -101,13 +102,7 @@ class VllmServer:
         """SIGTERM to the server's own process group, SIGKILL after `grace_s`."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            _signal_group(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                _signal_group(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        stop_process_group(self.proc, grace_s)  # the group we created with start_new_session: only vllm's
         if self._log is not None:
             self._log.close()
         self.proc = None
@@ -146,13 +141,6 @@ def log_tail(path: Path, n: int) -> str:
     except OSError:
         return "(no log)"
     return "\n".join(lines[-n:])
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)  # the group we created with start_new_session: only vllm's
-    except ProcessLookupError:
-        pass
 
 
 async def smoke_request(base_url: str, output_len: int = 16) -> str:

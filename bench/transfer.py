@@ -30,8 +30,8 @@ from kv_transfer.base import (
     Transport,
     TransportConfig,
     XferState,
-    create_transport,
 )
+from kv_transfer.registry import create_transport
 from kv_transfer.tcp_server import region_view
 
 # name -> (num_layers, num_kv_heads, head_dim, dtype); 16-token blocks throughout

@@ -2,6 +2,8 @@
 
 import sys
 
-from engine.worker_host import main
+from decode_worker.service import DecodeWorker
+from worker_runtime.config import Role
+from worker_runtime.host import main
 
-sys.exit(main("decode"))
+sys.exit(main(Role.DECODE, DecodeWorker))

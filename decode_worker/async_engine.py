@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from decode_worker.engine import LLMEngine, TokenEvent
-from engine.loop import EngineDead, EngineLoop  # noqa: F401 (re-exported)
 from engine.output import TextStream
 from engine.sampling_params import SamplingParams
 from engine.sequence import INTERACTIVE, FinishReason
+from worker_runtime.loop import EngineDead, EngineLoop  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -124,7 +124,7 @@ class AsyncEngine:
     # ---- engine thread -------------------------------------------------------------
     def _step(self) -> list[TokenEvent]:
         events = self.poll_input() if self.poll_input is not None else []
-        if self.engine.has_work() or self.engine.scheduler.awaiting_kv:
+        if self.engine.has_work():
             events += self.engine.step()
         if events and self.on_step is not None:
             self.on_step(events)

@@ -5,35 +5,19 @@ text and stop strings are handled by whoever owns the tokenizer (engine/output.p
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 
-from engine.scheduler import Reservation, Scheduler, SchedulerOutput
 from engine.build import build_parts
-from engine.config import EngineConfig  # noqa: F401 (re-exported)
+from engine.config import EngineConfig
+from engine.events import TokenEvent, TokenLogprobs
 from engine.runner import ModelRunner
-from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.scheduler import Reservation, Scheduler, SchedulerOutput
 from engine.sequence import INTERACTIVE, FinishReason, Sequence
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TokenEvent:
-    """A request's progress after one step: a new token and/or its end."""
-
-    seq_id: str
-    token_id: int | None
-    logprobs: TokenLogprobs | None = None
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
 
 
 @dataclass
@@ -85,10 +69,11 @@ class LLMEngine:
         return seq
 
     def reserve(self, seq_id: str, prompt_ids: list[int], params: SamplingParams,
-                priority: int = INTERACTIVE, lease_s: float | None = None) -> Reservation:
-        """Hold blocks for a prompt whose KV a prefill worker will write."""
+                priority: int = INTERACTIVE) -> Reservation:
+        """Hold blocks for a prompt whose KV a prefill worker will write (its deadline
+        is the caller's handoff ledger's)."""
         seq = self.new_sequence(seq_id, prompt_ids, params, priority)
-        res = self.scheduler.reserve(seq, lease_s)
+        res = self.scheduler.reserve(seq)
         self.seqs[seq_id] = seq
         return res
 
@@ -98,7 +83,14 @@ class LLMEngine:
         self._forget_if_done(seq)
         return ev
 
+    def quarantine(self, seq_id: str) -> bool:
+        """An unlanded reservation ended: it is no longer a request, but its blocks stay
+        held until `release` (a late write may still land in them)."""
+        self.seqs.pop(seq_id, None)
+        return self.scheduler.quarantine(seq_id) is not None
+
     def release(self, seq_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        """Free a reservation's blocks, awaiting or quarantined."""
         seq = self.scheduler.release_reservation(seq_id, reason)
         if seq is not None:
             self.seqs.pop(seq_id, None)
@@ -114,12 +106,7 @@ class LLMEngine:
 
     # ---- one iteration -------------------------------------------------------
     def step(self) -> list[TokenEvent]:
-        events = [
-            dataclasses.replace(self._event(s, None), error="KV reservation expired before the prefill landed")
-            for s in self.scheduler.expire_reservations()
-        ]
-        for ev in events:
-            self.seqs.pop(ev.seq_id, None)
+        events: list[TokenEvent] = []
         out: SchedulerOutput = self.scheduler.schedule()
         if not out.plan:
             return events

@@ -12,8 +12,8 @@ from tqdm import tqdm
 
 from decode_worker.engine import EngineConfig, LLMEngine, TokenEvent
 from engine.config import CacheConfig, DeviceConfig, SchedulerConfig
+from engine.events import TokenLogprobs
 from engine.output import TextStream
-from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.sequence import INTERACTIVE, FinishReason
 

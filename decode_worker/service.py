@@ -6,9 +6,13 @@ Remote prefill, as the decode worker sees it (ledger states in capitals):
     Decode(REMOTE) -> reserve blocks: RESERVED, stream the Reservation
     KVLanded notification (data already in the blocks): READY
     -> admitted with its first token: RUNNING -> tokens streamed -> DONE
-    lease runs out first: EXPIRED (blocks freed, the stream ends with an error)
-    stream cancelled / aborted / writer gave up: FAILED (blocks freed)
+    lease runs out, stream cancelled or aborted before the KV landed: QUARANTINED
+      (the request ends; the blocks stay held until the writer's notification or the
+      quarantine's end, then FAILED / EXPIRED frees them)
+    writer gave up (a failed notification): FAILED (blocks freed at once)
 
+The ledger is the one owner of every handoff's state and deadlines; the scheduler's
+reserved and quarantined blocks follow its callbacks (`_on_quarantine`, `_on_free`).
 Everything touching the engine or the ledger runs on the engine thread.
 """
 
@@ -20,39 +24,29 @@ import logging
 import grpc
 
 from decode_worker.async_engine import AsyncEngine
-from decode_worker.engine import LLMEngine, TokenEvent
-from engine.config import WorkerConfig
-from engine.kv_events import KVEventHub
-from engine.worker_metrics import ENGINE_COUNTERS, WorkerMetrics, engine_state
-from engine.worker_common import WorkerRpcs, make_transport
-from engine.rpc import new_epoch, start_server
-from engine.scheduler import AdmissionError, NoCapacity
+from decode_worker.engine import LLMEngine
+from engine.events import TokenEvent
 from engine.sampling_params import SamplingParamsError
+from engine.scheduler import AdmissionError, NoCapacity
 from engine.sequence import FinishReason
 from kv_transfer.ledger import Entry, HandoffState, Ledger
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc as pb_grpc
-from protos.convert import logprobs_from_pb, logprobs_to_pb, params_from_pb
+from worker_runtime.config import Role, WorkerConfig
+from worker_runtime.convert import logprobs_from_pb, params_from_pb, token_event_to_pb
+from worker_runtime.kv_events import KVEventHub
+from worker_runtime.rpc import new_epoch, start_server
+from worker_runtime.service import WorkerRpcs, make_transport
+from worker_runtime.stats import WorkerStats, engine_fields
+
+# handoff states in which a reservation waits for KV (the engine loop polls fast)
+AWAITING = (HandoffState.RESERVED, HandoffState.WRITING, HandoffState.READY)
 
 log = logging.getLogger(__name__)
 
 
-def tokens_message(ev: TokenEvent) -> pb.DecodeEvent:
-    t = pb.Tokens(finished=ev.finished, finish_reason=ev.finish_reason.value if ev.finish_reason else "",
-                  error=ev.error or "")
-    if ev.token_id is not None:
-        t.first_index = ev.num_output_tokens - 1
-        t.token_ids.append(ev.token_id)
-        if ev.logprobs is not None:
-            t.logprobs.append(logprobs_to_pb(ev.logprobs))
-    if ev.finished:
-        t.usage.CopyFrom(pb.Usage(prompt_tokens=ev.num_prompt_tokens, completion_tokens=ev.num_output_tokens,
-                                  cached_tokens=ev.num_cached_tokens))
-    return pb.DecodeEvent(tokens=t)
-
-
 class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
-    role = "decode"
+    role = Role.DECODE
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
@@ -69,15 +63,16 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         self.epoch = new_epoch()
         self.transport = make_transport(cfg, self.epoch)
         self.transport.register(self.engine.runner.kv_cache.kv)
-        self.ledger = Ledger(self._on_free, default_lease_s=cfg.reservation_lease_s, exclusive_blocks=False)
-        self.quarantined: set[str] = set()
+        timeouts = cfg.handoff
+        self.ledger = Ledger(self._on_free, default_lease_s=timeouts.reservation_lease_s, exclusive_blocks=False,
+                             quarantine_s=timeouts.quarantine_s, on_quarantine=self._on_quarantine)
         self.aengine = AsyncEngine(self.engine, poll_input=self._poll_landings, abort=self._abort,
-                                   expects_input=lambda: len(self.ledger) > 0)
+                                   expects_input=lambda: self.ledger.count(*AWAITING) > 0)
         self.aengine.on_step = self._after_step
         self.engine_loop = self.aengine.loop
         loop = asyncio.get_running_loop()
         self.kv_events = KVEventHub(self.engine.pool, cfg.worker_id, self.epoch, loop)
-        self.metrics = WorkerMetrics(cfg.worker_id, self.role, self._metric_state, ENGINE_COUNTERS)
+        self.metrics = self.make_metrics()
         self.engine.on_forward = self.metrics.on_step
         if cfg.metrics_port is not None:
             self.metrics.serve(cfg.host, cfg.metrics_port)
@@ -95,19 +90,21 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         self.aengine.stop()
         self.transport.close()
 
-    def _metric_state(self) -> dict[str, float]:
+    def stats(self) -> WorkerStats:
+        """Any thread: a snapshot read without locks (plain ints and list copies)."""
         s = self.engine.scheduler
-        waiting = [q for rid, q in list(s.awaiting_kv.items()) if rid not in self.quarantined]
-        return engine_state(s, self.engine.pool) | {
-            "tandem:requests_waiting_for_kv": len(waiting),
-            "tandem:blocks_reserved_for_incoming_kv": sum(len(q.block_ids) for q in waiting),
-            "tandem:blocks_quarantined": sum(len(q.block_ids) for rid, q in list(s.awaiting_kv.items())
-                                             if rid in self.quarantined),
-        }
+        awaiting, quarantined = list(s.awaiting_kv.values()), list(s.quarantined.values())
+        return WorkerStats(
+            worker_id=self.config.worker_id, epoch=self.epoch, role=self.role, **engine_fields(s, self.engine.pool),
+            num_awaiting_kv=len(awaiting),
+            num_reserved_blocks=sum(len(s.cache.block_table(q.seq_id)) for q in awaiting),
+            num_quarantined_blocks=sum(len(s.cache.block_table(q.seq_id)) for q in quarantined),
+            draining=self.draining,
+            transport=self.transport.name)
 
     # ---- engine thread -------------------------------------------------------------------
     def _reserve(self, rid, prompt_ids, params, priority, lease_s):
-        res = self.engine.reserve(rid, prompt_ids, params, priority, lease_s + 5.0)  # ledger lease fires first
+        res = self.engine.reserve(rid, prompt_ids, params, priority)
         self.ledger.reserve(rid, res.block_ids, lease_s=lease_s)
         return res
 
@@ -117,12 +114,12 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
             msg = pb.KVLanded.FromString(note.message)
             entry = self.ledger.get(msg.request_id)
             if entry is None or entry.state.terminal:
-                if msg.request_id in self.quarantined:  # the late writer is done: blocks are safe again
-                    self.quarantined.discard(msg.request_id)
-                    self.engine.release(msg.request_id)
+                continue
+            if entry.state is HandoffState.QUARANTINED:  # the late writer is done: blocks are safe again
+                self.ledger.writer_done(msg.request_id)
                 continue
             if msg.failed:
-                self.ledger.fail(msg.request_id, f"prefill worker gave up: {msg.error}")
+                self.ledger.fail(msg.request_id, f"prefill worker gave up: {msg.error}", writer_done=True)
                 events.append(self._error_event(msg.request_id, f"prefill failed: {msg.error}"))
                 continue
             self.ledger.mark_ready(msg.request_id)
@@ -139,30 +136,26 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
     def _after_step(self, events: list[TokenEvent]) -> None:
         for ev in events:
             if ev.finished:
-                self.quarantined.discard(ev.seq_id)
                 entry = self.ledger.get(ev.seq_id)
                 if entry is not None and entry.state is HandoffState.RUNNING:
                     self.ledger.finish(ev.seq_id)
         self.kv_events.publish()
 
     def _abort(self, rid: str) -> None:
-        if rid in self.quarantined:
-            return  # already ended; its blocks wait out the quarantine
         entry = self.ledger.get(rid)
         if entry is not None and not entry.state.terminal:
-            self.ledger.fail(rid, "aborted")  # frees through _on_free
+            self.ledger.fail(rid, "aborted")  # quarantines an unlanded reservation; frees a running one
         else:
             self.engine.abort(rid)
 
+    def _on_quarantine(self, entry: Entry) -> None:
+        """The request is over, but a prefill worker may still be writing into its
+        blocks: they stay held (not as a sequence) until the ledger frees the entry."""
+        self.engine.quarantine(entry.request_id)
+
     def _on_free(self, entry: Entry) -> None:
-        seq = self.engine.scheduler.awaiting_kv.get(entry.request_id)
-        if seq is None:  # landed (or never reserved here): nothing can write into it any more
-            self.engine.abort(entry.request_id)
-            return
-        # A prefill worker may still be writing into these blocks: keep them out of use
-        # until its notification arrives or the quarantine ends (scheduler lease expiry).
-        seq.lease_deadline = self.engine.scheduler.clock() + self.config.reservation_quarantine_s
-        self.quarantined.add(entry.request_id)
+        if not self.engine.release(entry.request_id, FinishReason.ERROR):  # reserved or quarantined blocks
+            self.engine.abort(entry.request_id)  # it landed: end the running sequence, if still running
 
     @staticmethod
     def _error_event(rid: str, msg: str) -> TokenEvent:
@@ -172,8 +165,11 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         """Engine thread: blocks match live sequences; ledger consistent."""
         self.engine.check_integrity()
         self.ledger.check_integrity()
-        live = {e.request_id for e in self.ledger.live()}
+        live = {e.request_id for e in self.ledger.live() if e.state is not HandoffState.QUARANTINED}
         assert live <= set(self.engine.seqs), f"ledger holds finished requests: {live - set(self.engine.seqs)}"
+        held = {e.request_id for e in self.ledger.live() if e.state is HandoffState.QUARANTINED}
+        quarantined = set(self.engine.scheduler.quarantined)
+        assert held == quarantined, f"quarantine differs: ledger {held}, scheduler {quarantined}"
 
     # ---- gRPC ------------------------------------------------------------------------------
     async def Decode(self, request: pb.DecodeRequest, context):
@@ -189,7 +185,7 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         finished = False
         try:  # any exit before the request finished (cancelled anywhere, even mid-yield) aborts it
             if request.mode == pb.REMOTE_PREFILL:
-                lease = request.lease_s or self.config.reservation_lease_s
+                lease = request.lease_s or self.config.handoff.reservation_lease_s
                 res = await self.aengine.call(self._reserve, rid, prompt, params, prio, lease)
                 yield pb.DecodeEvent(reservation=pb.Reservation(
                     block_ids=res.block_ids, num_cached_tokens=res.num_cached_tokens, lease_s=lease,
@@ -200,7 +196,7 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
             while not finished:
                 ev = await q.get()
                 finished = ev.finished
-                yield tokens_message(ev)
+                yield token_event_to_pb(ev)
         except NoCapacity as e:
             finished = True  # nothing was reserved
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
@@ -219,7 +215,7 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         """Engine thread: abort `rid` and end its Decode stream (its subscriber gets a
         finished event; a plain abort emits none, the stream's own exit being the usual
         caller). False for an unknown or already finished request."""
-        if rid not in self.engine.seqs or rid in self.quarantined:
+        if rid not in self.engine.seqs:  # unknown, finished, or quarantined (no longer a request)
             return False
         self._abort(rid)
         self.aengine.loop.deliver([TokenEvent(rid, None, finished=True, finish_reason=FinishReason.ABORT,
@@ -232,16 +228,3 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
                                 f"transport mismatch: peer uses {request.backend}, this worker {self.transport.name}")
         return pb.HandshakeReply(worker_id=self.config.worker_id, epoch=self.epoch, backend=self.transport.name,
                                  descriptor=self.transport.local_descriptor())
-
-
-    async def Stats(self, request, context):
-        s, pool = self.engine.scheduler, self.engine.pool
-        return pb.WorkerStats(
-            worker_id=self.config.worker_id, epoch=self.epoch, role=self.role, num_running=len(s.running),
-            num_waiting=s.num_waiting, num_awaiting_kv=len(s.awaiting_kv), num_blocks=pool.num_blocks,
-            num_free_blocks=pool.num_free_blocks,
-            num_reserved_blocks=sum(len(q.block_ids) for q in list(s.awaiting_kv.values())),
-            queued_prefill_tokens=sum(q.num_tokens for lane in s.lanes.values() for q in list(lane)),
-            max_num_seqs=s.config.max_num_seqs, block_size=pool.block_size, prefix_cache_queries=pool.queries,
-            prefix_cache_hits=pool.hits, num_preemptions=s.num_preemptions, draining=self.draining,
-            transport=self.transport.name, max_model_len=s.config.max_model_len)

@@ -120,13 +120,6 @@ class BlockPool:
                 else:
                     self._free.append(b)
 
-    def incref(self, block_ids: Sequence[int]) -> None:
-        """Share blocks that are in use."""
-        for b in block_ids:
-            if self.ref_counts[b] <= 0:
-                raise RuntimeError(f"incref of unused block {b}")
-            self.ref_counts[b] += 1
-
     # ---- prefix cache --------------------------------------------------------
     def match_prefix(self, hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
         """Longest run of cached blocks matching the leading full blocks. No refs taken."""

@@ -8,7 +8,7 @@ import argparse
 from engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 
 
-def _cores(text: str | None) -> tuple[int, ...] | None:
+def parse_cores(text: str | None) -> tuple[int, ...] | None:
     """'0-3,6' -> (0, 1, 2, 3, 6)."""
     if not text:
         return None
@@ -48,7 +48,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                   max_model_len=a.max_model_len, enable_chunked_prefill=not a.no_chunked_prefill,
                                   policy=a.scheduler),
-        device=DeviceConfig(device=a.device, num_threads=a.num_threads, cpu_affinity=_cores(a.cpu_affinity),
+        device=DeviceConfig(device=a.device, num_threads=a.num_threads, cpu_affinity=parse_cores(a.cpu_affinity),
                             attention_backend=a.attention_backend),
         seed=a.seed,
     )

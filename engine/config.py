@@ -6,7 +6,6 @@ raised here name the field and say what to change.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,9 +54,7 @@ class RopeScaling:
             factor=float(d.get("factor", 1.0)),
             low_freq_factor=float(d.get("low_freq_factor", 1.0)),
             high_freq_factor=float(d.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(
-                d.get("original_max_position_embeddings", 8192)
-            ),
+            original_max_position_embeddings=int(d.get("original_max_position_embeddings", 8192)),
         )
 
 
@@ -89,8 +86,18 @@ class ModelConfig:
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
-        _require(self.architecture in SUPPORTED_ARCHITECTURES.values(), f"unknown architecture family {self.architecture!r}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        _require(
+            self.architecture in SUPPORTED_ARCHITECTURES.values(), f"unknown architecture family {self.architecture!r}"
+        )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
             _require(getattr(self, name) > 0, f"config.json: {name} must be > 0")
         _require(
             self.num_heads % self.num_kv_heads == 0,
@@ -105,9 +112,6 @@ class ModelConfig:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
         return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * layer + h
-
-    def with_dtype(self, dtype: str | None) -> "ModelConfig":
-        return self if dtype in (None, "auto") else dataclasses.replace(self, dtype=dtype)
 
     @classmethod
     def from_hf(cls, d: dict[str, Any], dtype: str | None = None) -> "ModelConfig":
@@ -182,7 +186,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        _require(self.block_size in (8, 16, 32, 64, 128), f"block_size={self.block_size}: use one of 8, 16, 32, 64, 128")
+        _require(
+            self.block_size in (8, 16, 32, 64, 128), f"block_size={self.block_size}: use one of 8, 16, 32, 64, 128"
+        )
         _require(self.num_blocks is None or self.num_blocks >= 2, "num_blocks must be at least 2")
         _require(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb must be > 0")
 
@@ -205,16 +211,15 @@ class SchedulerConfig:
     # Fraction of blocks kept free at admission so running sequences can grow.
     watermark: float = 0.01
     policy: str = "continuous"  # or "static", to measure what continuous batching buys
-    # How long a reservation for incoming KV is held before it expires (seconds).
-    reservation_lease_s: float = 30.0
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         _require(self.max_model_len >= 1, "max_model_len must be >= 1")
         _require(0.0 <= self.watermark < 0.5, "watermark must be in [0, 0.5)")
-        _require(self.policy in ("continuous", "static"), f"scheduler policy {self.policy!r}: use 'continuous' or 'static'")
-        _require(self.reservation_lease_s > 0, "reservation_lease_s must be > 0")
+        _require(
+            self.policy in ("continuous", "static"), f"scheduler policy {self.policy!r}: use 'continuous' or 'static'"
+        )
         if not self.enable_chunked_prefill:
             _require(
                 self.max_num_batched_tokens >= self.max_model_len,
@@ -233,8 +238,13 @@ class DeviceConfig:
     attention_backend: str = "auto"  # auto | torch | triton | cpu
 
     def __post_init__(self) -> None:
-        _require(self.device == "cpu" or self.device.startswith("cuda"), f"device {self.device!r}: use 'cpu' or 'cuda[:N]'")
-        _require(self.attention_backend in ("auto", "torch", "triton", "cpu"), "attention_backend: use auto, torch, triton or cpu")
+        _require(
+            self.device == "cpu" or self.device.startswith("cuda"), f"device {self.device!r}: use 'cpu' or 'cuda[:N]'"
+        )
+        _require(
+            self.attention_backend in ("auto", "torch", "triton", "cpu"),
+            "attention_backend: use auto, torch, triton or cpu",
+        )
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
 
 
@@ -248,29 +258,3 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     seed: int | None = None
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """One prefill or decode worker process."""
-
-    role: str  # "prefill" | "decode"
-    worker_id: str
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    host: str = "127.0.0.1"  # gRPC bind address (the cluster-facing interface)
-    port: int = 0  # 0: any free port, reported after start
-    transport: str = "auto"  # auto | nixl | tcp
-    cluster_token: str | None = None  # required in every gRPC call's metadata when set
-    layerwise_transfer: bool = True  # prefill: push each layer's KV as soon as it is computed
-    reservation_lease_s: float = 30.0  # decode: how long reserved blocks wait for their KV
-    # decode: blocks of a reservation that ended before its KV landed stay out of use this
-    # long (or until the writer's notification arrives), so a late write cannot corrupt a
-    # request that reused them. Keep it above the prefill side's transfer timeout.
-    reservation_quarantine_s: float = 30.0
-    metrics_port: int | None = None  # serve Prometheus /metrics here (0: any free port)
-
-    def __post_init__(self) -> None:
-        _require(self.role in ("prefill", "decode"), f"role {self.role!r}: use 'prefill' or 'decode'")
-        _require(bool(self.worker_id), "worker_id must be non-empty")
-        _require(self.transport in ("auto", "nixl", "tcp"), f"transport {self.transport!r}: use auto, nixl or tcp")
-        _require(self.reservation_lease_s > 0, "reservation_lease_s must be > 0")

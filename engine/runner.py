@@ -18,9 +18,10 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata, get_backend
 from engine.config import CacheConfig, DeviceConfig, ModelConfig
+from engine.events import TokenLogprobs
 from engine.kv_cache import KVCache
 from engine.plan import SampleRow, SeqWork, StepPlan  # noqa: F401 (re-exported)
-from engine.sampler import Sampler, SamplerOutput, TokenLogprobs
+from engine.sampler import Sampler, SamplerOutput
 
 
 @dataclass
@@ -44,8 +45,14 @@ class _Batch:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, cache_config: CacheConfig,
-                 device_config: DeviceConfig, sampler_seed: int | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        device_config: DeviceConfig,
+        sampler_seed: int | None = None,
+    ) -> None:
         self.device = torch.device(device_config.device)
         self.model = model
         self.model_config = model_config
@@ -121,4 +128,6 @@ class ModelRunner:
 def _pad_tables(tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
     """[B, max_len] int32, padded with block 0 (padding is masked by sequence length)."""
     width = max((len(t) for t in tables), default=0)
-    return torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device).reshape(len(tables), width)
+    return torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device).reshape(
+        len(tables), width
+    )

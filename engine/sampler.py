@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from engine.events import TokenLogprobs
 from engine.plan import SampleRow
 from engine.sampling_params import SamplingParams
 
@@ -30,13 +31,6 @@ def mix_seed(seed: int, index: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) >> 1
-
-
-@dataclass
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # top-n (token id, logprob), best first
 
 
 @dataclass
@@ -56,7 +50,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
         """logits: [B, V] float32, one row per entry of `rows`."""
-        if all(r.params.greedy and not r.params.needs_penalties and not r.banned_ids and r.params.logprobs is None for r in rows):
+        if all(
+            r.params.greedy and not r.params.needs_penalties and not r.banned_ids and r.params.logprobs is None
+            for r in rows
+        ):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
         raw = logits
         logits = self._apply_penalties(logits.clone(), rows)
@@ -70,7 +67,9 @@ class Sampler:
             if p.needs_penalties:
                 out = torch.tensor(list(r.output_ids), dtype=torch.long, device=logits.device)
                 if p.repetition_penalty != 1.0:
-                    seen = torch.cat([torch.tensor(list(r.prompt_ids), dtype=torch.long, device=logits.device), out]).unique()
+                    seen = torch.cat(
+                        [torch.tensor(list(r.prompt_ids), dtype=torch.long, device=logits.device), out]
+                    ).unique()
                     vals = logits[i, seen]
                     logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
                 if out.numel() and (p.presence_penalty or p.frequency_penalty):

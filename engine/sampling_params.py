@@ -47,12 +47,17 @@ class SamplingParams:
         need(0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
         need(self.top_k >= -1, "top_k", f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         need(0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
-        need(self.repetition_penalty > 0, "repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        need(
+            self.repetition_penalty > 0,
+            "repetition_penalty",
+            f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+        )
         need(-2 <= self.presence_penalty <= 2, "presence_penalty", "presence_penalty must be in [-2, 2]")
         need(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "frequency_penalty must be in [-2, 2]")
         need(
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-            "logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}",
+            "logprobs",
+            f"logprobs must be between 0 and {MAX_LOGPROBS}",
         )
         need(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "min_tokens must be between 0 and max_tokens")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")

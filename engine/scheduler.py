@@ -22,13 +22,12 @@ often still holds them).
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
 
-from engine.block_pool import BlockPool, hash_block
+from engine.block_pool import BlockPool
 from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager, PrefixHit
 from engine.plan import SampleRow, SeqWork, StepPlan
 from engine.sequence import BATCH, INTERACTIVE, FinishReason, Sequence, Status
 
@@ -46,7 +45,6 @@ class Reservation:
     seq_id: str
     block_ids: list[int]
     num_cached_tokens: int  # leading prompt tokens already in this worker's prefix cache
-    deadline: float
 
 
 @dataclass
@@ -57,15 +55,18 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
         self.config = config
         self.pool = pool
-        self.clock = clock
         self.bs = pool.block_size
         self.lanes: dict[int, deque[Sequence]] = {INTERACTIVE: deque(), BATCH: deque()}
         self.running: list[Sequence] = []
         self.awaiting_kv: dict[str, Sequence] = {}
+        # ended reservations whose blocks a late remote write may still reach: held,
+        # but not requests (no slot, no drain); the handoff ledger says when to free
+        self.quarantined: dict[str, Sequence] = {}
         self.watermark_blocks = math.ceil(config.watermark * pool.num_blocks)
+        self.cache = KVCacheManager(pool, self.watermark_blocks)
         self.num_preemptions = 0
 
     # ---- queries -------------------------------------------------------------
@@ -75,6 +76,13 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.running or self.num_waiting)
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """Prompt (or recompute) tokens admitted or waiting and not computed yet: the
+        router's measure of a worker's prefill queue."""
+        running = sum(s.num_to_compute for s in self.running if s.num_to_compute > 1 or not s.output_ids)
+        return running + sum(s.num_tokens for q in self.lanes.values() for s in q)
 
     def _slots_left(self) -> int:
         return self.config.max_num_seqs - len(self.running) - len(self.awaiting_kv)
@@ -101,7 +109,8 @@ class Scheduler:
 
     def live(self) -> list[Sequence]:
         """Every sequence that may hold blocks or wait for them."""
-        return [*self.running, *self.awaiting_kv.values(), *(s for q in self.lanes.values() for s in q)]
+        return [*self.running, *self.awaiting_kv.values(), *self.quarantined.values(),
+                *(s for q in self.lanes.values() for s in q)]
 
     def _drop_other(self, seq: Sequence) -> None:
         raise RuntimeError(f"{seq.seq_id}: unexpected status {seq.status}")
@@ -120,54 +129,61 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is Status.AWAITING_KV:
             del self.awaiting_kv[seq.seq_id]
+        elif seq.status is Status.QUARANTINED:
+            del self.quarantined[seq.seq_id]
         elif seq.status is Status.WAITING:
             self.lanes[seq.priority].remove(seq)
         else:
             self._drop_other(seq)
-        self._free_blocks(seq)
+        self.cache.forget(seq)
+        seq.num_computed = 0
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
     # ---- reservations for remotely prefilled KV -------------------------------
-    def reserve(self, seq: Sequence, lease_s: float | None = None) -> Reservation:
+    def reserve(self, seq: Sequence) -> Reservation:
         """Hold blocks for `seq`'s whole prompt; a remote prefill writes into the blocks
-        past `num_cached_tokens`. Raises NoCapacity when there is no room now."""
+        past `num_cached_tokens`. Raises NoCapacity when there is no room now. The
+        reservation's deadline is the handoff ledger's, not the scheduler's."""
         self.validate(len(seq.prompt_ids), seq.params.max_tokens)
         if self._slots_left() <= 0:
             raise NoCapacity("max_num_seqs reached")
         n_prompt = len(seq.prompt_ids)
-        hits = self._match(seq, max_blocks=n_prompt // self.bs)
-        need = math.ceil(n_prompt / self.bs) - len(hits)
-        if not self._fits(hits, need):
+        hit = self.cache.match(seq, max_tokens=n_prompt)  # the remote side samples token 0: all may hit
+        need = math.ceil(n_prompt / self.bs) - hit.num_blocks
+        if not self.cache.can_fit(hit, need):
             raise NoCapacity(f"{need} blocks needed, {self.pool.num_free_blocks} free")
-        self._take(seq, hits, need)
+        self._take(seq, hit, need)
         seq.status = Status.AWAITING_KV
-        seq.lease_deadline = self.clock() + (lease_s or self.config.reservation_lease_s)
         self.awaiting_kv[seq.seq_id] = seq
-        return Reservation(seq.seq_id, list(seq.block_ids), seq.num_cached_tokens, seq.lease_deadline)
+        return Reservation(seq.seq_id, list(self.cache.block_table(seq.seq_id)), seq.num_cached_tokens)
 
     def mark_landed(self, seq_id: str, first_token: int) -> Sequence:
         """The prompt's KV is in the reserved blocks and the first token was sampled
-        remotely: the sequence decodes from the next step."""
+        remotely: the sequence decodes from the next step. Only now are its blocks
+        named in the prefix cache: before the KV landed, their content was not there."""
         seq = self.awaiting_kv.pop(seq_id)
         seq.num_computed = len(seq.prompt_ids)
-        seq.status, seq.lease_deadline = Status.RUNNING, None
+        seq.status = Status.RUNNING
         self.running.append(seq)
-        self._cache_full_blocks(seq)
+        self.cache.commit_full_blocks(seq)
         self._append_token(seq, first_token)
         return seq
 
+    def quarantine(self, seq_id: str) -> Sequence | None:
+        """An unlanded reservation ended: keep its blocks out of use (a late write may
+        still land in them) without counting it as a sequence. Unknown ids: None."""
+        seq = self.awaiting_kv.pop(seq_id, None)
+        if seq is not None:
+            seq.status = Status.QUARANTINED
+            self.quarantined[seq_id] = seq
+        return seq
+
     def release_reservation(self, seq_id: str, reason: FinishReason = FinishReason.ABORT) -> Sequence | None:
-        seq = self.awaiting_kv.get(seq_id)
+        """Free a reservation's blocks, awaiting or quarantined. Idempotent."""
+        seq = self.awaiting_kv.get(seq_id) or self.quarantined.get(seq_id)
         if seq is not None:
             self.finish(seq, reason)
         return seq
-
-    def expire_reservations(self) -> list[Sequence]:
-        now = self.clock()
-        expired = [s for s in self.awaiting_kv.values() if s.lease_deadline is not None and s.lease_deadline <= now]
-        for s in expired:
-            self.finish(s, FinishReason.ERROR)
-        return expired
 
     # ---- one step ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -196,14 +212,15 @@ class Scheduler:
         for lane in (self.lanes[INTERACTIVE], self.lanes[BATCH]):
             while lane and budget > 0 and self._slots_left() > 0:
                 seq = lane[0]
-                hits = self._match(seq, max_blocks=(seq.num_tokens - 1) // self.bs)
-                n = self._chunk(seq, budget, start=len(hits) * self.bs)
-                need = math.ceil((len(hits) * self.bs + n) / self.bs) - len(hits) if n else 0
-                if not n or not self._fits(hits, need):
+                # the last token is always computed here (its logits give the next token)
+                hit = self.cache.match(seq, max_tokens=seq.num_tokens - 1)
+                n = self._chunk(seq, budget, start=hit.num_blocks * self.bs)
+                need = math.ceil((hit.num_blocks * self.bs + n) / self.bs) - hit.num_blocks if n else 0
+                if not n or not self.cache.can_fit(hit, need):
                     return  # strict FCFS and lane order: nothing behind the head jumps it
                 lane.popleft()
-                self.pool.record_query(seq.num_tokens, len(hits) * self.bs)
-                self._take(seq, hits, need)
+                self.cache.record_query(seq.num_tokens, hit.num_blocks * self.bs)
+                self._take(seq, hit, need)
                 seq.status = Status.RUNNING
                 self.running.append(seq)
                 self._schedule(seq, n, scheduled, out)
@@ -219,12 +236,13 @@ class Scheduler:
         start = seq.num_computed
         last = start + n == seq.num_tokens
         sample = SampleRow(seq.params, seq.output_ids, seq.prompt_ids, seq.banned_ids()) if last else None
-        out.plan.add(SeqWork(seq.seq_id, seq.token_slice(start, start + n), start, seq.block_ids, sample))
+        out.plan.add(SeqWork(seq.seq_id, seq.token_slice(start, start + n), start,
+                             self.cache.block_table(seq.seq_id), sample))
         out.scheduled.append((seq, n))
         scheduled.add(id(seq))
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
-        return max(0, math.ceil((seq.num_computed + n) / self.bs) - len(seq.block_ids))
+        return self.cache.num_blocks_needed(seq, seq.num_computed + n)
 
     def _make_room(self, seq: Sequence, need: int, scheduled: set[int], out: SchedulerOutput) -> bool:
         """Allocate `need` more blocks for `seq`, preempting from the tail of the running
@@ -237,12 +255,13 @@ class Scheduler:
             self._preempt(victim, out)
             if victim is seq:
                 return False
-        seq.block_ids.extend(self.pool.allocate(need))
+        self.cache.grow(seq, need)
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        self._free_blocks(seq)
+        self.cache.free(seq)
+        seq.num_computed = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -258,7 +277,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue  # aborted while the step ran
             seq.num_computed += n
-            self._cache_full_blocks(seq)
+            self.cache.commit_full_blocks(seq)
             tok = sampled.get(seq.seq_id)
             if tok is not None:
                 self._append_token(seq, tok)
@@ -274,61 +293,22 @@ class Scheduler:
             self.finish(seq, reason)
 
     # ---- blocks --------------------------------------------------------------
-    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """Content hashes of the first `num_blocks` full blocks (computed lazily)."""
-        hs = seq.block_hashes
-        while len(hs) < num_blocks:
-            i = len(hs)
-            hs.append(hash_block(hs[-1] if hs else None, seq.token_slice(i * self.bs, (i + 1) * self.bs)))
-        return hs[:num_blocks]
-
-    def _match(self, seq: Sequence, max_blocks: int) -> list[int]:
-        if seq.block_ids or not self.pool.enable_prefix_caching:
-            return []
-        tokens = seq.token_slice(0, max_blocks * self.bs)
-        return self.pool.match_prefix(self._hashes(seq, max_blocks), tokens)
-
-    def _fits(self, hits: list[int], need_new: int) -> bool:
-        revived = sum(1 for b in hits if self.pool.ref_counts[b] == 0)
-        return self.pool.num_free_blocks - revived - need_new >= self.watermark_blocks
-
-    def _take(self, seq: Sequence, hits: list[int], need_new: int) -> None:
-        self.pool.acquire_cached(hits)
-        seq.block_ids = hits + self.pool.allocate(need_new)
-        seq.num_named_blocks = len(hits)  # hit blocks are already in the prefix cache
-        seq.num_computed = len(hits) * self.bs
+    def _take(self, seq: Sequence, hit: PrefixHit, need_new: int) -> None:
+        self.cache.allocate(seq, hit, need_new)
+        seq.num_computed = hit.num_blocks * self.bs
         if not seq.num_preemptions:  # usage reports the first admission's hit
             seq.num_cached_tokens = seq.num_computed
 
-    def _cache_full_blocks(self, seq: Sequence) -> None:
-        """Offer blocks that became full since the last call to the prefix cache."""
-        full = min(seq.num_computed // self.bs, len(seq.block_ids))
-        if full <= seq.num_named_blocks:
-            return
-        hashes = self._hashes(seq, full)
-        for i in range(seq.num_named_blocks, full):
-            self.pool.cache_block(seq.block_ids[i], hashes[i], seq.token_slice(i * self.bs, (i + 1) * self.bs))
-        seq.num_named_blocks = full
-
-    def _free_blocks(self, seq: Sequence) -> None:
-        self.pool.release(list(reversed(seq.block_ids)))
-        seq.block_ids = []
-        seq.num_computed = seq.num_named_blocks = 0
-
     # ---- invariants ----------------------------------------------------------
-    def live_refs(self) -> dict[int, int]:
-        refs: dict[int, int] = {}
-        for seq in self.live():
-            for b in seq.block_ids:
-                refs[b] = refs.get(b, 0) + 1
-        return refs
-
     def check_integrity(self) -> None:
         """The pool's ref counts equal the blocks held by live sequences: no leak."""
         for q in self.lanes.values():
-            assert all(s.status is Status.WAITING and not s.block_ids for s in q), "waiting sequence holds blocks"
+            assert all(s.status is Status.WAITING and not self.cache.block_table(s.seq_id) for s in q), (
+                "waiting sequence holds blocks")
         assert all(s.status is Status.RUNNING for s in self.running)
         assert all(s.status is Status.AWAITING_KV for s in self.awaiting_kv.values())
+        assert all(s.status is Status.QUARANTINED for s in self.quarantined.values())
         for s in self.running:
-            assert len(s.block_ids) * self.bs >= s.num_computed, f"{s.seq_id}: blocks do not cover computed tokens"
-        self.pool.check_integrity(self.live_refs())
+            covered = len(self.cache.block_table(s.seq_id)) * self.bs
+            assert covered >= s.num_computed, f"{s.seq_id}: blocks do not cover computed tokens"
+        self.cache.check_integrity({s.seq_id for s in self.live()})

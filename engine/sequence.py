@@ -13,6 +13,7 @@ INTERACTIVE, BATCH = 0, 1  # priority lanes, served in this order
 class Status(enum.Enum):
     WAITING = "waiting"  # queued for a local prefill (colocated, or resumed after preemption)
     AWAITING_KV = "awaiting_kv"  # blocks reserved; a remote prefill writes the prompt's KV
+    QUARANTINED = "quarantined"  # reservation ended unlanded; blocks held until no write can land
     RUNNING = "running"
     HANDOFF = "handoff"  # prefill worker: first token sampled, KV being written to a decode worker
     FINISHED = "finished"
@@ -27,7 +28,8 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """Invariant: 0 <= num_computed <= num_tokens; blocks cover the computed tokens.
+    """Invariant: 0 <= num_computed <= num_tokens. Its blocks (which cover the computed
+    tokens) are the cache manager's business (engine/kv_cache_manager.py).
 
         all_ids:   [ prompt ............ | output ....... ]
                    [ computed (KV in cache) ... | to compute ]
@@ -42,15 +44,11 @@ class Sequence:
     priority: int = INTERACTIVE
     arrival: float = 0.0
     output_ids: list[int] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)
     num_computed: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    num_named_blocks: int = 0  # leading blocks already offered to the prefix cache
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    lease_deadline: float | None = None  # while AWAITING_KV
 
     @property
     def num_tokens(self) -> int:

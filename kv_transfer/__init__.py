@@ -18,8 +18,8 @@ from kv_transfer.base import (
     Transport,
     TransportConfig,
     XferState,
-    create_transport,
 )
+from kv_transfer.registry import TRANSPORTS, create_transport
 
 __all__ = [
     "DONE",
@@ -34,6 +34,7 @@ __all__ = [
     "TransferStatus",
     "Transport",
     "TransportConfig",
+    "TRANSPORTS",
     "XferState",
     "create_transport",
 ]

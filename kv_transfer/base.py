@@ -1,4 +1,4 @@
-"""The KV transport contract: one ABC and the backend registry.
+"""The KV transport contract: one ABC (backends are made in kv_transfer/registry.py).
 
 A transport writes whole blocks (every (layer, k|v) region of a block, for all
 layers or a layer range) from the local KV tensor into a peer's tensor, at
@@ -40,8 +40,6 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger("tandem.kv_transfer")
-
-TRANSPORTS = ("auto", "nixl", "tcp")
 
 
 class Notification(NamedTuple):
@@ -179,35 +177,3 @@ class Transport(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def create_transport(name: str, config: TransportConfig) -> Transport:
-    """Make a transport by name: "nixl", "tcp", or "auto" (NIXL when an agent can
-    be created here, else TCP; one log line says which and why)."""
-    if name not in TRANSPORTS:
-        raise ValueError(f"unknown KV transport {name!r}; choose one of {TRANSPORTS}")
-    if name == "tcp":
-        return _make_tcp(config)
-    if name == "nixl":
-        return _make_nixl(config)
-    try:
-        transport = _make_nixl(config)
-    except Exception as e:  # any failure to import or start NIXL means: fall back
-        logger.warning(
-            "kv_transfer: using tcp fallback (nixl unavailable: %s: %s)", type(e).__name__, e
-        )
-        return _make_tcp(config)
-    logger.info("kv_transfer: using nixl (%s)", transport.describe())
-    return transport
-
-
-def _make_nixl(config: TransportConfig) -> Transport:
-    from kv_transfer.nixl import NixlTransport
-
-    return NixlTransport(config)
-
-
-def _make_tcp(config: TransportConfig) -> Transport:
-    from kv_transfer.tcp import TcpTransport
-
-    return TcpTransport(config)

@@ -1,19 +1,19 @@
 """FaultyTransport: a real transport with injected failures or delays, for failure
-tests (TANDEM_FAULTS, see engine/envs.py). The bytes still move through the wrapped
-transport; only what `poll` reports is changed."""
+tests (the worker runtime builds one when TANDEM_FAULTS asks; see engine/envs.py). The
+bytes still move through the wrapped transport; only what `poll` reports is changed."""
 
 from __future__ import annotations
 
 import time
 
-from engine.envs import Faults
 from kv_transfer.base import PENDING, TransferHandle, TransferStatus, Transport
 
 
 class FaultyTransport(Transport):
-    def __init__(self, inner: Transport, faults: Faults) -> None:
+    def __init__(self, inner: Transport, transfer_delay_s: float = 0.0, fail_transfers: bool = False) -> None:
         self.inner = inner
-        self.faults = faults
+        self.transfer_delay_s = transfer_delay_s
+        self.fail_transfers = fail_transfers
         self.name = inner.name
         self._started: dict[int, float] = {}
 
@@ -23,10 +23,10 @@ class FaultyTransport(Transport):
         return h
 
     def poll(self, handle: TransferHandle) -> TransferStatus:
-        if self.faults.fail_transfers:
+        if self.fail_transfers:
             return TransferStatus.failed("injected transfer failure (TANDEM_FAULTS)")
         start = self._started.get(handle.id)
-        if start is not None and time.monotonic() - start < self.faults.transfer_delay_s:
+        if start is not None and time.monotonic() - start < self.transfer_delay_s:
             return PENDING
         return self.inner.poll(handle)
 

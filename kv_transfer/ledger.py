@@ -1,4 +1,6 @@
 """The KV handoff ledger: one state machine per request, on both sides of a transfer.
+It is the one owner of a handoff's state and deadlines; the schedulers and services
+derive what they hold from it.
 
 ::
 
@@ -8,21 +10,31 @@
         +-----------+----------+----------------> EXPIRED  (sweep: lease ran out)
         +---------------------> READY                       (the receiver may not see WRITING)
                                    +------------> DONE      (the sender: its part is over)
+        |           |
+        +-----------+--> QUARANTINED --> FAILED   (writer_done: the late writer finished)
+                              +--------> EXPIRED  (sweep: the quarantine ran out)
 
 Decode side: `reserve` blocks for the incoming KV, `mark_ready` on the
 transport's notification, `start_running` when the request joins the batch,
 `finish` when it ends. Prefill side: `reserve` the source blocks, `start_writing`,
 `mark_ready` when the write is acknowledged, `finish` once the peer took over.
 
+Quarantine (a ledger made with `quarantine_s`, i.e. the decode side): KV is pushed
+into this worker's blocks, so a reservation that ends (fail, or its lease runs out)
+while a write may still be on its way cannot free its blocks at once: another
+request could reuse them and be overwritten. It moves to QUARANTINED instead: the
+request is over (`on_quarantine` runs once), the blocks stay held until the writer's
+notification for that request arrives (`writer_done`) or `quarantine_s` passes.
+
 Invariants:
-- RESERVED, WRITING and READY hold a lease (a deadline); `sweep` expires them.
+- RESERVED, WRITING, READY and QUARANTINED hold a deadline; `sweep` acts on it.
   Every leased transition renews the lease. RUNNING holds none: its owner ends it.
 - DONE, FAILED, EXPIRED are terminal. Entering one calls `on_free(entry)`
   exactly once; any later done/fail/expire/release of that entry is a no-op.
-- FAILED and EXPIRED always carry a reason.
+- FAILED, EXPIRED and QUARANTINED always carry a reason.
 - With `exclusive_blocks`, no block id belongs to two live entries.
 
-Pure Python; not thread-safe (use it from the worker's event loop).
+Pure Python; not thread-safe (use it from the worker's engine thread).
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ class HandoffState(enum.Enum):
     DONE = "DONE"
     FAILED = "FAILED"
     EXPIRED = "EXPIRED"
+    QUARANTINED = "QUARANTINED"
 
     @property
     def terminal(self) -> bool:
@@ -54,15 +67,18 @@ class HandoffState(enum.Enum):
 
 S = HandoffState
 _TERMINAL = frozenset({S.DONE, S.FAILED, S.EXPIRED})
-_LEASED = frozenset({S.RESERVED, S.WRITING, S.READY})
+_LEASED = frozenset({S.RESERVED, S.WRITING, S.READY, S.QUARANTINED})
+# the states in which a peer may still be writing into this side's blocks
+_WRITABLE = frozenset({S.RESERVED, S.WRITING})
 ALLOWED: dict[HandoffState, frozenset[HandoffState]] = {
-    S.RESERVED: frozenset({S.WRITING, S.READY, S.FAILED, S.EXPIRED}),
-    S.WRITING: frozenset({S.READY, S.FAILED, S.EXPIRED}),
+    S.RESERVED: frozenset({S.WRITING, S.READY, S.FAILED, S.EXPIRED, S.QUARANTINED}),
+    S.WRITING: frozenset({S.READY, S.FAILED, S.EXPIRED, S.QUARANTINED}),
     S.READY: frozenset({S.RUNNING, S.DONE, S.FAILED, S.EXPIRED}),
     S.RUNNING: frozenset({S.DONE, S.FAILED}),
     S.DONE: frozenset(),
     S.FAILED: frozenset(),
     S.EXPIRED: frozenset(),
+    S.QUARANTINED: frozenset({S.FAILED, S.EXPIRED}),
 }
 
 
@@ -106,10 +122,16 @@ class Ledger:
         clock: Callable[[], float] = time.monotonic,
         history: int = 4096,
         exclusive_blocks: bool = True,
+        quarantine_s: float | None = None,
+        on_quarantine: Callable[[Entry], None] | None = None,
     ) -> None:
         if default_lease_s <= 0:
             raise ValueError(f"default_lease_s must be > 0, got {default_lease_s}")
+        if quarantine_s is not None and quarantine_s <= 0:
+            raise ValueError(f"quarantine_s must be > 0 (or None: no quarantine), got {quarantine_s}")
         self._on_free = on_free
+        self._quarantine_s = quarantine_s
+        self._on_quarantine = on_quarantine
         self._default_lease_s = default_lease_s
         self._clock = clock
         self._history = history
@@ -129,6 +151,10 @@ class Ledger:
 
     def __len__(self) -> int:
         return len(self._live)
+
+    def count(self, *states: HandoffState) -> int:
+        """Live entries in any of `states`."""
+        return sum(e.state in states for e in self._live.values())
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._live
@@ -178,11 +204,26 @@ class Ledger:
         """DONE (frees); a no-op on an entry already terminal."""
         return self._move(request_id, S.DONE)
 
-    def fail(self, request_id: str, reason: str) -> Entry:
-        """FAILED with `reason` (frees); a no-op on an entry already terminal."""
+    def fail(self, request_id: str, reason: str, writer_done: bool = False) -> Entry:
+        """FAILED with `reason` (frees); QUARANTINED instead while a write may still
+        land (see the module docstring) unless `writer_done`. A no-op on an entry
+        already terminal or quarantined."""
         if not reason:
             raise ValueError(f"request {request_id!r}: a failure needs a reason")
+        entry = self._require(request_id)
+        if entry.state is S.QUARANTINED:
+            return self.writer_done(request_id) if writer_done else entry
+        if not writer_done and self._quarantines(entry):
+            return self._quarantine(entry, reason)
         return self._move(request_id, S.FAILED, reason=reason)
+
+    def writer_done(self, request_id: str) -> Entry:
+        """The writer's notification for a quarantined entry arrived: nothing more can
+        land in its blocks, so it ends FAILED (frees). A no-op in any other state."""
+        entry = self._require(request_id)
+        if entry.state is not S.QUARANTINED:
+            return entry
+        return self._move(request_id, S.FAILED, reason=entry.reason)
 
     def release(self, request_id: str, reason: str = "released by its owner") -> Entry:
         """Cancel (client gone, request retried elsewhere): FAILED, frees; idempotent."""
@@ -199,13 +240,23 @@ class Ledger:
         return entry
 
     def sweep(self, now: float | None = None) -> list[Entry]:
-        """Expire every leased entry whose deadline has passed; returns them."""
+        """Act on every deadline that has passed: a leased request's lease ran out
+        (EXPIRED, or QUARANTINED where a write may still land): returned; a
+        quarantine ran out (EXPIRED, frees): not returned, that request ended earlier."""
         now = self._clock() if now is None else now
         overdue = [e for e in self._live.values() if e.deadline is not None and e.deadline <= now]
+        ended = []
         for entry in overdue:
+            if entry.state is S.QUARANTINED:
+                self._move(entry.request_id, S.EXPIRED, reason=entry.reason, now=now)
+                continue
             reason = f"lease of {entry.lease_s:g} s ran out in state {entry.state.name}"
-            self._move(entry.request_id, S.EXPIRED, reason=reason, now=now)
-        return overdue
+            if self._quarantines(entry):
+                self._quarantine(entry, reason, now)
+            else:
+                self._move(entry.request_id, S.EXPIRED, reason=reason, now=now)
+            ended.append(entry)
+        return ended
 
     def drop_peer(self, peer: Hashable, reason: str | None = None) -> list[Entry]:
         """Fail every live entry tied to `peer` (that incarnation is gone); returns them."""
@@ -220,6 +271,15 @@ class Ledger:
         entry = self.get(request_id)
         if entry is None:
             raise UnknownRequest(f"request {request_id!r} is not in the ledger")
+        return entry
+
+    def _quarantines(self, entry: Entry) -> bool:
+        return self._quarantine_s is not None and entry.state in _WRITABLE
+
+    def _quarantine(self, entry: Entry, reason: str, now: float | None = None) -> Entry:
+        self._move(entry.request_id, S.QUARANTINED, reason=reason, lease_s=self._quarantine_s, now=now)
+        if self._on_quarantine is not None:
+            self._on_quarantine(entry)
         return entry
 
     def _move(
@@ -241,18 +301,19 @@ class Ledger:
         entry.state = to
         entry.updated_at = self._clock() if now is None else now
         if to.leased:
-            self._renew(entry, lease_s)
+            self._renew(entry, lease_s, entry.updated_at)
         else:
             entry.deadline = None
-        if to.terminal:
+        if to.terminal or to is S.QUARANTINED:
             entry.reason = reason
+        if to.terminal:
             self._retire(entry)
         return entry
 
-    def _renew(self, entry: Entry, lease_s: float | None) -> None:
+    def _renew(self, entry: Entry, lease_s: float | None, now: float | None = None) -> None:
         if lease_s is not None:
             entry.lease_s = lease_s
-        entry.deadline = self._clock() + entry.lease_s
+        entry.deadline = (self._clock() if now is None else now) + entry.lease_s
 
     def _retire(self, entry: Entry) -> None:
         """Move a just-terminated entry to the history and free its blocks, once."""
@@ -279,6 +340,8 @@ class Ledger:
                 problems.append(f"live {rid!r} is {e.state.name} (freed={e.freed})")
             if e.state.leased != (e.deadline is not None):
                 problems.append(f"live {rid!r} in {e.state.name} has deadline {e.deadline}")
+            if e.state is S.QUARANTINED and not e.reason:
+                problems.append(f"live {rid!r} is QUARANTINED without a reason")
             if rid in self._finished:
                 problems.append(f"{rid!r} is both live and finished")
         for rid, e in self._finished.items():

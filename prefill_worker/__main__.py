@@ -2,6 +2,8 @@
 
 import sys
 
-from engine.worker_host import main
+from prefill_worker.service import PrefillWorker
+from worker_runtime.config import Role
+from worker_runtime.host import main
 
-sys.exit(main("prefill"))
+sys.exit(main(Role.PREFILL, PrefillWorker))

@@ -21,15 +21,15 @@ import time
 from dataclasses import dataclass, field
 
 from engine import envs
+from engine.events import TokenLogprobs
 from engine.runner import ModelRunner
-from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, Sequence
 from kv_transfer.base import PeerId, TransferHandle, Transport, XferState
 from kv_transfer.ledger import Entry, Ledger
 from prefill_worker.scheduler import PrefillScheduler
 from protos import tandem_pb2 as pb
-from protos.convert import logprobs_to_pb
+from worker_runtime.convert import logprobs_to_pb
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,15 @@ def landed_message(request_id: str, first_token: int, logprobs: TokenLogprobs | 
 
 
 class PrefillEngine:
-    def __init__(self, runner: ModelRunner, scheduler: PrefillScheduler, transport: Transport,
-                 eos_ids: frozenset[int], layerwise: bool = True, handoff_lease_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: PrefillScheduler,
+        transport: Transport,
+        eos_ids: frozenset[int],
+        layerwise: bool = True,
+        transfer_timeout_s: float = 15.0,
+    ) -> None:
         self.runner = runner
         self.scheduler = scheduler
         self.transport = transport
@@ -83,19 +90,30 @@ class PrefillEngine:
         self.num_layers = runner.model_config.num_layers
         self.block_bytes = runner.kv_cache.layout.block_bytes
         self.jobs: dict[str, Job] = {}
-        self.ledger = Ledger(self._on_free, default_lease_s=handoff_lease_s, exclusive_blocks=False)
-        self.metrics = None  # optional engine.worker_metrics.WorkerMetrics
+        # a handoff's lease in WRITING is the transfer timeout (worker_runtime/config.py)
+        self.ledger = Ledger(self._on_free, default_lease_s=transfer_timeout_s, exclusive_blocks=False)
+        self.metrics = None  # optional worker_runtime.metrics.WorkerMetrics
         self.faults = envs.faults()
 
     # ---- requests (engine thread) ---------------------------------------------------
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int,
-               peer: PeerId, target_blocks: list[int], num_cached_tokens: int) -> cf.Future:
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        peer: PeerId,
+        target_blocks: list[int],
+        num_cached_tokens: int,
+    ) -> cf.Future:
         if request_id in self.jobs:
             raise ValueError(f"request id {request_id!r} is already in use")
         bs = self.scheduler.bs
         n_blocks = math.ceil(len(prompt_ids) / bs)
         if len(target_blocks) != n_blocks:
-            raise ValueError(f"target has {len(target_blocks)} blocks; a {len(prompt_ids)}-token prompt needs {n_blocks}")
+            raise ValueError(
+                f"target has {len(target_blocks)} blocks; a {len(prompt_ids)}-token prompt needs {n_blocks}"
+            )
         if num_cached_tokens % bs or not 0 <= num_cached_tokens <= len(prompt_ids):
             raise ValueError(f"num_cached_tokens={num_cached_tokens} must be a multiple of {bs} within the prompt")
         # original params: the first token is sampled exactly as a single process would
@@ -153,23 +171,33 @@ class PrefillEngine:
             for job in jobs:
                 local, remote = self._block_pairs(job)
                 if local:
-                    job.handles.append(self.transport.write_blocks(job.peer, local, remote, layers=range(layer, layer + 1)))
+                    job.handles.append(
+                        self.transport.write_blocks(job.peer, local, remote, layers=range(layer, layer + 1))
+                    )
+
         return on_layer_done
 
     def _block_pairs(self, job: Job) -> tuple[list[int], list[int]]:
         n = len(job.target_blocks)
-        return job.seq.block_ids[job.skip_blocks:n], job.target_blocks[job.skip_blocks:]
+        table = self.scheduler.cache.block_table(job.seq.seq_id)
+        return table[job.skip_blocks : n], job.target_blocks[job.skip_blocks :]
 
     def _start_final_write(self, job: Job) -> None:
         seq = job.seq
         job.computed_at = time.monotonic()
         first = seq.output_ids[0]
         local, remote = self._block_pairs(job)
-        self.ledger.reserve(seq.seq_id, seq.block_ids, peer=job.peer)
+        self.ledger.reserve(seq.seq_id, self.scheduler.cache.block_table(seq.seq_id), peer=job.peer)
         self.ledger.start_writing(seq.seq_id)
         layers = range(self.num_layers - 1, self.num_layers) if self.layerwise and job.handles else None
-        job.final = self.transport.write_blocks(job.peer, local, remote, layers=layers,
-                                                notify=landed_message(seq.seq_id, first, job.logprobs), after=job.handles)
+        job.final = self.transport.write_blocks(
+            job.peer,
+            local,
+            remote,
+            layers=layers,
+            notify=landed_message(seq.seq_id, first, job.logprobs),
+            after=job.handles,
+        )
 
     def _poll_transfers(self) -> None:
         self.ledger.sweep()
@@ -203,8 +231,16 @@ class PrefillEngine:
         n_blocks = len(job.target_blocks) - job.skip_blocks
         scheduled = job.scheduled_at or job.arrival
         computed = job.computed_at or now
-        return PrefillResult(job.seq.output_ids[0], job.logprobs, job.seq.num_cached_tokens, n_blocks,
-                             n_blocks * self.block_bytes, scheduled - job.arrival, computed - scheduled, now - computed)
+        return PrefillResult(
+            job.seq.output_ids[0],
+            job.logprobs,
+            job.seq.num_cached_tokens,
+            n_blocks,
+            n_blocks * self.block_bytes,
+            scheduled - job.arrival,
+            computed - scheduled,
+            now - computed,
+        )
 
     def _resolve(self, job: Job, outcome) -> None:
         self.jobs.pop(job.seq.seq_id, None)

@@ -41,11 +41,6 @@ class PrefillScheduler(Scheduler):
     def live(self) -> list[Sequence]:
         return [*super().live(), *self.handoff.values()]
 
-    @property
-    def queued_tokens(self) -> int:
-        """Prompt tokens still to compute: the router's measure of this worker's queue."""
-        return sum(s.num_to_compute for s in self.running) + sum(s.num_tokens for q in self.lanes.values() for s in q)
-
     def check_integrity(self) -> None:
         assert all(s.status is Status.HANDOFF for s in self.handoff.values())
         super().check_integrity()

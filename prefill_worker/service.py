@@ -16,12 +16,6 @@ import logging
 import grpc
 
 from engine.build import build_parts
-from engine.config import WorkerConfig
-from engine.kv_events import KVEventHub
-from engine.worker_metrics import ENGINE_COUNTERS, WorkerMetrics, engine_state
-from engine.loop import EngineLoop
-from engine.worker_common import WorkerRpcs, make_transport
-from engine.rpc import call_metadata, channel, new_epoch, start_server
 from engine.sampling_params import SamplingParamsError
 from engine.scheduler import AdmissionError
 from kv_transfer.base import PeerId
@@ -29,16 +23,21 @@ from prefill_worker.engine import PrefillEngine, PrefillFailed, PrefillResult
 from prefill_worker.scheduler import PrefillScheduler
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc as pb_grpc
-from protos.convert import logprobs_to_pb, params_from_pb
+from worker_runtime.config import Role, WorkerConfig
+from worker_runtime.convert import logprobs_to_pb, params_from_pb
+from worker_runtime.kv_events import KVEventHub
+from worker_runtime.loop import EngineLoop
+from worker_runtime.rpc import call_metadata, channel, new_epoch, start_server
+from worker_runtime.service import WorkerRpcs, make_transport
+from worker_runtime.stats import WorkerStats, engine_fields
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 10.0
-PREFILL_TIMEOUT_S = 600.0
 
 
 class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
-    role = "prefill"
+    role = Role.PREFILL
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
@@ -54,23 +53,36 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
         self.epoch = new_epoch()
         self.transport = make_transport(cfg, self.epoch)
         self.transport.register(parts.runner.kv_cache.kv)
-        self.engine = PrefillEngine(parts.runner, PrefillScheduler(parts.scheduler_config, parts.pool), self.transport,
-                                    parts.eos_ids, layerwise=cfg.layerwise_transfer)
+        self.engine = PrefillEngine(
+            parts.runner,
+            PrefillScheduler(parts.scheduler_config, parts.pool),
+            self.transport,
+            parts.eos_ids,
+            layerwise=cfg.layerwise_transfer,
+            transfer_timeout_s=cfg.handoff.transfer_s,
+        )
         self.max_model_len = parts.scheduler_config.max_model_len
         loop = asyncio.get_running_loop()
         self.kv_events = KVEventHub(parts.pool, cfg.worker_id, self.epoch, loop)
-        self.metrics = WorkerMetrics(cfg.worker_id, self.role, self._metric_state, ENGINE_COUNTERS)
+        self.metrics = self.make_metrics()
         self.engine.metrics = self.metrics
         if cfg.metrics_port is not None:
             self.metrics.serve(cfg.host, cfg.metrics_port)
         self.loop = EngineLoop(self._step, self._wait_s, lambda _: None, self._on_fatal, name="prefill-engine")
         self.engine_loop = self.loop
         self.loop.start(loop)
-        self.server, port = await start_server(lambda s: pb_grpc.add_PrefillWorkerServicer_to_server(self, s),
-                                               cfg.host, cfg.port, cfg.cluster_token)
+        self.server, port = await start_server(
+            lambda s: pb_grpc.add_PrefillWorkerServicer_to_server(self, s), cfg.host, cfg.port, cfg.cluster_token
+        )
         self.address = f"{cfg.host}:{port}"
-        log.info("prefill worker %s (epoch %x) serving on %s, transport %s, layer-wise push %s", cfg.worker_id,
-                 self.epoch, self.address, self.transport.name, cfg.layerwise_transfer)
+        log.info(
+            "prefill worker %s (epoch %x) serving on %s, transport %s, layer-wise push %s",
+            cfg.worker_id,
+            self.epoch,
+            self.address,
+            self.transport.name,
+            cfg.layerwise_transfer,
+        )
         return self.address
 
     async def stop(self, grace: float = 2.0) -> None:
@@ -79,10 +91,18 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
         self.loop.stop()
         self.transport.close()
 
-    def _metric_state(self) -> dict[str, float]:
+    def stats(self) -> WorkerStats:
+        """Any thread: a snapshot read without locks."""
         s = self.engine.scheduler
-        return engine_state(s, s.pool) | {"tandem:queued_prefill_tokens": s.queued_tokens,
-                                          "tandem:kv_handoffs_in_flight": len(s.handoff)}
+        return WorkerStats(
+            worker_id=self.config.worker_id,
+            epoch=self.epoch,
+            role=self.role,
+            **engine_fields(s, s.pool),
+            num_handoffs=len(s.handoff),
+            draining=self.draining,
+            transport=self.transport.name,
+        )
 
     # ---- engine thread ------------------------------------------------------------------
     def _step(self) -> list:
@@ -115,8 +135,10 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
                 return known[1]
             reply = await self._handshake(target.address)
             if reply.epoch != target.epoch:
-                raise PrefillFailed(f"decode worker {target.worker_id} at {target.address} is now epoch {reply.epoch:x}, "
-                                    f"not {target.epoch:x}: it restarted; retry with a fresh reservation")
+                raise PrefillFailed(
+                    f"decode worker {target.worker_id} at {target.address} is now epoch {reply.epoch:x}, "
+                    f"not {target.epoch:x}: it restarted; retry with a fresh reservation"
+                )
             peer = self.transport.add_peer(reply.descriptor)
             if known is not None:
                 await self.loop.call(self.engine.drop_peer, known[1], f"decode worker {target.worker_id} restarted")
@@ -125,11 +147,17 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
             return peer
 
     async def _handshake(self, address: str) -> pb.HandshakeReply:
-        req = pb.HandshakeRequest(worker_id=self.config.worker_id, epoch=self.epoch, backend=self.transport.name,
-                                  descriptor=self.transport.local_descriptor())
+        req = pb.HandshakeRequest(
+            worker_id=self.config.worker_id,
+            epoch=self.epoch,
+            backend=self.transport.name,
+            descriptor=self.transport.local_descriptor(),
+        )
         async with channel(address) as ch:
             stub = pb_grpc.DecodeWorkerStub(ch)
-            return await stub.Handshake(req, timeout=HANDSHAKE_TIMEOUT_S, metadata=call_metadata(self.config.cluster_token))
+            return await stub.Handshake(
+                req, timeout=HANDSHAKE_TIMEOUT_S, metadata=call_metadata(self.config.cluster_token)
+            )
 
     # ---- gRPC ----------------------------------------------------------------------------
     async def Prefill(self, request: pb.PrefillRequest, context):
@@ -139,20 +167,32 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
         try:
             params = params_from_pb(request.params)
             if not prompt or len(prompt) >= self.max_model_len:
-                raise AdmissionError(f"prompt has {len(prompt)} tokens; this worker allows 1 to {self.max_model_len - 1}")
+                raise AdmissionError(
+                    f"prompt has {len(prompt)} tokens; this worker allows 1 to {self.max_model_len - 1}"
+                )
         except (SamplingParamsError, AdmissionError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
             peer = await self._peer_for(request.target)
         except (grpc.aio.AioRpcError, PrefillFailed, OSError, ValueError) as e:
             detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach decode worker {request.target.worker_id}: {detail}")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"cannot reach decode worker {request.target.worker_id}: {detail}"
+            )
         t = request.target
         done = False
         try:  # any exit without a result (cancelled, timed out, failed) aborts the prefill
-            fut: cf.Future = await self.loop.call(self.engine.submit, rid, prompt, params, int(request.priority), peer,
-                                                  list(t.block_ids), t.num_cached_tokens)
-            result: PrefillResult = await asyncio.wait_for(asyncio.wrap_future(fut), PREFILL_TIMEOUT_S)
+            fut: cf.Future = await self.loop.call(
+                self.engine.submit,
+                rid,
+                prompt,
+                params,
+                int(request.priority),
+                peer,
+                list(t.block_ids),
+                t.num_cached_tokens,
+            )
+            result: PrefillResult = await asyncio.wait_for(asyncio.wrap_future(fut), self._deadline_s(context))
             done = True
         except (ValueError, AdmissionError) as e:
             done = True  # rejected before anything was queued
@@ -164,11 +204,22 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
                 self.loop.post(self.engine.abort, rid, "cancelled, timed out or failed")  # idempotent
         return self._reply(result)
 
+    def _deadline_s(self, context) -> float:
+        """How long this prefill may take: the caller's RPC deadline (the router sends
+        the reservation's lease), else the reservation lease this cluster grants. A
+        prefill that outlives it would write into an expired reservation."""
+        remaining = context.time_remaining()
+        return remaining if remaining is not None else self.config.handoff.reservation_lease_s
+
     @staticmethod
     def _reply(r: PrefillResult) -> pb.PrefillReply:
-        reply = pb.PrefillReply(first_token=r.first_token, num_cached_tokens=r.num_cached_tokens,
-                                num_transferred_blocks=r.num_blocks, num_transferred_bytes=r.num_bytes,
-                                timings=pb.Timings(queue_s=r.queue_s, prefill_s=r.prefill_s, transfer_s=r.transfer_s))
+        reply = pb.PrefillReply(
+            first_token=r.first_token,
+            num_cached_tokens=r.num_cached_tokens,
+            num_transferred_blocks=r.num_blocks,
+            num_transferred_bytes=r.num_bytes,
+            timings=pb.Timings(queue_s=r.queue_s, prefill_s=r.prefill_s, transfer_s=r.transfer_s),
+        )
         if r.logprobs is not None:
             reply.logprobs.CopyFrom(logprobs_to_pb(r.logprobs))
         return reply
@@ -176,13 +227,3 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
     async def Abort(self, request, context):
         found = await self.loop.call(self.engine.abort, request.request_id, "aborted by the router")
         return pb.AbortReply(found=bool(found))
-
-
-    async def Stats(self, request, context):
-        s, pool = self.engine.scheduler, self.engine.scheduler.pool
-        return pb.WorkerStats(
-            worker_id=self.config.worker_id, epoch=self.epoch, role=self.role, num_running=len(s.running),
-            num_waiting=s.num_waiting, num_blocks=pool.num_blocks, num_free_blocks=pool.num_free_blocks,
-            queued_prefill_tokens=s.queued_tokens, max_num_seqs=s.config.max_num_seqs, block_size=pool.block_size,
-            prefix_cache_queries=pool.queries, prefix_cache_hits=pool.hits, draining=self.draining,
-            transport=self.transport.name, max_model_len=self.max_model_len)

@@ -13,7 +13,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from engine.sampler import TokenLogprobs
+from engine.events import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 

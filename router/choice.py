@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Iterable, TypeVar
 
+from engine.events import TokenLogprobs
 from engine.output import TextStream
-from engine.sampler import TokenLogprobs
 from router.backend import Backend, BackendError, GenerateRequest, TokenBatch
 from router.metrics import ChoiceTimer
 

@@ -19,19 +19,30 @@ import argparse
 import json
 import os
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from engine.cli_args import add_engine_args
+from worker_runtime.args import add_worker_args
+
+# Subcommands from packages above the router (`tandem bench`) are found through this
+# entry-point group (pyproject.toml), so the router never imports them.
+COMMANDS_GROUP = "tandem.commands"
 
 
 def _serve_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("serve", help="run the cluster and the OpenAI-compatible router",
-                       description="Start (or join) a Ray cluster, the worker pools and the HTTP router.")
+    p = sub.add_parser(
+        "serve",
+        help="run the cluster and the OpenAI-compatible router",
+        description="Start (or join) a Ray cluster, the worker pools and the HTTP router.",
+    )
     p.add_argument("--config", default=None, help="YAML or TOML file with any of these options")
     g = p.add_argument_group("router")
     g.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name", default=None, help="model name clients use (default: the checkpoint dir's name)")
+    g.add_argument(
+        "--served-model-name", default=None, help="model name clients use (default: the checkpoint dir's name)"
+    )
     g.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
     g.add_argument("--api-key-file", default=None, help="file of API keys, one per line")
     g.add_argument("--admin-key", default=None, help="key for /admin (scale, status); unset: /admin is closed")
@@ -42,23 +53,23 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--slo-tpot-ms", type=float, default=100.0)
     g.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
     c = p.add_argument_group("cluster")
-    c.add_argument("--address", default=None, help="Ray cluster to join ('auto' or ray://host:port); default: start a local one")
+    c.add_argument(
+        "--address", default=None, help="Ray cluster to join ('auto' or ray://host:port); default: start a local one"
+    )
     c.add_argument("--prefill", type=int, default=1, help="prefill workers")
     c.add_argument("--decode", type=int, default=1, help="decode workers")
     c.add_argument("--colocated", action="store_true", help="no prefill pool: decode workers prefill locally")
-    c.add_argument("--local-prefill-threshold", type=int, default=64,
-                   help="prompts whose uncached part is shorter than this prefill on their decode worker")
-    c.add_argument("--transport", default="auto", choices=("auto", "nixl", "tcp"), help="KV transfer backend")
-    c.add_argument("--worker-host", default="127.0.0.1", help="address workers bind for gRPC and KV transfer")
-    c.add_argument("--cluster-token", default=None, help="shared secret for worker gRPC (default: a random one)")
+    c.add_argument(
+        "--local-prefill-threshold",
+        type=int,
+        default=64,
+        help="prompts whose uncached part is shorter than this prefill on their decode worker",
+    )
     c.add_argument("--prefill-num-cpus", type=float, default=1.0, help="Ray CPUs per prefill worker")
     c.add_argument("--decode-num-cpus", type=float, default=1.0, help="Ray CPUs per decode worker")
     c.add_argument("--num-gpus-per-worker", type=float, default=None, help="Ray GPUs per worker (default: 1 on cuda)")
     c.add_argument("--pin-cores", default="auto", help="auto (local CPU runs), none, or a core list like 0-7")
-    c.add_argument("--no-layerwise-transfer", action="store_true", help="push KV after the whole prefill")
-    c.add_argument("--reservation-lease-s", type=float, default=30.0)
-    c.add_argument("--reservation-quarantine-s", type=float, default=30.0,
-                   help="blocks of a reservation that ended before its KV landed stay unused this long")
+    add_worker_args(p, host_flag="--worker-host")
     add_engine_args(p)
     p.set_defaults(func=lambda a: _run_serve(a, p))
     return p
@@ -85,9 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     from router.generate_cli import add_generate_parser
 
     add_generate_parser(sub)
-    from bench.cli import add_parser as add_bench_parser
-
-    add_bench_parser(sub)
+    for command in entry_points(group=COMMANDS_GROUP):  # layers above the router (bench) mount themselves
+        command.load()(sub)
     return parser
 
 
@@ -106,8 +116,12 @@ def apply_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser,
 
         data = yaml.safe_load(text) or {}
     dests = {a.dest: a for a in parser._actions}
-    given = {a.dest for a in parser._actions for opt in a.option_strings
-             if any(x == opt or x.startswith(opt + "=") for x in argv)}
+    given = {
+        a.dest
+        for a in parser._actions
+        for opt in a.option_strings
+        if any(x == opt or x.startswith(opt + "=") for x in argv)
+    }
     for key, value in data.items():
         dest = key.replace("-", "_")
         if dest not in dests or dest in ("config", "help"):
@@ -153,17 +167,40 @@ def _run_status(args) -> int:
     from rich.table import Table
 
     table = Table(title=f"tandem at {args.url}")
-    for col in ("worker", "role", "state", "address", "running", "waiting", "awaiting KV", "KV usage", "queued prefill", "in flight"):
+    for col in (
+        "worker",
+        "role",
+        "state",
+        "address",
+        "running",
+        "waiting",
+        "awaiting KV",
+        "KV usage",
+        "queued prefill",
+        "in flight",
+    ):
         table.add_column(col)
     for role, pool in data["pools"].items():
         for w in pool["workers"]:
-            table.add_row(w["worker_id"], role, w["state"], w["address"], str(w.get("running", "")), str(w.get("waiting", "")),
-                          str(w.get("awaiting_kv", "")), f"{w['kv_usage']:.1%}" if "kv_usage" in w else "",
-                          str(w.get("queued_prefill_tokens", "")), str(w["in_flight"]))
+            table.add_row(
+                w["worker_id"],
+                role,
+                w["state"],
+                w["address"],
+                str(w.get("running", "")),
+                str(w.get("waiting", "")),
+                str(w.get("awaiting_kv", "")),
+                f"{w['kv_usage']:.1%}" if "kv_usage" in w else "",
+                str(w.get("queued_prefill_tokens", "")),
+                str(w["in_flight"]),
+            )
     console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(table)
-    console.print("targets: " + ", ".join(f"{r} {p['ready']}/{p['target']} ready" for r, p in data["pools"].items())
-                  + f"; workers replaced: {data.get('replaced', 0)}")
+    console.print(
+        "targets: "
+        + ", ".join(f"{r} {p['ready']}/{p['target']} ready" for r, p in data["pools"].items())
+        + f"; workers replaced: {data.get('replaced', 0)}"
+    )
     return 0
 
 

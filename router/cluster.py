@@ -3,7 +3,8 @@
 Per request: pick a decode worker with room (waiting, bounded, when none has room),
 decide local vs remote prefill (router/policy.py), run the path
 (router/worker_client.py). Failures:
-- before the first token: retried on another decode worker;
+- before the first token: retried on another decode worker (never the one that just
+  failed, while another is ready);
 - the decode worker dies mid-stream: migrated: the prompt plus the tokens already
   streamed are prefilled on another decode worker, which continues the output
   (exact for greedy; seeded sampling and penalties see the same history);
@@ -27,13 +28,21 @@ from router.cluster_metrics import ClusterMetrics
 from router.policy import RoutingConfig, WorkerView, choose_decode, plan
 from router.pool import PoolManager, Worker
 from router.worker_client import disaggregated_stream, local_stream
+from worker_runtime.config import Role
 
 log = logging.getLogger(__name__)
 
 
 class ClusterBackend(Backend):
-    def __init__(self, pool: PoolManager, routing: RoutingConfig, metrics: ClusterMetrics | None = None,
-                 capacity_wait_s: float = 30.0, max_attempts: int = 3, lease_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        pool: PoolManager,
+        routing: RoutingConfig,
+        metrics: ClusterMetrics | None = None,
+        capacity_wait_s: float = 30.0,
+        max_attempts: int = 3,
+        lease_s: float = 30.0,
+    ) -> None:
         self.pool = pool
         self.routing = routing
         self.metrics = metrics or ClusterMetrics(pool)
@@ -48,11 +57,11 @@ class ClusterBackend(Backend):
         await self.pool.stop()
 
     def ready(self) -> bool:
-        return bool(self.pool.ready("decode"))
+        return bool(self.pool.ready(Role.DECODE))
 
     @property
     def max_model_len(self) -> int:
-        lens = [w.stats.max_model_len for w in self.pool.ready("decode") if w.stats and w.stats.max_model_len]
+        lens = [w.stats.max_model_len for w in self.pool.ready(Role.DECODE) if w.stats and w.stats.max_model_len]
         return min(lens) if lens else 0
 
     @property
@@ -64,13 +73,20 @@ class ClusterBackend(Backend):
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenBatch]:
         emitted: list[int] = list(req.output_ids)
         hashes = block_hashes(req.prompt_ids, self.block_size)
+        failed: set[str] = set()  # decode workers this request saw fail: the retry goes elsewhere
         for attempt in range(self.max_attempts):
             if len(emitted) >= req.params.max_tokens:  # everything was streamed before the worker died
-                yield TokenBatch(len(emitted), [], finished=True, finish_reason="length",
-                                 prompt_tokens=len(req.prompt_ids), completion_tokens=len(emitted))
+                yield TokenBatch(
+                    len(emitted),
+                    [],
+                    finished=True,
+                    finish_reason="length",
+                    prompt_tokens=len(req.prompt_ids),
+                    completion_tokens=len(emitted),
+                )
                 return
             this = dataclasses.replace(req, request_id=f"{req.request_id}#{attempt}", output_ids=list(emitted))
-            d, p, reason = await self._route(this, hashes)
+            d, p, reason = await self._route(this, hashes, exclude=failed)
             try:
                 async with contextlib.aclosing(self._run(this, d, p, reason)) as run:
                     async for batch in run:
@@ -83,26 +99,27 @@ class ClusterBackend(Backend):
                 if e.status == 400 or attempt + 1 >= self.max_attempts:
                     raise
                 self.pool.suspect(d.worker_id)
+                failed.add(d.worker_id)
                 cause = "migrated" if len(emitted) > len(req.output_ids) else "decode_failed"
                 self.metrics.retries.labels(cause).inc()
-                log.warning("request %s on %s failed (%s); %s", req.request_id, d.worker_id, e,
-                            "migrating" if cause == "migrated" else "retrying")
+                log.warning(
+                    "request %s on %s failed (%s); %s",
+                    req.request_id,
+                    d.worker_id,
+                    e,
+                    "migrating" if cause == "migrated" else "retrying",
+                )
                 await asyncio.sleep(0.05 * (attempt + 1))
 
     async def _run(self, req: GenerateRequest, d: Worker, p: Worker | None, reason: str) -> AsyncIterator[TokenBatch]:
         need = math.ceil((len(req.prompt_ids) + len(req.output_ids) + 1) / self.block_size)
-        d.in_flight += 1
-        d.pending += 1
-        d.in_flight_blocks += need
+        claims = [d.load.claim(blocks=need)]
         if p is not None:
-            p.in_flight += 1
-            p.pending += 1
-            p.in_flight_tokens += len(req.prompt_ids)
+            claims.append(p.load.claim(tokens=len(req.prompt_ids)))
             self.metrics.waiting_for_kv.inc()
         self.metrics.routed.labels("decode", d.worker_id).inc()
         if p is not None:
             self.metrics.routed.labels("prefill", p.worker_id).inc()
-        pending = True  # router-side load estimates still include this request's claim
         cached = 0
 
         def on_prefill(outcome) -> None:
@@ -110,6 +127,13 @@ class ClusterBackend(Backend):
             self.metrics.prefill_outcome(outcome)
             if outcome.reply is not None:
                 cached = outcome.reply.num_cached_tokens
+
+        def settle() -> None:
+            """First token seen (or the attempt ended): the workers' own stats now show it."""
+            if not claims[0].settled and p is not None:
+                self.metrics.waiting_for_kv.dec()
+            for c in claims:
+                c.settle()
 
         try:
             if p is None:
@@ -120,57 +144,57 @@ class ClusterBackend(Backend):
                 stream = disaggregated_stream(p.client, d.client, req, lease_s=self.lease_s, on_prefill=on_prefill)
             async with contextlib.aclosing(stream):
                 async for batch in stream:
-                    if pending:
-                        pending = False
-                        self._settle(d, p, need, len(req.prompt_ids))
+                    settle()
                     if batch.finished and p is not None:
                         batch.cached_tokens = cached  # prompt tokens the prefill skipped
                     yield batch
         finally:
-            if pending:
-                self._settle(d, p, need, len(req.prompt_ids))
-            d.in_flight -= 1
-            if p is not None:
-                p.in_flight -= 1
-
-    def _settle(self, d: Worker, p: Worker | None, blocks: int, tokens: int) -> None:
-        """First token seen (or the attempt ended): the workers' own stats now show it."""
-        d.in_flight_blocks -= blocks
-        d.pending -= 1
-        if p is not None:
-            p.pending -= 1
-            p.in_flight_tokens -= tokens
-            self.metrics.waiting_for_kv.dec()
+            settle()
+            for c in claims:
+                c.end()
 
     # ---- routing -------------------------------------------------------------------------
-    async def _route(self, req: GenerateRequest, hashes: list[bytes]) -> tuple[Worker, Worker | None, str]:
-        """Wait (bounded) for a decode worker with room, then plan the prefill."""
+    async def _route(
+        self, req: GenerateRequest, hashes: list[bytes], exclude: set[str] = frozenset()
+    ) -> tuple[Worker, Worker | None, str]:
+        """Wait (bounded) for a decode worker with room, then plan the prefill. Workers
+        in `exclude` are skipped while any other decode worker is ready."""
         prompt_len = len(req.prompt_ids) + len(req.output_ids)
         need = math.ceil((prompt_len + 1) / self.block_size)
         deadline = time.monotonic() + self.capacity_wait_s
         while True:
-            decodes = self.pool.ready("decode")
+            decodes = self.pool.ready(Role.DECODE)
+            if exclude and any(w.worker_id not in exclude for w in decodes):
+                decodes = [w for w in decodes if w.worker_id not in exclude]
             views = [self._view(w, hashes) for w in decodes]
             best = choose_decode(views, need)
             if best is not None:
                 d = self.pool.get(best.worker_id)
                 if req.output_ids:  # a migration: the decode worker prefills prompt + output itself
                     return d, None, "fallback"
-                prefills = [self._view(w, hashes) for w in self.pool.ready("prefill")]
+                prefills = [self._view(w, hashes) for w in self.pool.ready(Role.PREFILL)]
                 route = plan(len(req.prompt_ids), best, prefills, self.routing, self.block_size)
                 return d, (self.pool.get(route.prefill) if route.prefill else None), route.reason
             if not decodes and time.monotonic() > deadline - self.capacity_wait_s + 5.0:
                 raise BackendError("no decode worker is ready", 503, retry_after=2.0)
             if time.monotonic() >= deadline:
                 self.metrics.retries.labels("no_capacity").inc()
-                raise BackendError("no decode worker has room for this request; try again shortly", 503, retry_after=1.0)
+                raise BackendError(
+                    "no decode worker has room for this request; try again shortly", 503, retry_after=1.0
+                )
             await asyncio.sleep(0.02)
 
     def _view(self, w: Worker, hashes: list[bytes]) -> WorkerView:
         s = w.stats
         return WorkerView(
-            w.worker_id, free_blocks=s.num_free_blocks if s else 0, num_blocks=s.num_blocks if s else 0,
+            w.worker_id,
+            free_blocks=s.num_free_blocks if s else 0,
+            num_blocks=s.num_blocks if s else 0,
             running=(s.num_running + s.num_waiting + s.num_awaiting_kv) if s else 0,
-            queued_tokens=s.queued_prefill_tokens if s else 0, in_flight=w.pending,
-            in_flight_blocks=w.in_flight_blocks, in_flight_tokens=w.in_flight_tokens,
-            max_num_seqs=s.max_num_seqs if s else 1, cached_blocks=self.pool.index.overlap_blocks(w.worker_id, hashes))
+            queued_tokens=s.queued_prefill_tokens if s else 0,
+            in_flight=w.load.pending,
+            in_flight_blocks=w.load.blocks,
+            in_flight_tokens=w.load.tokens,
+            max_num_seqs=s.max_num_seqs if s else 1,
+            cached_blocks=self.pool.index.overlap_blocks(w.worker_id, hashes),
+        )

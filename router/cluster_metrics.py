@@ -9,6 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from router.pool import WorkerState
+
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -20,35 +22,67 @@ class _WorkerCollector(Collector):
     def collect(self):
         labels = ["worker_id", "role"]
         gauges = {
-            "up": GaugeMetricFamily("tandem:worker_up", "1 when the worker is ready, 0 while starting/draining.", labels=labels),
-            "run": GaugeMetricFamily("tandem:worker_num_requests_running", "Sequences in the worker's running batch.", labels=labels),
-            "wait": GaugeMetricFamily("tandem:worker_num_requests_waiting", "Sequences queued on the worker.", labels=labels),
-            "kv": GaugeMetricFamily("tandem:worker_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", labels=labels),
-            "res": GaugeMetricFamily("tandem:blocks_reserved_for_incoming_kv", "Blocks a decode worker holds for KV a prefill worker is writing.", labels=labels),
-            "awk": GaugeMetricFamily("tandem:worker_requests_waiting_for_kv", "Reservations on a decode worker whose KV has not landed.", labels=labels),
-            "qpt": GaugeMetricFamily("tandem:worker_queued_prefill_tokens", "Prompt tokens waiting to be prefilled.", labels=labels),
+            "up": GaugeMetricFamily(
+                "tandem:worker_up", "1 when the worker is ready, 0 while starting/draining.", labels=labels
+            ),
+            "run": GaugeMetricFamily(
+                "tandem:worker_num_requests_running", "Sequences in the worker's running batch.", labels=labels
+            ),
+            "wait": GaugeMetricFamily(
+                "tandem:worker_num_requests_waiting", "Sequences queued on the worker.", labels=labels
+            ),
+            "kv": GaugeMetricFamily(
+                "tandem:worker_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", labels=labels
+            ),
+            "res": GaugeMetricFamily(
+                "tandem:blocks_reserved_for_incoming_kv",
+                "Blocks a decode worker holds for KV a prefill worker is writing.",
+                labels=labels,
+            ),
+            "awk": GaugeMetricFamily(
+                "tandem:worker_requests_waiting_for_kv",
+                "Reservations on a decode worker whose KV has not landed.",
+                labels=labels,
+            ),
+            "qpt": GaugeMetricFamily(
+                "tandem:worker_queued_prefill_tokens", "Prompt tokens waiting to be prefilled.", labels=labels
+            ),
         }
         counters = {
-            "q": CounterMetricFamily("tandem:worker_prefix_cache_queries", "Prompt tokens looked up in the worker's prefix cache.", labels=labels),
-            "h": CounterMetricFamily("tandem:worker_prefix_cache_hits", "Prompt tokens found in the worker's prefix cache.", labels=labels),
-            "p": CounterMetricFamily("tandem:worker_num_preemptions", "Sequences preempted (recomputed) on the worker.", labels=labels),
+            "q": CounterMetricFamily(
+                "tandem:worker_prefix_cache_queries",
+                "Prompt tokens looked up in the worker's prefix cache.",
+                labels=labels,
+            ),
+            "h": CounterMetricFamily(
+                "tandem:worker_prefix_cache_hits", "Prompt tokens found in the worker's prefix cache.", labels=labels
+            ),
+            "p": CounterMetricFamily(
+                "tandem:worker_num_preemptions", "Sequences preempted (recomputed) on the worker.", labels=labels
+            ),
         }
         for w in list(self.pool.workers.values()):
-            lv = [w.worker_id, w.role]
-            gauges["up"].add_metric(lv, 1.0 if w.state == "ready" else 0.0)
+            lv = [w.worker_id, w.role.value]
+            gauges["up"].add_metric(lv, 1.0 if w.state is WorkerState.READY else 0.0)
             s = w.stats
             if s is None:
                 continue
-            for key, val in (("run", s.num_running), ("wait", s.num_waiting), ("kv", 1 - s.num_free_blocks / max(s.num_blocks, 1)),
-                             ("res", s.num_reserved_blocks), ("awk", s.num_awaiting_kv), ("qpt", s.queued_prefill_tokens)):
+            for key, val in (
+                ("run", s.num_running),
+                ("wait", s.num_waiting),
+                ("kv", s.kv_usage),
+                ("res", s.num_reserved_blocks),
+                ("awk", s.num_awaiting_kv),
+                ("qpt", s.queued_prefill_tokens),
+            ):
                 gauges[key].add_metric(lv, val)
             for key, val in (("q", s.prefix_cache_queries), ("h", s.prefix_cache_hits), ("p", s.num_preemptions)):
                 counters[key].add_metric(lv, val)
         pools = GaugeMetricFamily("tandem:pool_target_workers", "Target size of each worker pool.", labels=["role"])
         ready = GaugeMetricFamily("tandem:pool_ready_workers", "Ready workers in each pool.", labels=["role"])
         for role, target in self.pool.targets.items():
-            pools.add_metric([role], target)
-            ready.add_metric([role], len(self.pool.ready(role)))
+            pools.add_metric([role.value], target)
+            ready.add_metric([role.value], len(self.pool.ready(role)))
         yield from gauges.values()
         yield from counters.values()
         yield pools
@@ -58,25 +92,55 @@ class _WorkerCollector(Collector):
 class ClusterMetrics:
     def __init__(self, pool=None) -> None:
         self.registry = reg = CollectorRegistry()
-        self.decisions = Counter("tandem:prefill_decisions", "Where prompts were prefilled (local on the decode "
-                                 "worker, or remote on a prefill worker), with the reason.", ["where", "reason"], registry=reg)
-        self.transfer_seconds = Histogram("tandem:kv_transfer_seconds", "KV write issued to written and notified, per "
-                                          "request.", buckets=TRANSFER_BUCKETS, registry=reg)
-        self.transfer_bytes = Counter("tandem:kv_transfer_bytes", "KV bytes written from prefill to decode workers.", registry=reg)
-        self.transfer_failures = Counter("tandem:kv_transfer_failures", "Remote prefills (prefill or KV write) that "
-                                         "failed.", registry=reg)
-        self.prefill_queue = Histogram("tandem:prefill_queue_seconds", "Time a prompt waited on its prefill worker.",
-                                       buckets=PHASE_BUCKETS, registry=reg)
-        self.prefill_compute = Histogram("tandem:prefill_compute_seconds", "First chunk scheduled to last layer computed.",
-                                         buckets=PHASE_BUCKETS, registry=reg)
-        self.routed = Counter("tandem:routed_requests", "Request attempts sent to each worker.",
-                              ["role", "worker_id"], registry=reg)
-        self.waiting_for_kv = Gauge("tandem:requests_waiting_for_kv", "Requests reserved on a decode worker whose KV "
-                                    "is being prefilled or written.", registry=reg)
-        self.retries = Counter("tandem:request_retries", "Request attempts repeated on another worker, by cause.",
-                               ["cause"], registry=reg)
-        for where, reason in (("local", "colocated"), ("local", "no_prefill_worker"), ("local", "short_uncached"),
-                              ("local", "fallback"), ("remote", "remote")):
+        self.decisions = Counter(
+            "tandem:prefill_decisions",
+            "Where prompts were prefilled (local on the decode "
+            "worker, or remote on a prefill worker), with the reason.",
+            ["where", "reason"],
+            registry=reg,
+        )
+        self.transfer_seconds = Histogram(
+            "tandem:kv_transfer_seconds",
+            "KV write issued to written and notified, per request.",
+            buckets=TRANSFER_BUCKETS,
+            registry=reg,
+        )
+        self.transfer_bytes = Counter(
+            "tandem:kv_transfer_bytes", "KV bytes written from prefill to decode workers.", registry=reg
+        )
+        self.transfer_failures = Counter(
+            "tandem:kv_transfer_failures", "Remote prefills (prefill or KV write) that failed.", registry=reg
+        )
+        self.prefill_queue = Histogram(
+            "tandem:prefill_queue_seconds",
+            "Time a prompt waited on its prefill worker.",
+            buckets=PHASE_BUCKETS,
+            registry=reg,
+        )
+        self.prefill_compute = Histogram(
+            "tandem:prefill_compute_seconds",
+            "First chunk scheduled to last layer computed.",
+            buckets=PHASE_BUCKETS,
+            registry=reg,
+        )
+        self.routed = Counter(
+            "tandem:routed_requests", "Request attempts sent to each worker.", ["role", "worker_id"], registry=reg
+        )
+        self.waiting_for_kv = Gauge(
+            "tandem:requests_waiting_for_kv",
+            "Requests reserved on a decode worker whose KV is being prefilled or written.",
+            registry=reg,
+        )
+        self.retries = Counter(
+            "tandem:request_retries", "Request attempts repeated on another worker, by cause.", ["cause"], registry=reg
+        )
+        for where, reason in (
+            ("local", "colocated"),
+            ("local", "no_prefill_worker"),
+            ("local", "short_uncached"),
+            ("local", "fallback"),
+            ("remote", "remote"),
+        ):
             self.decisions.labels(where, reason)
         for cause in ("decode_failed", "migrated", "no_capacity"):
             self.retries.labels(cause)

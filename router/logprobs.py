@@ -16,7 +16,7 @@ from typing import Sequence
 
 from tokenizers import decoders
 
-from engine.sampler import TokenLogprobs
+from engine.events import TokenLogprobs
 from engine.tokenizer import Tokenizer
 from router.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import logging
 import os
 import time
@@ -21,23 +22,81 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.config import WorkerConfig
 from protos import tandem_pb2 as pb
 from router.admin import AdminInterface
 from router.prefix_index import PrefixIndex
-from router.worker_client import WorkerClient, wait_ready
+from worker_runtime.client import WorkerClient, wait_ready
+from worker_runtime.config import Role, WorkerConfig
+from worker_runtime.stats import WorkerStats
 
 log = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode")
+ROLES = (Role.PREFILL, Role.DECODE)
+
+
+class WorkerState(str, enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    DEAD = "dead"
+    STOPPED = "stopped"
+
+
+@dataclass
+class Load:
+    """What this router has sent a worker that the worker's own stats may not show yet:
+    the one owner of those counters (ClusterBackend claims, PoolManager reads).
+
+        claim() -> in_flight+1, pending+1, blocks/tokens added
+        settle  -> pending-1, blocks/tokens removed (first token seen: stats show it now)
+        end     -> settle if not yet, in_flight-1 (drain waits for in_flight == 0)
+    """
+
+    in_flight: int = 0  # requests routed here and not finished
+    pending: int = 0  # of those, routed but not yet producing tokens
+    blocks: int = 0  # decode: KV blocks those pending requests will claim
+    tokens: int = 0  # prefill: prompt tokens those pending requests bring
+
+    def claim(self, blocks: int = 0, tokens: int = 0) -> "Claim":
+        self.in_flight += 1
+        self.pending += 1
+        self.blocks += blocks
+        self.tokens += tokens
+        return Claim(self, blocks, tokens)
+
+
+@dataclass
+class Claim:
+    load: Load
+    blocks: int
+    tokens: int
+    settled: bool = False
+    ended: bool = False
+
+    def settle(self) -> None:
+        if not self.settled:
+            self.settled = True
+            self.load.pending -= 1
+            self.load.blocks -= self.blocks
+            self.load.tokens -= self.tokens
+
+    def end(self) -> None:
+        self.settle()
+        if not self.ended:
+            self.ended = True
+            self.load.in_flight -= 1
+
+
 LOCAL_LOGICAL_CPUS = 64
 
 
 @dataclass(frozen=True)
 class PoolConfig:
     template: WorkerConfig  # worker_id / role are filled in per worker
-    sizes: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})
-    resources: dict[str, dict] = field(default_factory=lambda: {"prefill": {"num_cpus": 1}, "decode": {"num_cpus": 1}})
+    sizes: dict[Role, int] = field(default_factory=lambda: {Role.PREFILL: 1, Role.DECODE: 1})
+    resources: dict[Role, dict] = field(
+        default_factory=lambda: {Role.PREFILL: {"num_cpus": 1}, Role.DECODE: {"num_cpus": 1}}
+    )
     cores: tuple[int, ...] | None = None  # pin workers round-robin to these cores (CPU hosts)
     health_interval_s: float = 1.0
     health_failures: int = 3  # consecutive failed checks before a worker is replaced
@@ -46,34 +105,47 @@ class PoolConfig:
     drain_timeout_s: float = 120.0
     max_workers: int = 64
 
+    def __post_init__(self) -> None:  # accept role names as keys; hold Role members
+        object.__setattr__(self, "sizes", {Role(r): n for r, n in self.sizes.items()})
+        object.__setattr__(self, "resources", {Role(r): v for r, v in self.resources.items()})
+
 
 @dataclass
 class Worker:
     worker_id: str
-    role: str
+    role: Role
     actor: object
     client: WorkerClient | None = None
-    state: str = "starting"  # starting | ready | draining | dead | stopped
+    state: WorkerState = WorkerState.STARTING
     epoch: int = 0
     metrics_address: str = ""
     pid: int = 0
-    stats: pb.WorkerStats | None = None
-    in_flight: int = 0  # requests routed here and not finished (drain waits for 0)
-    pending: int = 0  # of those, routed but not yet producing tokens (not in `stats` yet)
-    in_flight_blocks: int = 0
-    in_flight_tokens: int = 0
+    stats: WorkerStats | None = None
+    load: Load = field(default_factory=Load)
     failures: int = 0
     tasks: list[asyncio.Task] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         s = self.stats
-        d = {"worker_id": self.worker_id, "role": self.role, "state": self.state, "in_flight": self.in_flight,
-             "address": self.client.address if self.client else "", "epoch": f"{self.epoch:x}",
-             "metrics": self.metrics_address, "pid": self.pid}
+        d = {
+            "worker_id": self.worker_id,
+            "role": self.role.value,
+            "state": self.state.value,
+            "in_flight": self.load.in_flight,
+            "address": self.client.address if self.client else "",
+            "epoch": f"{self.epoch:x}",
+            "metrics": self.metrics_address,
+            "pid": self.pid,
+        }
         if s is not None:
-            d |= {"running": s.num_running, "waiting": s.num_waiting, "awaiting_kv": s.num_awaiting_kv,
-                  "kv_usage": round(1 - s.num_free_blocks / max(s.num_blocks, 1), 4),
-                  "queued_prefill_tokens": s.queued_prefill_tokens, "transport": s.transport}
+            d |= {
+                "running": s.num_running,
+                "waiting": s.num_waiting,
+                "awaiting_kv": s.num_awaiting_kv,
+                "kv_usage": round(s.kv_usage, 4),
+                "queued_prefill_tokens": s.queued_prefill_tokens,
+                "transport": s.transport,
+            }
         return d
 
 
@@ -103,14 +175,21 @@ class PoolManager(AdminInterface):
                 # A local runtime advertises at least LOCAL_LOGICAL_CPUS, so pools can grow past the
                 # core count on one machine; workers share cores (pinned round-robin, PoolConfig.cores).
                 kw["num_cpus"] = max(os.cpu_count() or 1, LOCAL_LOGICAL_CPUS)
-            await asyncio.to_thread(ray.init, address=self.ray_address, include_dashboard=False,
-                                    ignore_reinit_error=True, logging_level=logging.WARNING, log_to_driver=True, **kw)
+            await asyncio.to_thread(
+                ray.init,
+                address=self.ray_address,
+                include_dashboard=False,
+                ignore_reinit_error=True,
+                logging_level=logging.WARNING,
+                log_to_driver=True,
+                **kw,
+            )
         from decode_worker.actor import DecodeWorkerActor
         from prefill_worker.actor import PrefillWorkerActor
 
-        self._remote_cls = {"prefill": ray.remote(PrefillWorkerActor), "decode": ray.remote(DecodeWorkerActor)}
+        self._remote_cls = {Role.PREFILL: ray.remote(PrefillWorkerActor), Role.DECODE: ray.remote(DecodeWorkerActor)}
         await self.reconcile()
-        missing = [r for r in ROLES if len(self.ready(r)) < self.targets[r]]
+        missing = [r.value for r in ROLES if len(self.ready(r)) < self.targets[r]]
         if missing:
             raise RuntimeError(f"pools did not come up: {missing}; see the worker logs")
         self._bg = [asyncio.create_task(self._health_loop()), asyncio.create_task(self._stats_loop())]
@@ -118,14 +197,15 @@ class PoolManager(AdminInterface):
     async def stop(self, timeout: float = 20.0) -> None:
         for t in self._bg:
             t.cancel()
-        await asyncio.gather(*(self._remove(w, drain=False) for w in list(self.workers.values())), return_exceptions=True)
+        await asyncio.gather(
+            *(self._remove(w, drain=False) for w in list(self.workers.values())), return_exceptions=True
+        )
         if self._owns_ray:
             await asyncio.to_thread(shutdown_local_ray)
 
-
     # ---- queries -------------------------------------------------------------------
-    def ready(self, role: str) -> list[Worker]:
-        return [w for w in self.workers.values() if w.role == role and w.state == "ready" and w.client]
+    def ready(self, role: Role) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == role and w.state == WorkerState.READY and w.client]
 
     def get(self, worker_id: str) -> Worker | None:
         return self.workers.get(worker_id)
@@ -134,19 +214,22 @@ class PoolManager(AdminInterface):
         pools = {}
         for role in ROLES:
             ws = [w for w in self.workers.values() if w.role == role]
-            pools[role] = {"target": self.targets[role], "ready": sum(w.state == "ready" for w in ws),
-                           "workers": [w.as_dict() for w in sorted(ws, key=lambda w: w.worker_id)]}
+            pools[role.value] = {
+                "target": self.targets[role],
+                "ready": sum(w.state is WorkerState.READY for w in ws),
+                "workers": [w.as_dict() for w in sorted(ws, key=lambda w: w.worker_id)],
+            }
         return {"pools": pools, "replaced": self.replaced}
 
     async def set_pools(self, prefill: int | None, decode: int | None) -> dict:
-        for role, n in (("prefill", prefill), ("decode", decode)):
+        for role, n in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
             if n is None:
                 continue
             if not 0 <= n <= self.config.max_workers:
-                raise ValueError(f"{role} pool size must be between 0 and {self.config.max_workers}, got {n}")
-            if role == "decode" and n == 0:
+                raise ValueError(f"{role.value} pool size must be between 0 and {self.config.max_workers}, got {n}")
+            if role is Role.DECODE and n == 0:
                 raise ValueError("the decode pool cannot be empty: it serves every request")
-        self.targets.update({r: n for r, n in (("prefill", prefill), ("decode", decode)) if n is not None})
+        self.targets.update({r: n for r, n in ((Role.PREFILL, prefill), (Role.DECODE, decode)) if n is not None})
         self._bg.append(asyncio.create_task(self.reconcile()))
         return await self.get_pools()
 
@@ -155,31 +238,40 @@ class PoolManager(AdminInterface):
         """Start or drain workers until every pool matches its target."""
         async with self._reconcile_lock:
             for role in ROLES:
-                live = [w for w in self.workers.values() if w.role == role and w.state in ("starting", "ready")]
+                live = [
+                    w
+                    for w in self.workers.values()
+                    if w.role == role and w.state in (WorkerState.STARTING, WorkerState.READY)
+                ]
                 diff = self.targets[role] - len(live)
                 if diff > 0:
                     await asyncio.gather(*(self._add(role) for _ in range(diff)), return_exceptions=True)
                 elif diff < 0:
-                    victims = sorted(live, key=lambda w: (w.state == "ready", -w.in_flight, w.worker_id))[:-diff]
+                    victims = sorted(
+                        live, key=lambda w: (w.state == WorkerState.READY, -w.load.in_flight, w.worker_id)
+                    )[:-diff]
                     await asyncio.gather(*(self._remove(w, drain=True) for w in victims), return_exceptions=True)
 
-    def _worker_config(self, role: str, worker_id: str, slot: int) -> WorkerConfig:
+    def _worker_config(self, role: Role, worker_id: str, slot: int) -> WorkerConfig:
         t = self.config.template
         device = t.engine.device
         if self.config.cores and device.device == "cpu":
             cores = share_cores(self.config.cores, sum(self.targets.values()), slot)
             device = dataclasses.replace(device, cpu_affinity=cores, num_threads=device.num_threads or len(cores))
-        return dataclasses.replace(t, role=role, worker_id=worker_id,
-                                   engine=dataclasses.replace(t.engine, device=device))
+        return dataclasses.replace(
+            t, role=role, worker_id=worker_id, engine=dataclasses.replace(t.engine, device=device)
+        )
 
-    async def _add(self, role: str) -> None:
+    async def _add(self, role: Role) -> None:
         n = self._counter[role]
         self._counter[role] += 1
-        worker_id = f"{role}-{n}"
+        worker_id = f"{role.value}-{n}"
         slot = len(self.workers)
-        actor = self._remote_cls[role].options(**self.config.resources[role], max_restarts=0,
-                                               name=f"tandem-{worker_id}-{int(time.time())}").remote(
-            self._worker_config(role, worker_id, slot))
+        actor = (
+            self._remote_cls[role]
+            .options(**self.config.resources[role], max_restarts=0, name=f"tandem-{worker_id}-{int(time.time())}")
+            .remote(self._worker_config(role, worker_id, slot))
+        )
         w = Worker(worker_id, role, actor)
         self.workers[worker_id] = w
         try:
@@ -194,21 +286,21 @@ class PoolManager(AdminInterface):
             self._note(f"{worker_id} failed to start: {e}")
             await self._remove(w, drain=False)
             raise
-        w.state = "ready"
+        w.state = WorkerState.READY
         w.tasks.append(asyncio.create_task(self._follow_kv_events(w)))
         self._note(f"{worker_id} ready at {address}")
         log.info("%s ready at %s", worker_id, address)
 
     async def _remove(self, w: Worker, drain: bool) -> None:
-        if drain and w.client is not None and w.state == "ready":
-            w.state = "draining"
+        if drain and w.client is not None and w.state == WorkerState.READY:
+            w.state = WorkerState.DRAINING
             self._note(f"{w.worker_id} draining")
             try:
                 await w.client.drain(True)
                 await self._wait_idle(w)
             except (grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
                 log.warning("%s: drain incomplete (%s); stopping it anyway", w.worker_id, e)
-        w.state = "stopped" if w.state != "dead" else "dead"
+        w.state = WorkerState.STOPPED if w.state != WorkerState.DEAD else WorkerState.DEAD
         for t in w.tasks:
             t.cancel()
         self.index.drop(w.worker_id)
@@ -231,7 +323,7 @@ class PoolManager(AdminInterface):
         deadline = time.monotonic() + self.config.drain_timeout_s
         while time.monotonic() < deadline:
             s = await w.client.stats()
-            if w.in_flight == 0 and s.num_running == 0 and s.num_waiting == 0 and s.num_awaiting_kv == 0:
+            if w.load.in_flight == 0 and s.idle:  # quarantined blocks are not requests: they do not hold a drain
                 return
             await asyncio.sleep(0.1)
         raise asyncio.TimeoutError(f"still busy after {self.config.drain_timeout_s}s")
@@ -240,9 +332,18 @@ class PoolManager(AdminInterface):
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.health_interval_s)
-            await asyncio.gather(*(self.check(w) for w in list(self.workers.values()) if w.state == "ready"))
-            if any(len([w for w in self.workers.values() if w.role == r and w.state in ("starting", "ready")])
-                   < self.targets[r] for r in ROLES):
+            await asyncio.gather(*(self.check(w) for w in list(self.workers.values()) if w.state == WorkerState.READY))
+            if any(
+                len(
+                    [
+                        w
+                        for w in self.workers.values()
+                        if w.role == r and w.state in (WorkerState.STARTING, WorkerState.READY)
+                    ]
+                )
+                < self.targets[r]
+                for r in ROLES
+            ):
                 asyncio.create_task(self.reconcile())
 
     async def check(self, w: Worker) -> bool:
@@ -253,8 +354,8 @@ class PoolManager(AdminInterface):
         except grpc.aio.AioRpcError:
             ok = False
         w.failures = 0 if ok else w.failures + 1
-        if not ok and w.failures >= self.config.health_failures and w.state == "ready":
-            w.state = "dead"
+        if not ok and w.failures >= self.config.health_failures and w.state == WorkerState.READY:
+            w.state = WorkerState.DEAD
             self.replaced += 1
             self._note(f"{w.worker_id} failed health checks; replacing it")
             log.warning("%s is dead; replacing it", w.worker_id)
@@ -264,21 +365,21 @@ class PoolManager(AdminInterface):
     def suspect(self, worker_id: str) -> None:
         """A request saw this worker fail: check it now rather than at the next tick."""
         w = self.workers.get(worker_id)
-        if w is not None and w.state == "ready":
+        if w is not None and w.state == WorkerState.READY:
             asyncio.create_task(self.check(w))
 
     async def _stats_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.stats_interval_s)
             for w in list(self.workers.values()):
-                if w.state in ("ready", "draining"):
+                if w.state in (WorkerState.READY, WorkerState.DRAINING):
                     try:
                         w.stats = await w.client.stats(timeout=1.0)
                     except grpc.aio.AioRpcError:
                         pass
 
     async def _follow_kv_events(self, w: Worker) -> None:
-        while w.state in ("ready", "draining"):
+        while w.state in (WorkerState.READY, WorkerState.DRAINING):
             try:
                 async for batch in w.client.stub.KVEvents(pb.KVEventsRequest(), metadata=w.client.metadata):
                     self.index.apply(w.worker_id, batch)

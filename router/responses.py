@@ -17,28 +17,39 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator
 
 from starlette.responses import Response
 
 from router.backend import BackendError
 from router.choice import ChoiceResult, merge
 from router.errors import ApiError
+from router.job import Job
 from router.logprobs import TextOffsets, TokenStrings, chat_logprobs, completion_logprobs
 from router.metrics import RouterMetrics
-from router.protocol import (AnyRequest, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                             ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
-                             ChatMessageOut, CompletionChoice, CompletionChunk, CompletionRequest,
-                             CompletionResponse, PromptTokensDetails, Usage)
+from router.protocol import (
+    AnyRequest,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    PromptTokensDetails,
+    Usage,
+)
 from router.sse import SSE_DONE, sse_event
-
-if TYPE_CHECKING:
-    from router.serving import Job
 
 log = logging.getLogger(__name__)
 
 
-def usage_of(job: "Job") -> Usage:
+def usage_of(job: Job) -> Usage:
     prompt = sum(len(p.ids) for p in job.prompts)
     cached = sum(
         min((r.cached_tokens for r in job.runs if r.prompt_index == i), default=0)
@@ -60,12 +71,12 @@ class Responder:
         self.metrics = metrics
 
     # ---- whole responses -----------------------------------------------------------
-    def body(self, job: "Job", req: AnyRequest, rid: str, results: list[ChoiceResult]) -> Response:
+    def body(self, job: Job, req: AnyRequest, rid: str, results: list[ChoiceResult]) -> Response:
         if isinstance(req, ChatCompletionRequest):
             return self._chat_body(job, req, rid, results)
         return self._completion_body(job, req, rid, results)
 
-    def _completion_body(self, job: "Job", req: CompletionRequest, rid: str,
+    def _completion_body(self, job: Job, req: CompletionRequest, rid: str,
                          results: list[ChoiceResult]) -> Response:
         choices = []
         for run, res in zip(job.runs, results):
@@ -80,7 +91,7 @@ class Responder:
         return _json(CompletionResponse(id=rid, created=int(time.time()), model=self.model,
                                         choices=choices, usage=usage_of(job)))
 
-    def _chat_body(self, job: "Job", req: ChatCompletionRequest, rid: str,
+    def _chat_body(self, job: Job, req: ChatCompletionRequest, rid: str,
                    results: list[ChoiceResult]) -> Response:
         choices = [
             ChatChoice(
@@ -97,7 +108,7 @@ class Responder:
         ))
 
     # ---- streams -----------------------------------------------------------------------
-    async def stream(self, job: "Job", req: AnyRequest, rid: str) -> AsyncIterator[bytes]:
+    async def stream(self, job: Job, req: AnyRequest, rid: str) -> AsyncIterator[bytes]:
         chat = isinstance(req, ChatCompletionRequest)
         chunks = self._chat_chunks(job, req, rid) if chat else self._completion_chunks(job, req, rid)
         try:
@@ -119,10 +130,10 @@ class Responder:
             await chunks.aclose()
         yield SSE_DONE
 
-    def _running_usage(self, job: "Job", req: AnyRequest) -> Usage | None:
+    def _running_usage(self, job: Job, req: AnyRequest) -> Usage | None:
         return usage_of(job) if req.include_usage and req.continuous_usage else None
 
-    async def _completion_chunks(self, job: "Job", req: CompletionRequest, rid: str) -> AsyncIterator[str]:
+    async def _completion_chunks(self, job: Job, req: CompletionRequest, rid: str) -> AsyncIterator[str]:
         created = int(time.time())
         offsets: dict[int, TextOffsets] = {}  # per choice (logprobs' text_offset)
         async for run, d in merge(job.runs):
@@ -141,7 +152,7 @@ class Responder:
             yield CompletionChunk(id=rid, created=created, model=self.model, choices=[choice],
                                   usage=self._running_usage(job, req)).model_dump_json()
 
-    async def _chat_chunks(self, job: "Job", req: ChatCompletionRequest, rid: str) -> AsyncIterator[str]:
+    async def _chat_chunks(self, job: Job, req: ChatCompletionRequest, rid: str) -> AsyncIterator[str]:
         created = int(time.time())
         started: set[int] = set()
 

@@ -10,8 +10,9 @@ import secrets
 import sys
 
 from engine import envs
-from engine.cli_args import _cores, engine_config_from_args
-from engine.config import WorkerConfig
+from engine.cli_args import engine_config_from_args, parse_cores
+from worker_runtime.args import worker_config_from_args
+from worker_runtime.config import Role
 
 log = logging.getLogger("tandem")
 
@@ -29,33 +30,44 @@ def build_app(args: argparse.Namespace):
 
     model_path = os.path.abspath(args.model) if args.model else str(builtin_model_path())
     engine = dataclasses.replace(engine_config_from_args(args), model=model_path)
-    token = args.cluster_token or secrets.token_hex(16)
-    template = WorkerConfig(role="decode", worker_id="template", engine=engine, host=args.worker_host,
-                            transport=args.transport, cluster_token=token,
-                            layerwise_transfer=not args.no_layerwise_transfer,
-                            reservation_lease_s=args.reservation_lease_s,
-                            reservation_quarantine_s=args.reservation_quarantine_s, metrics_port=0)
+    token = args.cluster_token or secrets.token_hex(16)  # a fresh one per cluster unless given
+    template = worker_config_from_args(args, Role.DECODE, "template", engine, metrics_port=0, cluster_token=token)
     on_gpu = engine.device.device.startswith("cuda")
     gpus = args.num_gpus_per_worker if args.num_gpus_per_worker is not None else (1 if on_gpu else 0)
-    resources = {"prefill": {"num_cpus": args.prefill_num_cpus, "num_gpus": gpus},
-                 "decode": {"num_cpus": args.decode_num_cpus, "num_gpus": gpus}}
+    resources = {
+        "prefill": {"num_cpus": args.prefill_num_cpus, "num_gpus": gpus},
+        "decode": {"num_cpus": args.decode_num_cpus, "num_gpus": gpus},
+    }
     cores = None
     if args.pin_cores == "auto" and not on_gpu and args.address is None:
         cores = tuple(sorted(os.sched_getaffinity(0)))
     elif args.pin_cores not in ("auto", "none"):
-        cores = _cores(args.pin_cores)
+        cores = parse_cores(args.pin_cores)
     sizes = {"prefill": 0 if args.colocated else args.prefill, "decode": args.decode}
     pool = PoolManager(PoolConfig(template, sizes=sizes, resources=resources, cores=cores), ray_address=args.address)
     routing = RoutingConfig(local_prefill_threshold=args.local_prefill_threshold, colocated=args.colocated)
     backend = ClusterBackend(pool, routing, ClusterMetrics(pool), lease_s=args.reservation_lease_s)
     name = args.served_model_name or os.path.basename(model_path.rstrip("/"))
     settings = RouterSettings(
-        served_model_name=name, model_aliases=(model_path,), api_keys=frozenset(args.api_key),
-        api_key_file=args.api_key_file, admin_key=args.admin_key,
-        max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
-        queue_timeout_s=args.queue_timeout_s, slo_ttft_s=args.slo_ttft_ms / 1000, slo_tpot_s=args.slo_tpot_ms / 1000)
-    app = create_app(backend, Tokenizer.from_dir(model_path), settings, admin=pool,
-                     collectors=[backend.metrics.registry], on_started=lambda: announce(args, backend, settings))
+        served_model_name=name,
+        model_aliases=(model_path,),
+        api_keys=frozenset(args.api_key),
+        api_key_file=args.api_key_file,
+        admin_key=args.admin_key,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_queued_requests=args.max_queued_requests,
+        queue_timeout_s=args.queue_timeout_s,
+        slo_ttft_s=args.slo_ttft_ms / 1000,
+        slo_tpot_s=args.slo_tpot_ms / 1000,
+    )
+    app = create_app(
+        backend,
+        Tokenizer.from_dir(model_path),
+        settings,
+        admin=pool,
+        collectors=[backend.metrics.registry],
+        on_started=lambda: announce(args, backend, settings),
+    )
     return app
 
 
@@ -70,7 +82,9 @@ def announce(args, backend, settings) -> None:
     ]
     for role in ("prefill", "decode"):
         ws = sorted(pools.ready(role), key=lambda w: w.worker_id)
-        lines.append(f"  {role} workers ({len(ws)}): " + (", ".join(f"{w.worker_id}@{w.client.address}" for w in ws) or "none"))
+        lines.append(
+            f"  {role} workers ({len(ws)}): " + (", ".join(f"{w.worker_id}@{w.client.address}" for w in ws) or "none")
+        )
     print("\n".join(lines), flush=True)
 
 
@@ -79,5 +93,7 @@ def serve(args: argparse.Namespace) -> int:
 
     level = (args.log_level or envs.log_level()).upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    uvicorn.run(build_app(args), host=args.host, port=args.port, log_level="warning", lifespan="on", http="h11", ws="none")
+    uvicorn.run(
+        build_app(args), host=args.host, port=args.port, log_level="warning", lifespan="on", http="h11", ws="none"
+    )
     return 0

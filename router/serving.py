@@ -13,7 +13,6 @@ import asyncio
 import functools
 import re
 import uuid
-from dataclasses import dataclass
 
 import jinja2
 from starlette.requests import Request
@@ -27,6 +26,7 @@ from router.admission import Admission
 from router.backend import Backend, BackendError, GenerateRequest
 from router.choice import ChoiceRun, all_or_nothing
 from router.errors import ApiError
+from router.job import Job, PromptInput
 from router.logprobs import TokenStrings
 from router.metrics import RouterMetrics
 from router.protocol import AnyRequest, ChatCompletionRequest, CompletionRequest, choice_seed, to_sampling_params
@@ -38,34 +38,6 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,96}$")
 # Texts longer than this are tokenized on a worker thread, not on the event loop.
 _INLINE_TOKENIZE_CHARS = 32 * 1024
 _RESERVED_TEMPLATE_ARGS = {"messages", "add_generation_prompt", "tokenize", "bos_token", "eos_token"}
-
-
-@dataclass
-class PromptInput:
-    ids: list[int]
-    text: str | None  # the prompt's text (echo); None for token-id prompts until decoded
-
-
-class Job:
-    """The engine requests of one HTTP request and its admission slots; `close` ends
-    every engine request still running and gives the slots back, once."""
-
-    def __init__(self, admission: Admission, weight: int, prompts: list[PromptInput]) -> None:
-        self.admission = admission
-        self.weight = weight
-        self.prompts = prompts
-        self.runs: list[ChoiceRun] = []
-        self._closed = False
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            for run in self.runs:
-                await run.close()
-        finally:
-            self.admission.release(self.weight)
 
 
 class OpenAIServing:

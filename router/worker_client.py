@@ -14,56 +14,22 @@ D.Decode(LOCAL) only.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 import grpc
 
-from engine.rpc import call_metadata, channel
 from protos import tandem_pb2 as pb
-from protos import tandem_pb2_grpc as pb_grpc
-from protos.convert import logprobs_from_pb, params_to_pb
 from router.backend import BackendError, GenerateRequest, TokenBatch
+from worker_runtime.client import WorkerClient
+from worker_runtime.convert import logprobs_from_pb, params_to_pb
 
 log = logging.getLogger(__name__)
 
 CONNECT_STATUSES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
-
-
-class WorkerClient:
-    """One worker's gRPC stub with the cluster token attached to every call."""
-
-    def __init__(self, worker_id: str, role: str, address: str, token: str | None = None) -> None:
-        self.worker_id, self.role, self.address = worker_id, role, address
-        self.metadata = call_metadata(token)
-        self.channel = channel(address)
-        self.stub = (pb_grpc.DecodeWorkerStub if role == "decode" else pb_grpc.PrefillWorkerStub)(self.channel)
-
-    async def close(self) -> None:
-        await self.channel.close()
-
-    async def health(self, timeout: float = 5.0) -> pb.HealthReply:
-        return await self.stub.Health(pb.HealthRequest(), timeout=timeout, metadata=self.metadata)
-
-    async def stats(self, timeout: float = 5.0) -> pb.WorkerStats:
-        return await self.stub.Stats(pb.StatsRequest(), timeout=timeout, metadata=self.metadata)
-
-    async def check_integrity(self, timeout: float = 30.0) -> pb.HealthReply:
-        return await self.stub.CheckIntegrity(pb.HealthRequest(), timeout=timeout, metadata=self.metadata)
-
-    async def drain(self, on: bool = True, timeout: float = 5.0) -> pb.HealthReply:
-        return await self.stub.Drain(pb.DrainRequest(drain=on), timeout=timeout, metadata=self.metadata)
-
-    async def abort(self, request_id: str, timeout: float = 5.0) -> bool:
-        try:
-            reply = await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout, metadata=self.metadata)
-            return reply.found
-        except grpc.aio.AioRpcError:
-            return False
 
 
 @dataclass
@@ -175,19 +141,3 @@ async def _decode_tokens(call, decode: WorkerClient) -> AsyncIterator[TokenBatch
             yield _batch(ev.tokens)
             if ev.tokens.finished:
                 return
-
-
-async def wait_ready(client: WorkerClient, timeout: float = 120.0) -> pb.HealthReply:
-    """Poll Health until the worker answers healthy (bounded)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    last = "no answer"
-    while asyncio.get_running_loop().time() < deadline:
-        try:
-            reply = await client.health(timeout=2.0)
-            if reply.healthy:
-                return reply
-            last = reply.error or "unhealthy"
-        except grpc.aio.AioRpcError as e:
-            last = e.details() or e.code().name
-        await asyncio.sleep(0.1)
-    raise TimeoutError(f"{client.role} worker {client.worker_id} at {client.address} not ready after {timeout}s: {last}")

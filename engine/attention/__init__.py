@@ -61,17 +61,35 @@ class AttentionBackend(abc.ABC):
         self.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
         if nd == query.shape[0]:
-            return self.decode(query, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, meta.decode_max_seq_len)
+            return self.decode(
+                query, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, meta.decode_max_seq_len
+            )
         if nd == 0:
             return reference.varlen_attention(
-                query, key, value, k_cache, v_cache, meta.prefill_block_tables,
-                meta.prefill_query_lens, meta.prefill_seq_lens, scale,
+                query,
+                key,
+                value,
+                k_cache,
+                v_cache,
+                meta.prefill_block_tables,
+                meta.prefill_query_lens,
+                meta.prefill_seq_lens,
+                scale,
             )
         out = torch.empty_like(query)
-        out[:nd] = self.decode(query[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, meta.decode_max_seq_len)
+        out[:nd] = self.decode(
+            query[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, meta.decode_max_seq_len
+        )
         out[nd:] = reference.varlen_attention(
-            query[nd:], key[nd:], value[nd:], k_cache, v_cache, meta.prefill_block_tables,
-            meta.prefill_query_lens, meta.prefill_seq_lens, scale,
+            query[nd:],
+            key[nd:],
+            value[nd:],
+            k_cache,
+            v_cache,
+            meta.prefill_block_tables,
+            meta.prefill_query_lens,
+            meta.prefill_seq_lens,
+            scale,
         )
         return out
 

@@ -43,7 +43,11 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
         }
         if cfg.qkv_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)}
+            shapes |= {
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.bias": (kv,),
+            }
         if cfg.o_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
         if cfg.mlp_bias:
@@ -102,7 +106,9 @@ class Rotary(nn.Module):
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D], k [T, Hkv, D] rotated by cos, sin [T, 1, D]."""
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
@@ -121,7 +127,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = self.hd**-0.5
 
-    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor], meta, backend: AttentionBackend):
+    def forward(
+        self,
+        x,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta,
+        backend: AttentionBackend,
+    ):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = apply_rotary(q.view(t, self.nh, self.hd), k.view(t, self.nkv, self.hd), *rope)
@@ -221,6 +234,10 @@ class LlamaForCausalLM(nn.Module):
             attn = layer.self_attn
             if proj == "o_proj":
                 return getattr(attn.o_proj, kind)
-            off = {"q_proj": (0, attn.q_size), "k_proj": (attn.q_size, attn.kv_size), "v_proj": (attn.q_size + attn.kv_size, attn.kv_size)}[proj]
+            off = {
+                "q_proj": (0, attn.q_size),
+                "k_proj": (attn.q_size, attn.kv_size),
+                "v_proj": (attn.q_size + attn.kv_size, attn.kv_size),
+            }[proj]
             return getattr(attn.qkv_proj, kind).narrow(0, *off)
         return getattr(getattr(layer.mlp, proj), kind)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine.models.builtin import builtin_model_path
-from engine.worker_process import WorkerProc, spawn_worker
+from worker_runtime.process import WorkerProc, spawn_worker
 
 
 @pytest.fixture(scope="session")

@@ -15,8 +15,7 @@ import pytest
 
 from bench.cli import run_main
 from bench.report import load_json, records_of
-from bench.sweep import (COUNTERS, TandemServer, bench_totals, counter_deltas, free_port,
-                         scrape_counters)
+from bench.sweep import COUNTERS, TandemServer, bench_totals, counter_deltas, free_port, scrape_counters
 
 pytestmark = pytest.mark.cluster
 

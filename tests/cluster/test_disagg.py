@@ -8,11 +8,11 @@ import time
 import pytest
 
 from engine.sampling_params import SamplingParams
-from router.backend import BackendError, GenerateRequest
-from router.worker_client import disaggregated_stream, local_stream, run_prefill, wait_ready
 from protos import tandem_pb2 as pb
-from router.worker_client import _decode_request
+from router.backend import BackendError, GenerateRequest
+from router.worker_client import _decode_request, disaggregated_stream, local_stream, run_prefill
 from tests.oracle import hf_greedy, random_prompts
+from worker_runtime.client import wait_ready
 
 pytestmark = pytest.mark.cluster
 
@@ -41,7 +41,8 @@ async def assert_clean(*clients, timeout=10.0):
                 break
             assert time.monotonic() < deadline, (
                 f"{c.worker_id}: {h.error or 'blocks still held'} ({s.num_free_blocks}/{s.num_blocks} free, "
-                f"{s.num_running} running, {s.num_waiting} waiting, {s.num_awaiting_kv} awaiting KV)")
+                f"{s.num_running} running, {s.num_waiting} waiting, {s.num_awaiting_kv} awaiting KV)"
+            )
             await asyncio.sleep(0.2)
 
 
@@ -56,8 +57,12 @@ async def test_sixteen_concurrent_requests_match_transformers(spawn, model_path,
     prompts = random_prompts([1, 5, 15, 16, 17, 31, 33, 64, 100, 160, 250], seed=22)
     prompts += [shared + s for s in random_prompts([3, 9, 17, 30, 1], seed=23)]  # prefix-cache hits
     n_new = [12, 20, 5, 16, 9, 30, 12, 8, 25, 6, 14, 10, 18, 7, 22, 11]
-    outs = await asyncio.gather(*(collect(disaggregated_stream(pc, dc, req(f"r{i}", pr, n_new[i]), fallback_local=False))
-                                  for i, pr in enumerate(prompts)))
+    outs = await asyncio.gather(
+        *(
+            collect(disaggregated_stream(pc, dc, req(f"r{i}", pr, n_new[i]), fallback_local=False))
+            for i, pr in enumerate(prompts)
+        )
+    )
     for i, (pr, out) in enumerate(zip(prompts, outs)):
         assert out == hf_greedy(model_path, pr, n_new[i], ignore_eos=True), f"request {i}"
     stats = await pc.stats()
@@ -125,8 +130,12 @@ async def test_decode_worker_killed_after_reserving(spawn, model_path):
 
 async def test_abort_at_every_stage(spawn, model_path):
     d = spawn("decode", "decode-0", args=QUARANTINE)
-    p = spawn("prefill", "prefill-0", faults="prefill_step_delay_s=0.2,transfer_delay_s=1.0",
-              args=("--max-num-batched-tokens", "32"))
+    p = spawn(
+        "prefill",
+        "prefill-0",
+        faults="prefill_step_delay_s=0.2,transfer_delay_s=1.0",
+        args=("--max-num-batched-tokens", "32"),
+    )
     dc, pc = d.client(), p.client()
     await wait_ready(dc)
     await wait_ready(pc)
@@ -175,8 +184,9 @@ async def test_decode_worker_restarted_on_the_same_address(spawn, model_path):
     await wait_ready(dc)
     await wait_ready(pc)
     prompts = random_prompts([30, 45], seed=28)
-    assert await collect(disaggregated_stream(pc, dc, req("before", prompts[0]), fallback_local=False)) == \
-        hf_greedy(model_path, prompts[0], 12, ignore_eos=True)
+    assert await collect(disaggregated_stream(pc, dc, req("before", prompts[0]), fallback_local=False)) == hf_greedy(
+        model_path, prompts[0], 12, ignore_eos=True
+    )
     old_epoch = (await dc.health()).epoch
     port = d.port
     d.kill()

@@ -17,8 +17,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.sweep import free_port
-from router.worker_client import WorkerClient
 from tests.oracle import hf_greedy, random_prompts
+from worker_runtime.client import WorkerClient
+from worker_runtime.process import stop_process_group
 
 pytestmark = pytest.mark.cluster
 
@@ -30,8 +31,23 @@ class Serve:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
-        cmd = [sys.executable, "-m", "router.cli", "serve", "--port", str(self.port), "--admin-key", ADMIN,
-               "--cluster-token", TOKEN, "--num-blocks", "256", "--num-threads", "1", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--admin-key",
+            ADMIN,
+            "--cluster-token",
+            TOKEN,
+            "--num-blocks",
+            "256",
+            "--num-threads",
+            "1",
+            *args,
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -44,13 +60,7 @@ class Serve:
         raise RuntimeError(f"tandem serve did not come up; see {log_path}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_process_group(self.proc, grace_s=60)
         self.log.close()
 
     def pools(self) -> dict:
@@ -94,8 +104,16 @@ def test_openai_sdk_and_metrics_on_a_disaggregated_cluster(serve, model_path):
     assert r.choices[0].text == tok.decode(expect)
     assert r.usage.prompt_tokens == 200 and r.usage.completion_tokens == 10
     # short prompt streamed: local prefill on the decode worker
-    chunks = list(client.completions.create(model="tandem-tiny-v1", prompt=short_prompt, max_tokens=8, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="tandem-tiny-v1",
+            prompt=short_prompt,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == tok.decode(hf_greedy(model_path, short_prompt, 8))
     assert chunks[-1].usage.completion_tokens == 8
     # chat, streamed and not
@@ -104,18 +122,34 @@ def test_openai_sdk_and_metrics_on_a_disaggregated_cluster(serve, model_path):
     want = tok.decode(hf_greedy(model_path, ids, 12))
     chat = client.chat.completions.create(model="tandem-tiny-v1", messages=msgs, max_tokens=12, temperature=0)
     assert chat.choices[0].message.content == want
-    streamed = client.chat.completions.create(model="tandem-tiny-v1", messages=msgs, max_tokens=12, temperature=0, stream=True)
+    streamed = client.chat.completions.create(
+        model="tandem-tiny-v1", messages=msgs, max_tokens=12, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == want
 
     m = srv.metrics()
-    for name in ("tandem:request_success_total", "tandem:prompt_tokens_total", "tandem:generation_tokens_total",
-                 "tandem:time_to_first_token_seconds_count", "tandem:inter_token_latency_seconds_count",
-                 "tandem:e2e_request_latency_seconds_count", "tandem:num_requests_running", "tandem:num_requests_waiting",
-                 "tandem:prefix_cache_queries_total", "tandem:prefix_cache_hits_total", "tandem:slo_attainment_total",
-                 "tandem:prefill_decisions_total", "tandem:kv_transfer_seconds_count", "tandem:kv_transfer_bytes_total",
-                 "tandem:kv_transfer_failures_total", "tandem:requests_waiting_for_kv",
-                 "tandem:blocks_reserved_for_incoming_kv", "tandem:worker_up", "tandem:worker_kv_cache_usage_perc",
-                 "tandem:pool_ready_workers"):
+    for name in (
+        "tandem:request_success_total",
+        "tandem:prompt_tokens_total",
+        "tandem:generation_tokens_total",
+        "tandem:time_to_first_token_seconds_count",
+        "tandem:inter_token_latency_seconds_count",
+        "tandem:e2e_request_latency_seconds_count",
+        "tandem:num_requests_running",
+        "tandem:num_requests_waiting",
+        "tandem:prefix_cache_queries_total",
+        "tandem:prefix_cache_hits_total",
+        "tandem:slo_attainment_total",
+        "tandem:prefill_decisions_total",
+        "tandem:kv_transfer_seconds_count",
+        "tandem:kv_transfer_bytes_total",
+        "tandem:kv_transfer_failures_total",
+        "tandem:requests_waiting_for_kv",
+        "tandem:blocks_reserved_for_incoming_kv",
+        "tandem:worker_up",
+        "tandem:worker_kv_cache_usage_perc",
+        "tandem:pool_ready_workers",
+    ):
         assert name in m, f"/metrics lacks {name}"
     assert m["tandem:kv_transfer_bytes_total"] > 0 and m["tandem:generation_tokens_total"] == 10 + 8 + 12 + 12
     assert m["tandem:worker_up"] == 2
@@ -130,8 +164,17 @@ async def _user(url: str, prompts: list[list[int]], stop: asyncio.Event, results
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:
         while not stop.is_set():
             prompt = random.choice(prompts)
-            r = await http.post("/v1/completions", json={"model": "tandem-tiny-v1", "prompt": prompt, "max_tokens": 16,
-                                                          "temperature": 0, "ignore_eos": True, "logprobs": 0})
+            r = await http.post(
+                "/v1/completions",
+                json={
+                    "model": "tandem-tiny-v1",
+                    "prompt": prompt,
+                    "max_tokens": 16,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "logprobs": 0,
+                },
+            )
             results.append((time.monotonic(), prompt, r.status_code, r.json()))
 
 
@@ -143,8 +186,22 @@ async def _wait_for(cond, timeout: float, what: str) -> None:
 
 
 def test_scale_and_kill_under_load(serve, model_path):
-    srv = serve("--prefill", "2", "--decode", "2", "--prefill-num-cpus", "0.25", "--decode-num-cpus", "0.25",
-                "--transport", "tcp", "--reservation-quarantine-s", "2", "--local-prefill-threshold", "48")
+    srv = serve(
+        "--prefill",
+        "2",
+        "--decode",
+        "2",
+        "--prefill-num-cpus",
+        "0.25",
+        "--decode-num-cpus",
+        "0.25",
+        "--transport",
+        "tcp",
+        "--reservation-quarantine-s",
+        "2",
+        "--local-prefill-threshold",
+        "48",
+    )
     prompts = random_prompts([random.Random(i).randint(20, 160) for i in range(24)], seed=32)
     tok = __import__("engine.tokenizer", fromlist=["Tokenizer"]).Tokenizer.from_dir(model_path)
     admin = {"Authorization": f"Bearer {ADMIN}"}
@@ -163,14 +220,19 @@ def test_scale_and_kill_under_load(serve, model_path):
         httpx.post(srv.url + "/admin/pools", json={"decode": 3}, headers=admin, timeout=10).raise_for_status()
         await _wait_for(lambda: settled("decode", 3), 120, "3 decode workers")
         await asyncio.sleep(2)
-        httpx.post(srv.url + "/admin/pools", json={"prefill": 1, "decode": 2}, headers=admin, timeout=10).raise_for_status()
+        httpx.post(
+            srv.url + "/admin/pools", json={"prefill": 1, "decode": 2}, headers=admin, timeout=10
+        ).raise_for_status()
         await _wait_for(lambda: settled("decode", 2) and settled("prefill", 1), 180, "scale down to 1P + 2D")
         await asyncio.sleep(2)
         kill_at = time.monotonic()
         victim = srv.pools()["decode"]["workers"][0]
         os.kill(victim["pid"], signal.SIGKILL)
-        await _wait_for(lambda: srv.pools()["decode"]["workers"][0]["worker_id"] != victim["worker_id"]
-                        and ready("decode") == 2, 180, "the decode pool to heal")
+        await _wait_for(
+            lambda: srv.pools()["decode"]["workers"][0]["worker_id"] != victim["worker_id"] and ready("decode") == 2,
+            180,
+            "the decode pool to heal",
+        )
         healed_at = time.monotonic()
         await asyncio.sleep(3)
         stop.set()
@@ -198,6 +260,8 @@ def test_scale_and_kill_under_load(serve, model_path):
                 s = await c.stats()
                 await c.close()
                 assert h.healthy, h.error
-                assert s.num_free_blocks == s.num_blocks, f"{w['worker_id']} leaks {s.num_blocks - s.num_free_blocks} blocks"
+                assert s.num_free_blocks == s.num_blocks, (
+                    f"{w['worker_id']} leaks {s.num_blocks - s.num_free_blocks} blocks"
+                )
 
     asyncio.run(integrity())

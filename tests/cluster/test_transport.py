@@ -25,8 +25,8 @@ from kv_transfer.base import (
     PeerRejected,
     TransferError,
     TransportConfig,
-    create_transport,
 )
+from kv_transfer.registry import create_transport
 
 pytestmark = pytest.mark.cluster
 

@@ -12,7 +12,6 @@ import torch
 from engine.models.builtin import builtin_model_path, copy_tokenizer_files
 
 
-
 @pytest.fixture(scope="session")
 def builtin_dir() -> Path:
     return builtin_model_path()

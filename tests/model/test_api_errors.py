@@ -53,14 +53,23 @@ def tok(builtin_dir) -> Tokenizer:
 def server(builtin_dir, tok, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text(f"# router keys\n{FILE_KEYS[0]}\n\n  {FILE_KEYS[1]}  # ops team\n")
-    backend = EngineBackend(EngineConfig(
-        model=str(builtin_dir), cache=CacheConfig(num_blocks=128),
-        scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256),
-        device=DeviceConfig(num_threads=1),
-    ))
+    backend = EngineBackend(
+        EngineConfig(
+            model=str(builtin_dir),
+            cache=CacheConfig(num_blocks=128),
+            scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256),
+            device=DeviceConfig(num_threads=1),
+        )
+    )
     settings = RouterSettings(
-        served_model_name=MODEL, api_keys=frozenset({KEY}), api_key_file=str(key_file), admin_key=ADMIN,
-        max_concurrent_requests=2, max_queued_requests=2, queue_timeout_s=0.5, max_n=4,
+        served_model_name=MODEL,
+        api_keys=frozenset({KEY}),
+        api_key_file=str(key_file),
+        admin_key=ADMIN,
+        max_concurrent_requests=2,
+        max_queued_requests=2,
+        queue_timeout_s=0.5,
+        max_n=4,
         max_request_body_bytes=64 * 1024,
     )
     with ServerThread(create_app(backend, tok, settings, admin=FakePools())) as s:
@@ -89,32 +98,65 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 ENDPOINTS = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}
 
 BAD_FIELDS = [  # (fields merged into a valid request, param named in the error)
-    ({"max_tokens": "abc"}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 1.5}, "max_tokens"),
-    ({"temperature": "hot"}, "temperature"), ({"temperature": -0.5}, "temperature"), ({"temperature": 2.5}, "temperature"),
-    ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"), ({"min_p": 1.5}, "min_p"),
-    ({"repetition_penalty": 0}, "repetition_penalty"), ({"presence_penalty": 3}, "presence_penalty"),
-    ({"frequency_penalty": -3}, "frequency_penalty"), ({"n": 0}, "n"), ({"n": 5}, "n"), ({"n": "two"}, "n"),
-    ({"seed": -1}, "seed"), ({"seed": "x"}, "seed"), ({"stop": 5}, "stop"), ({"stop": [""]}, "stop"),
-    ({"stop": ["s"] * 17}, "stop"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-    ({"stream": "maybe"}, "stream"), ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"logit_bias": {"50": 10}}, "logit_bias"), ({"ignore_eos": "perhaps"}, "ignore_eos"),
-    ({"stop_token_ids": ["a"]}, "stop_token_ids"), ({"priority": "high"}, "priority"),
+    ({"max_tokens": "abc"}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 1.5}, "max_tokens"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"n": 0}, "n"),
+    ({"n": 5}, "n"),
+    ({"n": "two"}, "n"),
+    ({"seed": -1}, "seed"),
+    ({"seed": "x"}, "seed"),
+    ({"stop": 5}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"stop": ["s"] * 17}, "stop"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"stream": "maybe"}, "stream"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"logit_bias": {"50": 10}}, "logit_bias"),
+    ({"ignore_eos": "perhaps"}, "ignore_eos"),
+    ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+    ({"priority": "high"}, "priority"),
 ]
 BAD_COMPLETION = [
-    ({"prompt": ""}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": [[]]}, "prompt"), ({"prompt": ["a", ""]}, "prompt"),
-    ({"prompt": 123}, "prompt"), ({"prompt": [1, "a"]}, "prompt"), ({"prompt": [True, 3]}, "prompt"),
-    ({"prompt": {"text": "hi"}}, "prompt"), ({"prompt": [99999]}, "prompt"), ({"prompt": [[5], [-1]]}, "prompt"),
-    ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"suffix": "end"}, "suffix"),
-    ({"best_of": 3}, "best_of"), ({"echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": ["a", ""]}, "prompt"),
+    ({"prompt": 123}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": [True, 3]}, "prompt"),
+    ({"prompt": {"text": "hi"}}, "prompt"),
+    ({"prompt": [99999]}, "prompt"),
+    ({"prompt": [[5], [-1]]}, "prompt"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"suffix": "end"}, "suffix"),
+    ({"best_of": 3}, "best_of"),
+    ({"echo": True, "logprobs": 1}, "echo"),
 ]
 BAD_CHAT = [
-    ({"messages": []}, "messages"), ({"messages": "hi"}, "messages"), ({"messages": [{"content": "x"}]}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"), ({"messages": [{"role": "user"}]}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"content": "x"}]}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user"}]}, "messages"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"messages": [{"role": "tool", "content": "42"}]}, "messages"),  # the template has no tool role
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
-    ({"logprobs": 5}, "logprobs"), ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": 5}, "logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
 ]
@@ -148,15 +190,24 @@ def test_bad_bodies(http, path):
 def test_context_length(http, tok):
     words = " ".join(["tok"] * 300)
     assert len(tok.encode(words)) >= MAX_MODEL_LEN
-    check_error(http.post("/v1/completions", json={**COMPLETION, "prompt": words}), 400, "prompt",
-                "context_length_exceeded")
+    check_error(
+        http.post("/v1/completions", json={**COMPLETION, "prompt": words}), 400, "prompt", "context_length_exceeded"
+    )
     check_error(http.post("/v1/completions", json={**COMPLETION, "prompt": [7] * MAX_MODEL_LEN}), 400, "prompt")
     chat = {**CHAT, "messages": [{"role": "user", "content": words}]}
     check_error(http.post("/v1/chat/completions", json=chat), 400, "messages", "context_length_exceeded")
-    check_error(http.post("/v1/completions", json={**COMPLETION, "max_tokens": MAX_MODEL_LEN}), 400, "max_tokens",
-                "context_length_exceeded")
-    check_error(http.post("/v1/chat/completions", json={**CHAT, "max_completion_tokens": 10_000}), 400,
-                "max_completion_tokens", "context_length_exceeded")
+    check_error(
+        http.post("/v1/completions", json={**COMPLETION, "max_tokens": MAX_MODEL_LEN}),
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+    )
+    check_error(
+        http.post("/v1/chat/completions", json={**CHAT, "max_completion_tokens": 10_000}),
+        400,
+        "max_completion_tokens",
+        "context_length_exceeded",
+    )
     # without max_tokens, chat takes the room left; the longest prompt that fits still runs
     r = http.post("/v1/completions", json={**COMPLETION, "prompt": [7] * (MAX_MODEL_LEN - 1), "max_tokens": 1})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
@@ -175,8 +226,13 @@ def test_routes_and_methods(http):
 
 def test_api_keys(server):
     url = server.url + "/v1/chat/completions"
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"},
-                    {"Authorization": "Bearer"}, {"Authorization": f"Bearer {ADMIN}"}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Basic {KEY}"},
+        {"Authorization": "Bearer"},
+        {"Authorization": f"Bearer {ADMIN}"},
+    ):
         r = httpx.post(url, json=CHAT, headers=headers)
         check_error(r, 401, None, "invalid_api_key")
         assert r.headers["www-authenticate"] == "Bearer"
@@ -208,8 +264,10 @@ class Idle(Backend):
     async def stop(self) -> None: ...
     def generate(self, req):
         raise AssertionError("not reached")
+
     def ready(self) -> bool:
         return False
+
     @property
     def max_model_len(self) -> int:
         return 0
@@ -236,6 +294,7 @@ class Scripted(Backend):
     async def stop(self) -> None: ...
     def ready(self) -> bool:
         return True
+
     @property
     def max_model_len(self) -> int:
         return 64
@@ -250,8 +309,9 @@ class Scripted(Backend):
 
 
 def test_backend_failures(tok):
-    client = TestClient(create_app(Scripted(), tok, RouterSettings(manage_backend=False)),
-                        raise_server_exceptions=False)
+    client = TestClient(
+        create_app(Scripted(), tok, RouterSettings(manage_backend=False)), raise_server_exceptions=False
+    )
     err = check_error(client.post("/v1/completions", json={**COMPLETION, "max_tokens": 2}), 500, None, "internal_error")
     assert "secret" not in err["message"] and "Traceback" not in err["message"]
     err = check_error(client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3}), 500, None, "internal_error")
@@ -319,15 +379,26 @@ def metric_samples(server) -> dict:
 
 def test_metrics_carry_every_series(http, server):
     for _ in range(2):
-        assert http.post("/v1/completions", json={**COMPLETION, "prompt": "word " * 40, "max_tokens": 4}).status_code == 200
+        assert (
+            http.post("/v1/completions", json={**COMPLETION, "prompt": "word " * 40, "max_tokens": 4}).status_code
+            == 200
+        )
     http.post("/v1/completions", json={**COMPLETION, "n": 99})  # one 400
     s = metric_samples(server)
     m = ("model_name", MODEL)
     assert s["families"] >= {
-        "tandem:request_success", "tandem:num_requests_running", "tandem:num_requests_waiting",
-        "tandem:prompt_tokens", "tandem:generation_tokens", "tandem:prefix_cache_queries",
-        "tandem:prefix_cache_hits", "tandem:time_to_first_token_seconds", "tandem:inter_token_latency_seconds",
-        "tandem:time_per_output_token_seconds", "tandem:e2e_request_latency_seconds", "tandem:request_errors",
+        "tandem:request_success",
+        "tandem:num_requests_running",
+        "tandem:num_requests_waiting",
+        "tandem:prompt_tokens",
+        "tandem:generation_tokens",
+        "tandem:prefix_cache_queries",
+        "tandem:prefix_cache_hits",
+        "tandem:time_to_first_token_seconds",
+        "tandem:inter_token_latency_seconds",
+        "tandem:time_per_output_token_seconds",
+        "tandem:e2e_request_latency_seconds",
+        "tandem:request_errors",
         "tandem:slo_attainment",
     }
     assert s[("tandem:request_success_total", (("finish_reason", "length"), m))] >= 2
@@ -338,5 +409,8 @@ def test_metrics_carry_every_series(http, server):
     ttft_count = s["tandem:time_to_first_token_seconds_count"]
     assert ttft_count >= 2 and s["tandem:e2e_request_latency_seconds_count"] >= 2
     assert s["tandem:inter_token_latency_seconds_count"] >= 6 and s["tandem:time_per_output_token_seconds_count"] >= 2
-    met = s[("tandem:slo_attainment_total", (("met", "true"), m))] + s[("tandem:slo_attainment_total", (("met", "false"), m))]
+    met = (
+        s[("tandem:slo_attainment_total", (("met", "true"), m))]
+        + s[("tandem:slo_attainment_total", (("met", "false"), m))]
+    )
     assert met == s["tandem:e2e_request_latency_seconds_count"]

@@ -9,12 +9,12 @@ import torch
 
 from decode_worker.async_engine import AsyncEngine
 from decode_worker.engine import EngineConfig, LLMEngine
-from engine.scheduler import NoCapacity
 from decode_worker.llm import LLM
 from engine.block_pool import BlockPool
 from engine.config import CacheConfig, SchedulerConfig
 from engine.plan import SampleRow, SeqWork, StepPlan
 from engine.sampling_params import SamplingParams
+from engine.scheduler import NoCapacity
 from engine.sequence import BATCH, INTERACTIVE
 from tests.oracle import hf_greedy, random_prompts
 
@@ -23,8 +23,9 @@ pytestmark = pytest.mark.model
 
 def engine_for(path, num_blocks=256, **sched) -> LLMEngine:
     sched = {"max_num_batched_tokens": 64, "max_model_len": 1024, **sched}
-    return LLMEngine.from_config(EngineConfig(model=str(path), cache=CacheConfig(num_blocks=num_blocks),
-                                              scheduler=SchedulerConfig(**sched)))
+    return LLMEngine.from_config(
+        EngineConfig(model=str(path), cache=CacheConfig(num_blocks=num_blocks), scheduler=SchedulerConfig(**sched))
+    )
 
 
 def greedy(n):
@@ -122,6 +123,7 @@ def test_async_streaming_and_abort(builtin_dir):
         aeng = AsyncEngine(engine_for(builtin_dir))
         aeng.start()
         try:
+
             async def collect(i):
                 toks = []
                 async for ev in aeng.generate(f"s{i}", prompts[i], greedy(15)):
@@ -158,8 +160,11 @@ def test_offline_llm_stop_strings_never_emit_partial(builtin_dir):
     assert cut.finish_reason == "stop"
     assert cut.text == full.text[: full.text.index(stop)]
     assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
-    keep = llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0, stop=(stop,), include_stop_str_in_output=True),
-                        use_tqdm=False)[0].outputs[0]
+    keep = llm.generate(
+        prompt,
+        SamplingParams(max_tokens=40, temperature=0, stop=(stop,), include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert keep.text == full.text[: full.text.index(stop) + len(stop)]
     llm.engine.check_integrity()
 
@@ -168,11 +173,15 @@ def test_seeded_sampling_is_reproducible_across_batches(builtin_dir):
     llm = LLM(str(builtin_dir), num_blocks=128)
     params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, top_k=50, seed=7)
     [alone] = llm.generate([random_prompts([12], seed=5)[0]], params, use_tqdm=False)
-    crowd = llm.generate(random_prompts([30, 12, 5], seed=6)[:1] + random_prompts([12], seed=5) + random_prompts([9], seed=8),
-                         [SamplingParams(max_tokens=20, temperature=1.0), params, SamplingParams(max_tokens=20, temperature=1.0)],
-                         use_tqdm=False)
+    crowd = llm.generate(
+        random_prompts([30, 12, 5], seed=6)[:1] + random_prompts([12], seed=5) + random_prompts([9], seed=8),
+        [SamplingParams(max_tokens=20, temperature=1.0), params, SamplingParams(max_tokens=20, temperature=1.0)],
+        use_tqdm=False,
+    )
     assert crowd[1].outputs[0].token_ids == alone.outputs[0].token_ids
-    unseeded = llm.generate([random_prompts([12], seed=5)[0]] * 2, SamplingParams(max_tokens=20, temperature=1.0), use_tqdm=False)
+    unseeded = llm.generate(
+        [random_prompts([12], seed=5)[0]] * 2, SamplingParams(max_tokens=20, temperature=1.0), use_tqdm=False
+    )
     assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
 
 

@@ -33,8 +33,9 @@ def run(engine: LLMEngine, prompts, params):
 
 def make_engine(path, **sched):
     sched = {"max_num_batched_tokens": 4096, "max_model_len": 1024, **sched}
-    return LLMEngine.from_config(EngineConfig(model=str(path), cache=CacheConfig(num_blocks=256),
-                                              scheduler=SchedulerConfig(**sched)))
+    return LLMEngine.from_config(
+        EngineConfig(model=str(path), cache=CacheConfig(num_blocks=256), scheduler=SchedulerConfig(**sched))
+    )
 
 
 def test_one_paged_batch_matches_transformers(model_dir):
@@ -71,4 +72,6 @@ def test_sliding_window_caps_the_context(mistral_window_dir):
     engine = make_engine(mistral_window_dir)
     assert engine.max_model_len == 64  # capped: inside the window full attention is exact
     [prompt] = random_prompts([40], seed=5)
-    assert run(engine, [prompt], SamplingParams(max_tokens=NEW, temperature=0)) == [hf_greedy(mistral_window_dir, prompt, NEW)]
+    assert run(engine, [prompt], SamplingParams(max_tokens=NEW, temperature=0)) == [
+        hf_greedy(mistral_window_dir, prompt, NEW)
+    ]

@@ -37,11 +37,14 @@ def tok(builtin_dir) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def server(builtin_dir, tok):
-    backend = EngineBackend(EngineConfig(
-        model=str(builtin_dir), cache=CacheConfig(num_blocks=256),
-        scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256),
-        device=DeviceConfig(num_threads=1),
-    ))
+    backend = EngineBackend(
+        EngineConfig(
+            model=str(builtin_dir),
+            cache=CacheConfig(num_blocks=256),
+            scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256),
+            device=DeviceConfig(num_threads=1),
+        )
+    )
     app = create_app(backend, tok, RouterSettings(served_model_name=MODEL, api_keys=frozenset({KEY})))
     with ServerThread(app) as s:
         s.backend = backend
@@ -66,9 +69,16 @@ def _hf_greedy(path: str, prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
     # every token equal to pad_token_id (tests.oracle.hf_greedy does, dropping the bos).
     x = torch.tensor([prompt])
     with torch.no_grad():
-        out = _hf_model(path).generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                                       do_sample=False, pad_token_id=0, eos_token_id=None)
-    return tuple(out[0, len(prompt):].tolist())
+        out = _hf_model(path).generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    return tuple(out[0, len(prompt) :].tolist())
 
 
 def greedy_text(tok, builtin_dir, ids, n) -> tuple[list[int], str]:
@@ -98,30 +108,52 @@ def test_models_lists_the_served_model(client):
 def test_completion_greedy_equals_transformers(client, tok, builtin_dir):
     ids = tok.encode(CLEAN_PROMPT)
     want_ids, want_text = greedy_text(tok, builtin_dir, ids, 16)
-    r = client.completions.create(model=MODEL, prompt=CLEAN_PROMPT, max_tokens=16, temperature=0,
-                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = client.completions.create(
+        model=MODEL,
+        prompt=CLEAN_PROMPT,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     choice = r.choices[0]
     assert choice.text == want_text and choice.finish_reason == "length"
     assert choice.token_ids == want_ids and choice.prompt_token_ids == ids
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), 16, len(ids) + 16)
     assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
     # the same prompt as token ids
-    r2 = client.completions.create(model=MODEL, prompt=ids, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    r2 = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r2.choices[0].text == want_text
 
 
 def test_completion_stream_equals_transformers(client, tok, builtin_dir):
     ids = tok.encode("Once upon a time")
     _, want_text = greedy_text(tok, builtin_dir, ids, 20)
-    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="Once upon a time",
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want_text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
     assert all(c.usage is None for c in chunks[:-1])
-    running = list(client.completions.create(
-        model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0, stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    running = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="Once upon a time",
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
     counts = [c.usage.completion_tokens for c in running]
     assert counts == sorted(counts) and counts[-1] == 20 and all(c.usage.prompt_tokens == len(ids) for c in running)
 
@@ -140,8 +172,9 @@ def test_echo(client, tok, builtin_dir):
     _, want = greedy_text(tok, builtin_dir, tok.encode(CLEAN_PROMPT), 4)
     r = client.completions.create(model=MODEL, prompt=CLEAN_PROMPT, max_tokens=4, temperature=0, echo=True)
     assert r.choices[0].text == CLEAN_PROMPT + want
-    chunks = list(client.completions.create(model=MODEL, prompt=CLEAN_PROMPT, max_tokens=4, temperature=0,
-                                            echo=True, stream=True))
+    chunks = list(
+        client.completions.create(model=MODEL, prompt=CLEAN_PROMPT, max_tokens=4, temperature=0, echo=True, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks) == CLEAN_PROMPT + want
 
 
@@ -162,8 +195,16 @@ def test_chat_stream(client, tok, builtin_dir):
     messages = [{"role": "user", "content": "Hi"}]
     ids = tok.apply_chat_template(messages, tokenize=True)
     _, want_text = greedy_text(tok, builtin_dir, ids, 10)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want_text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -178,8 +219,9 @@ def test_n_with_seed_uses_seed_plus_i(client):
     assert [c.index for c in both.choices] == [0, 1]
     solo = [client.completions.create(seed=s, **kw).choices[0].token_ids for s in (7, 8)]
     assert [c.token_ids for c in both.choices] == solo
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                          n=2, seed=3, max_tokens=4, temperature=0)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2, seed=3, max_tokens=4, temperature=0
+    )
     assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
 
 
@@ -191,12 +233,21 @@ def test_stop_string_ends_the_request(client, server, tok, builtin_dir):
     r = client.completions.create(model=MODEL, prompt=CLEAN_PROMPT, max_tokens=200, temperature=0, stop=[stop, "zzzz"])
     assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens < 24
-    chunks = list(client.completions.create(model=MODEL, prompt=CLEAN_PROMPT, max_tokens=200, temperature=0,
-                                            stop=stop, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=CLEAN_PROMPT, max_tokens=200, temperature=0, stop=stop, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason == "stop"
-    r = client.completions.create(model=MODEL, prompt=CLEAN_PROMPT, max_tokens=200, temperature=0, stop=stop,
-                                  extra_body={"include_stop_str_in_output": True})
+    r = client.completions.create(
+        model=MODEL,
+        prompt=CLEAN_PROMPT,
+        max_tokens=200,
+        temperature=0,
+        stop=stop,
+        extra_body={"include_stop_str_in_output": True},
+    )
     assert r.choices[0].text == want + stop
     wait_idle(server)  # the engine requests were aborted at the stop string
 
@@ -222,15 +273,24 @@ def test_completion_logprobs_shape(client, tok, builtin_dir):
     for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert len(top) == 3 and value <= 0
         assert max(top.values()) == pytest.approx(value) and top[token] == pytest.approx(value)  # greedy
-    chunks = list(client.completions.create(model=MODEL, prompt=ASCII_PROMPT, max_tokens=5, temperature=0,
-                                            logprobs=1, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=ASCII_PROMPT, max_tokens=5, temperature=0, logprobs=1, stream=True
+        )
+    )
     streamed = [t for c in chunks for t in c.choices[0].logprobs.tokens]
     assert streamed == lp.tokens
 
 
 def test_chat_logprobs_shape(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
-                                       temperature=0, logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens == 5
     for entry in content:
@@ -244,8 +304,11 @@ def test_chat_logprobs_shape(client):
 def counters(server) -> dict[str, float]:
     """Aborted engine requests and generated tokens so far, from /metrics."""
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
-    aborted = sum(s.value for s in families["tandem:request_success"].samples
-                  if s.name.endswith("_total") and s.labels["finish_reason"] == "abort")
+    aborted = sum(
+        s.value
+        for s in families["tandem:request_success"].samples
+        if s.name.endswith("_total") and s.labels["finish_reason"] == "abort"
+    )
     generated = sum(s.value for s in families["tandem:generation_tokens"].samples if s.name.endswith("_total"))
     return {"aborted": aborted, "generated": generated}
 

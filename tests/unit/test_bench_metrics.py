@@ -4,8 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.metrics import (describe, goodput, itl_samples, meets_slo, percentile,
-                           run_duration, summarize, tpot)
+from bench.metrics import describe, goodput, itl_samples, meets_slo, percentile, run_duration, summarize, tpot
 from bench.records import RequestRecord
 
 pytestmark = pytest.mark.unit

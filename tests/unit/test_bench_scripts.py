@@ -1,5 +1,6 @@
 """bench.engine, bench.decode and bench.profile run end to end on the built-in model with tiny sizes:
 the structure of their reports, never their speed. vLLM itself is not started."""
+
 from __future__ import annotations
 
 import json
@@ -15,11 +16,32 @@ pytestmark = pytest.mark.model
 
 def test_engine_bench_report(tmp_path, capsys):
     out = tmp_path / "engine.json"
-    doc = bench_engine.main([
-        "--quick", "--models", "builtin", "--batches", "3", "1", "--context", "20",
-        "--prefill-prompts", "2", "--prefill-len", "24", "--reps", "1", "--prefill-reps", "1",
-        "--warmup", "0", "--threads", "1", "--json", str(out),
-    ])
+    doc = bench_engine.main(
+        [
+            "--quick",
+            "--models",
+            "builtin",
+            "--batches",
+            "3",
+            "1",
+            "--context",
+            "20",
+            "--prefill-prompts",
+            "2",
+            "--prefill-len",
+            "24",
+            "--reps",
+            "1",
+            "--prefill-reps",
+            "1",
+            "--warmup",
+            "0",
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
     assert doc["settings"]["threads"] == 1 and doc["settings"]["batches"] == [1, 3]
     (m,) = doc["models"]
@@ -36,9 +58,29 @@ def test_engine_bench_report(tmp_path, capsys):
 
 
 def test_engine_bench_without_hf():
-    doc = bench_engine.main(["--models", "builtin", "--batches", "2", "--context", "8", "--prefill-prompts", "1",
-                             "--prefill-len", "16", "--reps", "1", "--prefill-reps", "1", "--warmup", "0",
-                             "--threads", "1", "--no-hf"])
+    doc = bench_engine.main(
+        [
+            "--models",
+            "builtin",
+            "--batches",
+            "2",
+            "--context",
+            "8",
+            "--prefill-prompts",
+            "1",
+            "--prefill-len",
+            "16",
+            "--reps",
+            "1",
+            "--prefill-reps",
+            "1",
+            "--warmup",
+            "0",
+            "--threads",
+            "1",
+            "--no-hf",
+        ]
+    )
     (m,) = doc["models"]
     assert m["decode"][0]["hf_ms"] is None and m["decode"][0]["speedup"] is None
     assert m["prefill"]["hf_tok_s"] is None and bench_engine.render(doc)
@@ -51,10 +93,26 @@ def test_engine_bench_rejects_unknown_model():
 
 def test_batching_report(tmp_path, capsys):
     out = tmp_path / "batching.json"
-    doc = bench_decode.main([
-        "batching", "--quick", "--num-requests", "6", "--prompt-len", "8", "--median-out", "3", "--max-out", "8",
-        "--max-num-seqs", "2", "--threads", "1", "--json", str(out),
-    ])
+    doc = bench_decode.main(
+        [
+            "batching",
+            "--quick",
+            "--num-requests",
+            "6",
+            "--prompt-len",
+            "8",
+            "--median-out",
+            "3",
+            "--max-out",
+            "8",
+            "--max-num-seqs",
+            "2",
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text())["batching"]["ratio"] == pytest.approx(doc["batching"]["ratio"])
     r = doc["batching"]
     assert [x["scheduler"] for x in r["rows"]] == ["continuous", "static"]
@@ -68,10 +126,26 @@ def test_batching_report(tmp_path, capsys):
 
 
 def test_interference_report():
-    doc = bench_decode.main([
-        "interference", "--quick", "--streams", "2", "--stream-prompt-len", "8", "--stream-tokens", "12",
-        "--long-prompt-len", "64", "--interval", "0.001", "--chunk", "16", "--threads", "1",
-    ])
+    doc = bench_decode.main(
+        [
+            "interference",
+            "--quick",
+            "--streams",
+            "2",
+            "--stream-prompt-len",
+            "8",
+            "--stream-tokens",
+            "12",
+            "--long-prompt-len",
+            "64",
+            "--interval",
+            "0.001",
+            "--chunk",
+            "16",
+            "--threads",
+            "1",
+        ]
+    )
     r = doc["interference"]
     chunked, whole = r["rows"]
     assert chunked["chunked"] and not whole["chunked"]
@@ -86,14 +160,33 @@ def test_interference_report():
 
 def test_vllm_section_without_vllm(tmp_path):
     """The tandem half of the comparison runs; a missing vLLM install is reported, not fatal."""
-    doc = bench_decode.main([
-        "vllm", "--venv", str(tmp_path / "no-venv"), "--num-prompts", "3", "--input-len", "8", "--output-len", "4",
-        "--dtypes", "fp32", "--threads", "1", "--repeats", "2",
-    ])
+    doc = bench_decode.main(
+        [
+            "vllm",
+            "--venv",
+            str(tmp_path / "no-venv"),
+            "--num-prompts",
+            "3",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--dtypes",
+            "fp32",
+            "--threads",
+            "1",
+            "--repeats",
+            "2",
+        ]
+    )
     r = doc["vllm"]
     assert r["vllm_skipped"] and [x["engine"] for x in r["rows"]] == ["tandem"]
     row = r["rows"][0]
-    assert row["dtype"] == "float32" and len(row["walls_s"]) == 2 and row["output_tok_s"] == pytest.approx(12 / row["wall_s"])
+    assert (
+        row["dtype"] == "float32"
+        and len(row["walls_s"]) == 2
+        and row["output_tok_s"] == pytest.approx(12 / row["wall_s"])
+    )
     assert "vLLM skipped" in bench_decode.render_vllm(r)
 
 

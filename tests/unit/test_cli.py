@@ -19,7 +19,13 @@ def test_yaml_config_fills_options_and_flags_win(tmp_path):
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("prefill: 3\ndecode: 2\nmax-num-seqs: 64\napi_key: [k1, k2]\ncolocated: true\n")
     args = parse(["serve", "--config", str(cfg), "--decode", "1"])
-    assert (args.prefill, args.decode, args.max_num_seqs, args.api_key, args.colocated) == (3, 1, 64, ["k1", "k2"], True)
+    assert (args.prefill, args.decode, args.max_num_seqs, args.api_key, args.colocated) == (
+        3,
+        1,
+        64,
+        ["k1", "k2"],
+        True,
+    )
 
 
 def test_flag_equal_to_the_default_still_wins_over_the_file(tmp_path):

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from kv_transfer import base
+from kv_transfer import registry
 from kv_transfer.base import (
     DONE,
     KVLayout,
@@ -18,10 +18,10 @@ from kv_transfer.base import (
     TransferStatus,
     TransportConfig,
     XferState,
-    create_transport,
     resolve_write,
 )
 from kv_transfer.handles import HandleBook
+from kv_transfer.registry import create_transport
 
 pytestmark = pytest.mark.unit
 
@@ -94,7 +94,7 @@ def test_auto_falls_back_to_tcp_with_one_line(monkeypatch, caplog) -> None:
     def no_nixl(config):
         raise ImportError("No module named 'nixl'")
 
-    monkeypatch.setattr(base, "_make_nixl", no_nixl)
+    monkeypatch.setattr(registry, "_make_nixl", no_nixl)
     with caplog.at_level(logging.INFO, logger="tandem.kv_transfer"):
         t = create_transport("auto", TransportConfig(worker_name="w"))
     t.close()
@@ -112,7 +112,7 @@ def test_auto_prefers_nixl_and_says_so(monkeypatch, caplog) -> None:
         def describe(self) -> str:
             return "nixl_cu13, UCX backend, agent w@e"
 
-    monkeypatch.setattr(base, "_make_nixl", lambda config: FakeNixl())
+    monkeypatch.setattr(registry, "_make_nixl", lambda config: FakeNixl())
     with caplog.at_level(logging.INFO, logger="tandem.kv_transfer"):
         t = create_transport("auto", TransportConfig(worker_name="w"))
     assert t.name == "nixl"

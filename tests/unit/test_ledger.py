@@ -237,3 +237,64 @@ def test_check_integrity_catches_corruption(ledger: Ledger) -> None:
     entry.deadline = None
     with pytest.raises(LedgerError, match="in READY has deadline None"):
         ledger.check_integrity()
+
+
+# ---- quarantine (the decode side) ------------------------------------------------------
+
+
+def quarantining(clock: Clock, freed: list[Entry], quarantined: list[str]) -> Ledger:
+    return Ledger(freed.append, default_lease_s=5.0, clock=clock, quarantine_s=30.0,
+                  on_quarantine=lambda e: quarantined.append(e.request_id))
+
+
+def test_a_failed_unlanded_reservation_is_quarantined_until_the_writer_is_done(clock, freed) -> None:
+    quarantined: list[str] = []
+    ledger = quarantining(clock, freed, quarantined)
+    ledger.reserve("r", [1, 2])
+    entry = ledger.fail("r", "aborted")
+    assert entry.state is S.QUARANTINED and entry.reason == "aborted" and entry.deadline == 130.0
+    assert quarantined == ["r"] and freed == []  # the request ended; the blocks did not
+    assert ledger.fail("r", "again") is entry and quarantined == ["r"]  # idempotent
+    assert ledger.count(S.RESERVED) == 0 and ledger.count(S.QUARANTINED) == 1
+    ledger.check_integrity()
+    ledger.writer_done("r")
+    assert entry.state is S.FAILED and entry.reason == "aborted" and freed == [entry]
+    ledger.writer_done("r")
+    assert freed == [entry]
+    ledger.check_integrity()
+
+
+def test_an_expired_reservation_is_quarantined_then_freed_when_the_quarantine_ends(clock, freed) -> None:
+    quarantined: list[str] = []
+    ledger = quarantining(clock, freed, quarantined)
+    ledger.reserve("r", [1])
+    clock.t = 105.0
+    [ended] = ledger.sweep()
+    assert ended.state is S.QUARANTINED and "lease of 5 s ran out" in ended.reason and quarantined == ["r"]
+    clock.t = 134.9
+    assert ledger.sweep() == [] and freed == []
+    clock.t = 135.0
+    assert ledger.sweep() == []  # the quarantine's end is not a request's end
+    assert freed == [ended] and ended.state is S.EXPIRED
+    ledger.check_integrity()
+
+
+def test_a_writer_that_gave_up_frees_at_once_and_a_landed_request_is_never_quarantined(clock, freed) -> None:
+    quarantined: list[str] = []
+    ledger = quarantining(clock, freed, quarantined)
+    ledger.reserve("gave-up", [1])
+    ledger.fail("gave-up", "prefill worker gave up", writer_done=True)
+    ledger.reserve("landed", [2])
+    ledger.mark_ready("landed")
+    ledger.start_running("landed")
+    ledger.fail("landed", "aborted")
+    assert [e.request_id for e in freed] == ["gave-up", "landed"] and quarantined == []
+    assert all(e.state is S.FAILED for e in freed)
+    ledger.check_integrity()
+
+
+def test_the_prefill_side_has_no_quarantine(clock, freed) -> None:
+    ledger = Ledger(freed.append, default_lease_s=5.0, clock=clock)
+    ledger.reserve("r", [1])
+    ledger.start_writing("r")
+    assert ledger.fail("r", "peer gone").state is S.FAILED and len(freed) == 1

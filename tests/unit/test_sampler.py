@@ -31,8 +31,13 @@ def test_greedy_is_argmax_first_on_ties(sampler):
 def test_top_k_top_p_min_p_restrict_the_support(sampler):
     # probabilities ~ [0.64, 0.24, 0.09, 0.03]
     logits = torch.log(torch.tensor([[0.64, 0.24, 0.09, 0.03]])).repeat(400, 1)
-    for params, allowed in (({"top_k": 2}, {0, 1}), ({"top_p": 0.8}, {0, 1}), ({"top_p": 0.5}, {0}),
-                            ({"min_p": 0.2}, {0, 1}), ({"min_p": 0.1}, {0, 1, 2})):
+    for params, allowed in (
+        ({"top_k": 2}, {0, 1}),
+        ({"top_p": 0.8}, {0, 1}),
+        ({"top_p": 0.5}, {0}),
+        ({"min_p": 0.2}, {0, 1}),
+        ({"min_p": 0.1}, {0, 1, 2}),
+    ):
         out = sampler(logits, [row(temperature=1.0, **params)] * 400)
         assert set(out.token_ids) == allowed, params
 
@@ -53,11 +58,15 @@ def test_temperature_sampling_follows_the_distribution():
 def test_seeded_rows_ignore_batch_composition_and_advance_by_index():
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1))
     a = Sampler(torch.device("cpu"), seed=1)(logits, [row(temperature=1.0, seed=42, output_ids=[9] * 3)])
-    crowd = Sampler(torch.device("cpu"), seed=2)(logits.repeat(3, 1), [
-        row(temperature=1.0), row(temperature=1.0, seed=42, output_ids=[7] * 3), row(temperature=0.7, seed=5)])
+    crowd = Sampler(torch.device("cpu"), seed=2)(
+        logits.repeat(3, 1),
+        [row(temperature=1.0), row(temperature=1.0, seed=42, output_ids=[7] * 3), row(temperature=0.7, seed=5)],
+    )
     assert crowd.token_ids[1] == a.token_ids[0]  # same seed, same token index: same draw
-    draws = {Sampler(torch.device("cpu"))(logits, [row(temperature=1.0, seed=42, output_ids=[0] * k)]).token_ids[0]
-             for k in range(20)}
+    draws = {
+        Sampler(torch.device("cpu"))(logits, [row(temperature=1.0, seed=42, output_ids=[0] * k)]).token_ids[0]
+        for k in range(20)
+    }
     assert len(draws) > 5  # each token index gets its own draw
     assert mix_seed(42, 0) != mix_seed(42, 1) != mix_seed(43, 0)
 
@@ -76,13 +85,17 @@ def test_logprobs_are_the_models_distribution(sampler):
 def test_repetition_penalty_follows_transformers_semantics(sampler):
     logits = torch.tensor([[2.0, -2.0, 1.5, 0.0]])
     # token 0 (positive) is divided, token 1 (negative) multiplied: 1.0 / -4.0; 2 wins
-    assert sampler(logits, [row(temperature=0, repetition_penalty=2.0, prompt_ids=[1], output_ids=[0])]).token_ids == [2]
+    assert sampler(logits, [row(temperature=0, repetition_penalty=2.0, prompt_ids=[1], output_ids=[0])]).token_ids == [
+        2
+    ]
 
 
 def test_presence_and_frequency_penalties_count_output_tokens(sampler):
     logits = torch.tensor([[3.0, 2.9, 0.0]])
     # token 0 appeared twice: 3.0 - 0.5 - 2 * 0.1 = 2.3 < 2.9
-    assert sampler(logits, [row(temperature=0, presence_penalty=0.5, frequency_penalty=0.1, output_ids=[0, 0])]).token_ids == [1]
+    assert sampler(
+        logits, [row(temperature=0, presence_penalty=0.5, frequency_penalty=0.1, output_ids=[0, 0])]
+    ).token_ids == [1]
     # prompt tokens do not count for presence / frequency
     assert sampler(logits, [row(temperature=0, presence_penalty=2.0, prompt_ids=[0])]).token_ids == [0]
 
@@ -94,10 +107,19 @@ def test_banned_tokens_are_never_sampled(sampler):
     assert sampler(logits[:1], [row(temperature=0, banned=[0])]).token_ids == [1]
 
 
-@pytest.mark.parametrize("kw,param", [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
-                                      ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
-                                      ({"logprobs": 21}, "logprobs"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-                                      ({"stop": ("",)}, "stop"), ({"repetition_penalty": 0}, "repetition_penalty")])
+@pytest.mark.parametrize(
+    "kw,param",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"stop": ("",)}, "stop"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+    ],
+)
 def test_invalid_params_name_the_field(kw, param):
     with pytest.raises(SamplingParamsError) as e:
         SamplingParams(**kw)

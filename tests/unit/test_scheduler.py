@@ -4,11 +4,12 @@ import itertools
 
 import pytest
 
-from engine.scheduler import AdmissionError, NoCapacity, Scheduler
 from engine.block_pool import BlockPool
 from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
+from engine.scheduler import AdmissionError, NoCapacity, Scheduler
 from engine.sequence import BATCH, INTERACTIVE, FinishReason, Sequence, Status
+from kv_transfer.ledger import Ledger
 
 pytestmark = pytest.mark.unit
 BS = 4
@@ -22,9 +23,9 @@ class Clock:
         return self.t
 
 
-def make(num_blocks=32, clock=None, **cfg):
+def make(num_blocks=32, **cfg):
     cfg = {"max_num_batched_tokens": 16, "max_num_seqs": 8, "max_model_len": 64, "watermark": 0.0, **cfg}
-    return Scheduler(SchedulerConfig(**cfg), BlockPool(num_blocks, BS), clock or Clock())
+    return Scheduler(SchedulerConfig(**cfg), BlockPool(num_blocks, BS))
 
 
 _bases = itertools.count(1000, 1000)
@@ -35,7 +36,9 @@ def seq(sid, n_prompt, max_tokens=8, priority=INTERACTIVE, arrival=0.0, first_to
     `first_tok` is given."""
     base = next(_bases) if first_tok is None else first_tok
     prompt = [base + i for i in range(n_prompt)]
-    return Sequence(sid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, **params), frozenset({2}), priority, arrival)
+    return Sequence(
+        sid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, **params), frozenset({2}), priority, arrival
+    )
 
 
 def step(s, token=7):
@@ -64,7 +67,7 @@ def test_admission_fcfs_with_chunked_prefill_budget():
     # budget 16: a whole (10), b chunked to 6; c waits behind b (strict FCFS)
     assert shape(out) == [("a", 0, 10, True), ("b", 0, 6, False)]
     assert [x.seq_id for x in s.running] == ["a", "b"]
-    assert s.running[0].block_ids == [0, 1, 2] and s.running[1].block_ids == [3, 4]
+    assert s.cache.block_table(s.running[0].seq_id) == [0, 1, 2] and s.cache.block_table(s.running[1].seq_id) == [3, 4]
     out = step(s)
     # a decodes first (1), b finishes its prompt (3), c is admitted (3)
     assert shape(out) == [("a", 10, 1, True), ("b", 6, 3, True), ("c", 0, 3, True)]
@@ -126,7 +129,7 @@ def test_preemption_victim_is_lowest_priority_then_latest_arrival():
     assert shape(out) == [("inter", 8, 1, True), ("old_batch", 8, 1, True)]
     victim = s.lanes[BATCH][0]
     assert victim.seq_id == "new_batch" and victim.status is Status.WAITING
-    assert victim.block_ids == [] and victim.num_computed == 0 and victim.num_preemptions == 1
+    assert s.cache.block_table(victim.seq_id) == [] and victim.num_computed == 0 and victim.num_preemptions == 1
     assert victim.output_ids == [7]  # its generated token survives for the recompute
 
 
@@ -136,7 +139,7 @@ def test_preempted_sequence_resumes_from_its_cached_prefix():
     s.add(seq("b", 8, max_tokens=20, arrival=1))
     step(s)  # 4 blocks used, 1 free
     b = s.running[1]
-    b_blocks = list(b.block_ids)
+    b_blocks = list(s.cache.block_table(b.seq_id))
     out = step(s)  # a takes the last free block; b needs one too and preempts itself
     assert [p.seq_id for p in out.preempted] == ["b"]
     assert shape(out) == [("a", 8, 1, True)]
@@ -145,7 +148,7 @@ def test_preempted_sequence_resumes_from_its_cached_prefix():
     out = step(s)
     # b's two full prompt blocks are still cached: only its generated token is recomputed
     assert shape(out) == [("b", 8, 1, True)]
-    assert b.block_ids[:2] == b_blocks and b.output_ids == [7, 7] and b.num_computed == 9
+    assert s.cache.block_table(b.seq_id)[:2] == b_blocks and b.output_ids == [7, 7] and b.num_computed == 9
 
 
 def test_prefix_cache_hit_on_admission_caps_at_last_token():
@@ -176,16 +179,40 @@ def test_abort_frees_blocks_everywhere():
 
 
 def test_reservation_lease_expiry_frees_blocks():
+    # the handoff ledger owns the reservation's deadline; expiry frees the scheduler's blocks
     clock = Clock()
-    s = make(clock=clock, reservation_lease_s=5.0)
-    res = s.reserve(seq("r", 10))
-    assert res.block_ids == [0, 1, 2] and res.deadline == 5.0
+    s = make()
+    ledger = Ledger(
+        lambda e: s.release_reservation(e.request_id, FinishReason.ERROR),
+        default_lease_s=5.0,
+        clock=clock,
+        exclusive_blocks=False,
+    )
+    r = seq("r", 10)
+    res = s.reserve(r)
+    entry = ledger.reserve("r", res.block_ids)
+    assert res.block_ids == [0, 1, 2] and entry.deadline == 5.0
     clock.t = 4.9
-    assert s.expire_reservations() == []
+    assert ledger.sweep() == []
     clock.t = 5.0
-    [gone] = s.expire_reservations()
-    assert gone.seq_id == "r" and gone.finish_reason is FinishReason.ERROR
+    [gone] = ledger.sweep()
+    assert gone.request_id == "r" and r.finish_reason is FinishReason.ERROR
     assert s.pool.num_free_blocks == 32
+    s.check_integrity()
+
+
+def test_quarantined_reservation_holds_blocks_but_no_slot():
+    s = make(max_num_seqs=1)
+    res = s.reserve(seq("q", 10))
+    with pytest.raises(NoCapacity):
+        s.reserve(seq("x", 4))
+    s.quarantine("q")
+    assert s.awaiting_kv == {} and list(s.quarantined) == ["q"]
+    assert s.pool.num_free_blocks == 32 - len(res.block_ids)
+    s.reserve(seq("x", 4))  # the quarantined one holds no sequence slot
+    s.check_integrity()
+    assert s.release_reservation("q").finish_reason is FinishReason.ABORT
+    assert s.pool.num_free_blocks == 31
     s.check_integrity()
 
 

@@ -1,30 +1,47 @@
-"""Pieces both worker kinds build the same way."""
+"""Pieces both worker services build the same way: the transport, and the RPCs they
+answer alike (Health, CheckIntegrity, Drain, KVEvents, Stats)."""
 
 from __future__ import annotations
 
 from engine import envs
-from engine.config import WorkerConfig
-from kv_transfer.base import Transport, TransportConfig, create_transport
+from kv_transfer.base import Transport, TransportConfig
+from kv_transfer.registry import create_transport
 from protos import tandem_pb2 as pb
+from worker_runtime.config import WorkerConfig
+from worker_runtime.metrics import WorkerMetrics
+from worker_runtime.stats import WorkerStats
 
 
 def make_transport(cfg: WorkerConfig, epoch: int) -> Transport:
     """The configured KV transport, named by worker id and this incarnation's epoch;
     wrapped with injected faults when TANDEM_FAULTS asks for them."""
-    transport = create_transport(cfg.transport, TransportConfig(
-        worker_name=cfg.worker_id, epoch=f"{epoch:016x}", bind_host=cfg.host, token=cfg.cluster_token))
+    transport = create_transport(
+        cfg.transport,
+        TransportConfig(worker_name=cfg.worker_id, epoch=f"{epoch:016x}", bind_host=cfg.host, token=cfg.cluster_token),
+    )
     faults = envs.faults()
     if faults.transfer_delay_s or faults.fail_transfers:
         from kv_transfer.faults import FaultyTransport
 
-        transport = FaultyTransport(transport, faults)
+        transport = FaultyTransport(transport, faults.transfer_delay_s, faults.fail_transfers)
     return transport
 
 
 class WorkerRpcs:
     """The RPCs both worker services answer the same way. A service sets `role`,
     `config`, `epoch`, `draining`, `metrics`, `kv_events` and `engine_loop` (its
-    EngineLoop), and defines `check_integrity()` (run on the engine thread)."""
+    EngineLoop), and defines `stats()` (its WorkerStats, built in one place) and
+    `check_integrity()` (run on the engine thread)."""
+
+    def stats(self) -> WorkerStats:
+        raise NotImplementedError
+
+    def make_metrics(self) -> WorkerMetrics:
+        """The worker's Prometheus registry; its gauges read `stats()` at scrape time."""
+        return WorkerMetrics(self.config.worker_id, self.role, self.stats)
+
+    async def Stats(self, request, context):
+        return self.stats().to_pb()
 
     async def Health(self, request, context):
         return self._health()
@@ -39,8 +56,15 @@ class WorkerRpcs:
 
     def _health(self) -> pb.HealthReply:
         loop = self.engine_loop
-        return pb.HealthReply(healthy=loop.healthy, worker_id=self.config.worker_id, epoch=self.epoch, role=self.role,
-                              error=loop.error or "", draining=self.draining, metrics_address=self.metrics.address)
+        return pb.HealthReply(
+            healthy=loop.healthy,
+            worker_id=self.config.worker_id,
+            epoch=self.epoch,
+            role=self.role.value,
+            error=loop.error or "",
+            draining=self.draining,
+            metrics_address=self.metrics.address,
+        )
 
     async def Drain(self, request, context):
         self.draining = request.drain

@@ -13,6 +13,7 @@ import asyncio
 from engine.block_pool import BlockPool
 from protos import tandem_pb2 as pb
 
+
 class KVEventHub:
     def __init__(self, pool: BlockPool, worker_id: str, epoch: int, loop: asyncio.AbstractEventLoop) -> None:
         self.pool = pool
@@ -25,7 +26,9 @@ class KVEventHub:
         """Engine thread. The queue starts with a full snapshot."""
         self.pool.drain_events()  # everything so far is in the snapshot
         q: asyncio.Queue = asyncio.Queue()  # bounded by the subscriber's RPC: cancelled -> unsubscribed
-        snap = pb.KVEventBatch(worker_id=self.worker_id, epoch=self.epoch, cleared=True, stored=self.pool.cached_hashes())
+        snap = pb.KVEventBatch(
+            worker_id=self.worker_id, epoch=self.epoch, cleared=True, stored=self.pool.cached_hashes()
+        )
         self.loop.call_soon_threadsafe(q.put_nowait, snap)
         self._subs.append(q)
         return q
@@ -52,4 +55,3 @@ class KVEventHub:
                 del batch.removed[:]
         for q in list(self._subs):
             self.loop.call_soon_threadsafe(q.put_nowait, batch)
-

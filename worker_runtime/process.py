@@ -1,5 +1,6 @@
-"""Start a worker as a child process (`python -m prefill_worker|decode_worker`) and wait,
-bounded, for its READY line. Used by cluster tests and benchmarks."""
+"""Child processes: start a worker (`python -m prefill_worker|decode_worker`) and wait,
+bounded, for its READY line (cluster tests and benchmarks), and the one way every
+part of tandem stops a process group."""
 
 from __future__ import annotations
 
@@ -12,7 +13,33 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from worker_runtime.client import WorkerClient
+
 START_TIMEOUT_S = 180.0
+
+
+def _signal(pid: int, sig: int, group: bool) -> None:
+    try:
+        (os.killpg if group else os.kill)(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 30.0, sig: int = signal.SIGTERM,
+                       group: bool = True) -> bool:
+    """`sig` to the process group `proc` leads (started with start_new_session=True; with
+    group=False to `proc` alone), wait up to `grace_s`, then SIGKILL. True when it had
+    to be killed."""
+    if proc.poll() is not None:
+        return False
+    _signal(proc.pid, sig, group)
+    try:
+        proc.wait(grace_s)
+        return False
+    except subprocess.TimeoutExpired:
+        _signal(proc.pid, signal.SIGKILL, group)
+        proc.wait(10)
+        return True
 
 
 @dataclass
@@ -30,21 +57,13 @@ class WorkerProc:
         self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process_group(self.proc, grace_s=10, group=False)
 
     @property
     def port(self) -> int:
         return int(self.address.rsplit(":", 1)[1])
 
-    def client(self, token: str | None = None):
-        from router.worker_client import WorkerClient
-
+    def client(self, token: str | None = None) -> WorkerClient:
         return WorkerClient(self.worker_id, self.role, self.address, token)
 
 

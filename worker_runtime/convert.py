@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.sampler import TokenLogprobs
+from engine.events import TokenEvent, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from protos import tandem_pb2 as pb
 
@@ -39,3 +39,18 @@ def logprobs_to_pb(lp: TokenLogprobs) -> pb.TokenLogprobs:
 
 def logprobs_from_pb(m: pb.TokenLogprobs) -> TokenLogprobs:
     return TokenLogprobs(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top])
+
+
+def token_event_to_pb(ev: TokenEvent) -> pb.DecodeEvent:
+    """An engine token event as the Decode stream's message (the one conversion)."""
+    t = pb.Tokens(finished=ev.finished, finish_reason=ev.finish_reason.value if ev.finish_reason else "",
+                  error=ev.error or "")
+    if ev.token_id is not None:
+        t.first_index = ev.num_output_tokens - 1
+        t.token_ids.append(ev.token_id)
+        if ev.logprobs is not None:
+            t.logprobs.append(logprobs_to_pb(ev.logprobs))
+    if ev.finished:
+        t.usage.CopyFrom(pb.Usage(prompt_tokens=ev.num_prompt_tokens, completion_tokens=ev.num_output_tokens,
+                                  cached_tokens=ev.num_cached_tokens))
+    return pb.DecodeEvent(tokens=t)

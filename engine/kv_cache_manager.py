@@ -1,0 +1,135 @@
+"""KVCacheManager: the scheduler's narrow view of the block pool. Pure Python, no torch.
+
+The scheduler asks five things (match a cached prefix, can it fit, allocate, commit
+full blocks, free) and gets small typed answers; it never reads the pool's ref
+counts, and a Sequence carries no cache bookkeeping: block tables, block hashes and
+how many blocks are already named in the prefix cache live here, by sequence id.
+
+    seq tokens:   [ block 0 | block 1 | block 2 | blo.. ]
+    block table:  [   17    |    4    |   29    |  8   ]   (this manager)
+    named:        [  yes    |   yes   |   no    |  no  ]   (full and computed -> named)
+
+Why a prefix hit stops short of the last token: the last token of a sequence must be
+computed to sample the next one, so a hit may cover at most `num_tokens - 1` tokens
+(the caller passes that bound). Why a reservation's blocks are named only once their
+KV landed: until then the blocks hold no content, and naming them would let another
+request "hit" garbage.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from engine.block_pool import BlockPool, hash_block
+from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Leading full blocks already in the prefix cache, and how many of them are
+    unreferenced (cached-free): taking those uses up free capacity."""
+
+    block_ids: tuple[int, ...] = ()
+    num_revived: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, watermark_blocks: int = 0) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.watermark_blocks = watermark_blocks
+        self._tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[bytes]] = {}
+        self._named: dict[str, int] = {}
+
+    # ---- queries ---------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def block_table(self, seq_id: str) -> list[int]:
+        """The sequence's blocks, in token order ([] when it holds none)."""
+        return self._tables.get(seq_id, [])
+
+    def num_blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks to add so that `num_tokens` tokens of `seq` have a place."""
+        return max(0, math.ceil(num_tokens / self.block_size) - len(self.block_table(seq.seq_id)))
+
+    def match(self, seq: Sequence, max_tokens: int) -> PrefixHit:
+        """The longest cached run of `seq`'s leading full blocks within `max_tokens`.
+        No refs are taken. Only for a sequence that holds no blocks."""
+        if self.block_table(seq.seq_id) or not self.pool.enable_prefix_caching:
+            return PrefixHit()
+        n = max_tokens // self.block_size
+        hits = self.pool.match_prefix(self._hashes_of(seq, n), seq.token_slice(0, n * self.block_size))
+        return PrefixHit(tuple(hits), sum(1 for b in hits if self.pool.ref_counts[b] == 0))
+
+    def can_fit(self, hit: PrefixHit, num_new_blocks: int) -> bool:
+        """Room for the hit and `num_new_blocks` while keeping the watermark free."""
+        return self.pool.num_free_blocks - hit.num_revived - num_new_blocks >= self.watermark_blocks
+
+    # ---- changes -----------------------------------------------------------------
+    def allocate(self, seq: Sequence, hit: PrefixHit, num_new_blocks: int) -> None:
+        """Give `seq` its first blocks: the hit (already named) plus new ones."""
+        self.pool.acquire_cached(hit.block_ids)
+        self._tables[seq.seq_id] = [*hit.block_ids, *self.pool.allocate(num_new_blocks)]
+        self._named[seq.seq_id] = hit.num_blocks
+
+    def grow(self, seq: Sequence, num_blocks: int) -> None:
+        """Append `num_blocks` new blocks (the caller checked there is room)."""
+        self._tables.setdefault(seq.seq_id, []).extend(self.pool.allocate(num_blocks))
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Name the blocks that became full and computed since the last call in the
+        prefix cache (each block once)."""
+        table = self.block_table(seq.seq_id)
+        full = min(seq.num_computed // self.block_size, len(table))
+        named = self._named.get(seq.seq_id, 0)
+        if full <= named:
+            return
+        hashes = self._hashes_of(seq, full)
+        bs = self.block_size
+        for i in range(named, full):
+            self.pool.cache_block(table[i], hashes[i], seq.token_slice(i * bs, (i + 1) * bs))
+        self._named[seq.seq_id] = full
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's blocks (tail first: its prefix is evicted last)."""
+        table = self._tables.pop(seq.seq_id, [])
+        self.pool.release(list(reversed(table)))
+        self._named.pop(seq.seq_id, None)
+
+    def forget(self, seq: Sequence) -> None:
+        """The sequence is gone for good: drop its memoized hashes too."""
+        self.free(seq)
+        self._hashes.pop(seq.seq_id, None)
+
+    def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.pool.record_query(num_tokens, num_hit_tokens)
+
+    # ---- invariants ------------------------------------------------------------
+    def refs(self) -> dict[int, int]:
+        """block -> how many block tables hold it (the pool's ref counts must match)."""
+        refs: dict[int, int] = {}
+        for table in self._tables.values():
+            for b in table:
+                refs[b] = refs.get(b, 0) + 1
+        return refs
+
+    def check_integrity(self, live_ids: set[str]) -> None:
+        assert set(self._tables) <= live_ids, f"block tables of dead sequences: {set(self._tables) - live_ids}"
+        self.pool.check_integrity(self.refs())
+
+    def _hashes_of(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """Content hashes of the first `num_blocks` full blocks (computed once each)."""
+        hs = self._hashes.setdefault(seq.seq_id, [])
+        bs = self.block_size
+        while len(hs) < num_blocks:
+            i = len(hs)
+            hs.append(hash_block(hs[-1] if hs else None, seq.token_slice(i * bs, (i + 1) * bs)))
+        return hs[:num_blocks]

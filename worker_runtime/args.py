@@ -1,0 +1,37 @@
+"""The worker options as command-line flags: one definition, shared by `tandem serve`
+(which hands them to every worker it starts) and `python -m prefill_worker|decode_worker`."""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.config import EngineConfig
+from worker_runtime.config import TRANSPORTS, HandoffTimeouts, Role, WorkerConfig
+
+
+def add_worker_args(p: argparse.ArgumentParser, host_flag: str = "--host") -> None:
+    """`host_flag` names the bind-address flag (`tandem serve` has its own --host for HTTP)."""
+    g = p.add_argument_group("worker")
+    g.add_argument(host_flag, dest="worker_host", default="127.0.0.1",
+                   help="address workers bind for gRPC and KV transfer (default 127.0.0.1)")
+    g.add_argument("--transport", default="auto", choices=TRANSPORTS, help="KV transfer backend (default auto)")
+    g.add_argument("--cluster-token", default=None, help="shared secret every worker gRPC call must carry")
+    g.add_argument("--no-layerwise-transfer", action="store_true",
+                   help="prefill: push KV after the whole forward, not layer by layer")
+    g.add_argument("--reservation-lease-s", type=float, default=HandoffTimeouts.reservation_lease_s,
+                   help="decode: how long reserved blocks wait for their KV (default %(default)s)")
+    g.add_argument("--reservation-quarantine-s", type=float, default=HandoffTimeouts.quarantine_s,
+                   help="decode: blocks of a reservation that ended before its KV landed stay unused this long "
+                        "(default %(default)s)")
+    g.add_argument("--transfer-timeout-s", type=float, default=None,
+                   help="prefill: fail a KV write not acknowledged in this time (default: half the quarantine)")
+
+
+def worker_config_from_args(a: argparse.Namespace, role: Role | str, worker_id: str, engine: EngineConfig,
+                            port: int = 0, metrics_port: int | None = None,
+                            cluster_token: str | None = None) -> WorkerConfig:
+    handoff = HandoffTimeouts(reservation_lease_s=a.reservation_lease_s, quarantine_s=a.reservation_quarantine_s,
+                              transfer_timeout_s=a.transfer_timeout_s)
+    return WorkerConfig(role=role, worker_id=worker_id, engine=engine, host=a.worker_host, port=port,
+                        transport=a.transport, cluster_token=cluster_token or a.cluster_token,
+                        layerwise_transfer=not a.no_layerwise_transfer, handoff=handoff, metrics_port=metrics_port)

@@ -1,0 +1,77 @@
+"""A worker process's own config: its role, where it serves, its transport, and the
+handoff timeouts. The engine inside it has its own EngineConfig (engine/config.py).
+
+Handoff timeouts: `HandoffTimeouts`; docs/architecture.md ("Every handoff timeout")
+gives the order they fire in and why `quarantine_s > transfer_timeout_s` is required
+(checked here).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.config import ConfigError, EngineConfig
+
+
+class Role(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+TRANSPORTS = ("auto", "nixl", "tcp")
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class HandoffTimeouts:
+    """Every deadline of a KV handoff, in seconds; the module docstring orders them."""
+
+    reservation_lease_s: float = 30.0  # decode: how long reserved blocks wait for their KV
+    # decode: blocks of a reservation that ended before its KV landed stay out of use
+    # this long (or until the writer's notification arrives), so a late write cannot
+    # corrupt a request that reused them
+    quarantine_s: float = 30.0
+    # prefill: how long one handoff's write may take; None: half the quarantine
+    transfer_timeout_s: float | None = None
+
+    @property
+    def transfer_s(self) -> float:
+        return self.quarantine_s / 2 if self.transfer_timeout_s is None else self.transfer_timeout_s
+
+    def __post_init__(self) -> None:
+        _require(self.reservation_lease_s > 0, "reservation_lease_s must be > 0")
+        _require(self.quarantine_s > 0, "quarantine_s must be > 0")
+        _require(self.transfer_s > 0, "transfer_timeout_s must be > 0")
+        _require(self.quarantine_s > self.transfer_s,
+                 f"quarantine_s ({self.quarantine_s:g}) must exceed transfer_timeout_s "
+                 f"({self.transfer_s:g}): a late write must be over before its blocks are reused; "
+                 "raise --reservation-quarantine-s or lower --transfer-timeout-s")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One prefill or decode worker process."""
+
+    role: Role
+    worker_id: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"  # gRPC bind address (the cluster-facing interface)
+    port: int = 0  # 0: any free port, reported after start
+    transport: str = "auto"  # auto | nixl | tcp
+    cluster_token: str | None = None  # required in every gRPC call's metadata when set
+    layerwise_transfer: bool = True  # prefill: push each layer's KV as soon as it is computed
+    handoff: HandoffTimeouts = field(default_factory=HandoffTimeouts)
+    metrics_port: int | None = None  # serve Prometheus /metrics here (0: any free port)
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "role", Role(self.role))
+        except ValueError:
+            raise ConfigError(f"role {self.role!r}: use 'prefill' or 'decode'") from None
+        _require(bool(self.worker_id), "worker_id must be non-empty")
+        _require(self.transport in TRANSPORTS, f"transport {self.transport!r}: use auto, nixl or tcp")

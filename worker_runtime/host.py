@@ -1,0 +1,129 @@
+"""Host a worker service: its asyncio loop on a thread of its own, so a Ray actor (or
+a plain process) can start it, ask for its address and stop it. The service class
+comes from the worker package (prefill_worker, decode_worker); this package knows
+nothing of either.
+
+`python -m prefill_worker` / `python -m decode_worker` run `main(...)`: one worker in
+the foreground, printing `READY <host:port>` once it serves, until SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Callable, Protocol
+
+from engine.cli_args import add_engine_args, engine_config_from_args
+from worker_runtime.args import add_worker_args, worker_config_from_args
+from worker_runtime.config import Role, WorkerConfig
+from worker_runtime.rpc import setup_process
+
+log = logging.getLogger(__name__)
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class WorkerService(Protocol):
+    """What a worker package hands the host: built from its config, started and
+    stopped on the host's event loop."""
+
+    epoch: int
+
+    async def start(self) -> str: ...
+
+    async def stop(self) -> None: ...
+
+
+ServiceFactory = Callable[[WorkerConfig], WorkerService]
+
+
+class WorkerHost:
+    def __init__(self, config: WorkerConfig, make_service: ServiceFactory) -> None:
+        self.config = config
+        self.worker = make_service(config)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=f"{config.worker_id}-loop", daemon=True)
+
+    def start(self, timeout: float = 600.0) -> str:
+        """Build the engine and start serving; returns host:port."""
+        self._thread.start()
+        return self.run(self.worker.start(), timeout)
+
+    def run(self, coro, timeout: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        try:
+            self.run(self.worker.stop(), timeout)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout)
+
+
+class WorkerActor:
+    """Body of the Ray actor for either role; the actor process owns its cores.
+    A worker package subclasses it and names its service class in `service`."""
+
+    service: ServiceFactory
+
+    def __init__(self, config: WorkerConfig) -> None:
+        device = config.engine.device
+        setup_process(device.num_threads, device.cpu_affinity)
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+        self.host = WorkerHost(config, type(self).service)
+        self.address = ""
+
+    def start(self) -> str:
+        self.address = self.host.start()
+        return self.address
+
+    def info(self) -> dict:
+        return {
+            "worker_id": self.host.config.worker_id,
+            "role": self.host.config.role.value,
+            "address": self.address,
+            "epoch": self.host.worker.epoch,
+            "pid": os.getpid(),
+        }
+
+    def stop(self) -> bool:
+        self.host.stop()
+        return True
+
+
+def parse_args(role: Role, argv: list[str] | None) -> WorkerConfig:
+    p = argparse.ArgumentParser(
+        prog=f"python -m {role.value}_worker", description=f"Run one tandem {role.value} worker."
+    )
+    p.add_argument("--worker-id", default=f"{role.value}-0")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any free port)")
+    add_worker_args(p)
+    add_engine_args(p)
+    a = p.parse_args(argv)
+    return worker_config_from_args(
+        a, role, a.worker_id, engine_config_from_args(a), port=a.port, metrics_port=a.metrics_port
+    )
+
+
+def main(role: Role, make_service: ServiceFactory, argv: list[str] | None = None) -> int:
+    config = parse_args(role, argv)
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
+    setup_process(config.engine.device.num_threads, config.engine.device.cpu_affinity)
+
+    async def serve() -> None:
+        worker = make_service(config)
+        address = await worker.start()
+        print(f"READY {address}", flush=True)
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await worker.stop()
+
+    asyncio.run(serve())
+    return 0

@@ -1,0 +1,85 @@
+"""Prometheus metrics of one worker, served on its own /metrics port.
+
+Gauges are read from the engine when scraped (plain ints; a scrape never blocks the
+engine thread); counters and histograms are fed by the engine thread as steps,
+landings and transfers happen. Every series carries `worker_id` and `role`. Names
+are listed in docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from worker_runtime.config import Role
+from worker_runtime.stats import COUNTERS, WorkerStats
+
+log = logging.getLogger(__name__)
+
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class _StatsCollector(Collector):
+    """Gauges and counters read off the worker's WorkerStats at scrape time."""
+
+    def __init__(self, labels: list[str], read: Callable[[], WorkerStats]) -> None:
+        self.labels = labels
+        self.read = read
+
+    def collect(self):
+        for name, value in self.read().metric_values().items():
+            kind = CounterMetricFamily if name in COUNTERS else GaugeMetricFamily
+            fam = kind(name, name.replace("tandem:", "").replace("_", " "), labels=["worker_id", "role"])
+            fam.add_metric(self.labels, value)
+            yield fam
+
+
+class WorkerMetrics:
+    def __init__(self, worker_id: str, role: Role, read_stats: Callable[[], WorkerStats]) -> None:
+        self.registry = reg = CollectorRegistry()
+        self.labels = [worker_id, role.value]
+        lab = ["worker_id", "role"]
+        reg.register(_StatsCollector(self.labels, read_stats))
+        self.step_seconds = Histogram(
+            "tandem:worker_step_seconds", "Forward pass time per engine step.", lab, buckets=STEP_BUCKETS, registry=reg
+        ).labels(*self.labels)
+        self.step_tokens = Histogram(
+            "tandem:worker_step_tokens", "Tokens computed per engine step.", lab, buckets=TOKEN_BUCKETS, registry=reg
+        ).labels(*self.labels)
+        self.transfer_seconds = Histogram(
+            "tandem:kv_transfer_seconds",
+            "KV write issued to written and notified.",
+            lab,
+            buckets=TRANSFER_BUCKETS,
+            registry=reg,
+        ).labels(*self.labels)
+        self.transfer_bytes = Counter(
+            "tandem:kv_transfer_bytes", "KV bytes written to decode workers.", lab, registry=reg
+        ).labels(*self.labels)
+        self.transfer_failures = Counter(
+            "tandem:kv_transfer_failures", "KV handoffs that failed.", lab, registry=reg
+        ).labels(*self.labels)
+        self.kv_landed = Counter("tandem:kv_landed", "Reservations whose KV arrived.", lab, registry=reg).labels(
+            *self.labels
+        )
+        self.kv_expired = Counter(
+            "tandem:kv_reservations_expired", "Reservations whose KV never arrived in time.", lab, registry=reg
+        ).labels(*self.labels)
+        self.address = ""
+
+    def serve(self, host: str, port: int) -> str:
+        """Start the /metrics HTTP endpoint (port 0: any free port); returns host:port."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self.address = f"{host}:{server.server_port}"
+        log.info("metrics at http://%s/metrics", self.address)
+        return self.address
+
+    def on_step(self, num_tokens: int, forward_s: float) -> None:
+        self.step_tokens.observe(num_tokens)
+        self.step_seconds.observe(forward_s)

@@ -1,0 +1,88 @@
+"""WorkerStats: one worker's load, built once per read and handed to every consumer:
+the Stats RPC (`to_pb`), the worker's Prometheus collector (`metric_values`) and,
+converted back at the router's client edge (`from_pb`), the routing policy.
+
+Both roles fill every field with one meaning:
+- queued_prefill_tokens: prompt tokens admitted or waiting and not yet computed;
+- num_awaiting_kv / num_reserved_blocks: live reservations waiting for remote KV;
+- num_quarantined_blocks: blocks of reservations that ended before their KV landed,
+  held until the late writer is done (not live requests: they count against
+  neither max_num_seqs nor a drain);
+- num_handoffs: prompts whose KV is being written to a decode worker (prefill).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from protos import tandem_pb2 as pb
+from worker_runtime.config import Role
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    worker_id: str
+    epoch: int
+    role: Role
+    num_running: int = 0
+    num_waiting: int = 0
+    num_awaiting_kv: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    num_reserved_blocks: int = 0
+    num_quarantined_blocks: int = 0
+    num_handoffs: int = 0
+    queued_prefill_tokens: int = 0
+    max_num_seqs: int = 1
+    block_size: int = 16
+    max_model_len: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    draining: bool = False
+    transport: str = ""
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def idle(self) -> bool:
+        """No live request here (quarantined blocks are not requests)."""
+        return not (self.num_running or self.num_waiting or self.num_awaiting_kv or self.num_handoffs)
+
+    def to_pb(self) -> pb.WorkerStats:
+        return pb.WorkerStats(**(asdict(self) | {"role": self.role.value}))
+
+    @classmethod
+    def from_pb(cls, m: pb.WorkerStats) -> "WorkerStats":
+        return cls(**{f: getattr(m, f) for f in cls.__dataclass_fields__} | {"role": Role(m.role)})
+
+    def metric_values(self) -> dict[str, float]:
+        """Series for the worker's /metrics (names in docs/metrics.md)."""
+        return {
+            "tandem:num_requests_running": self.num_running,
+            "tandem:num_requests_waiting": self.num_waiting,
+            "tandem:kv_cache_usage_perc": self.kv_usage,
+            "tandem:num_preemptions": self.num_preemptions,
+            "tandem:prefix_cache_queries": self.prefix_cache_queries,
+            "tandem:prefix_cache_hits": self.prefix_cache_hits,
+            "tandem:queued_prefill_tokens": self.queued_prefill_tokens,
+            "tandem:requests_waiting_for_kv": self.num_awaiting_kv,
+            "tandem:blocks_reserved_for_incoming_kv": self.num_reserved_blocks,
+            "tandem:blocks_quarantined": self.num_quarantined_blocks,
+            "tandem:kv_handoffs_in_flight": self.num_handoffs,
+        }
+
+
+COUNTERS = frozenset({"tandem:num_preemptions", "tandem:prefix_cache_queries", "tandem:prefix_cache_hits"})
+
+
+def engine_fields(scheduler, pool) -> dict:
+    """The fields every worker reads off its scheduler (engine/scheduler.py) and block pool."""
+    return dict(num_running=len(scheduler.running), num_waiting=scheduler.num_waiting,
+                num_blocks=pool.num_blocks, num_free_blocks=pool.num_free_blocks,
+                queued_prefill_tokens=scheduler.queued_prefill_tokens, max_num_seqs=scheduler.config.max_num_seqs,
+                block_size=pool.block_size, max_model_len=scheduler.config.max_model_len,
+                prefix_cache_queries=pool.queries, prefix_cache_hits=pool.hits,
+                num_preemptions=scheduler.num_preemptions)
