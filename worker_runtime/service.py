@@ -3,6 +3,8 @@ answer alike (Health, CheckIntegrity, Drain, KVEvents, Stats)."""
 
 from __future__ import annotations
 
+import abc
+
 from engine import envs
 from kv_transfer.base import Transport, TransportConfig
 from kv_transfer.registry import create_transport
@@ -27,14 +29,19 @@ def make_transport(cfg: WorkerConfig, epoch: int) -> Transport:
     return transport
 
 
-class WorkerRpcs:
+class WorkerRpcs(abc.ABC):
     """The RPCs both worker services answer the same way. A service sets `role`,
     `config`, `epoch`, `draining`, `metrics`, `kv_events` and `engine_loop` (its
     EngineLoop), and defines `stats()` (its WorkerStats, built in one place) and
     `check_integrity()` (run on the engine thread)."""
 
+    @abc.abstractmethod
     def stats(self) -> WorkerStats:
-        raise NotImplementedError
+        """This worker's load now; any thread (a lock-free snapshot)."""
+
+    @abc.abstractmethod
+    def check_integrity(self) -> None:
+        """Engine thread: raise AssertionError if blocks, ledger or scheduler disagree."""
 
     def make_metrics(self) -> WorkerMetrics:
         """The worker's Prometheus registry; its gauges read `stats()` at scrape time."""
