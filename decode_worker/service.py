@@ -33,7 +33,7 @@ from kv_transfer.ledger import Entry, HandoffState, Ledger
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc as pb_grpc
 from worker_runtime.config import Role, WorkerConfig
-from worker_runtime.convert import logprobs_from_pb, params_from_pb, token_event_to_pb
+from worker_runtime.convert import can_join, logprobs_from_pb, params_from_pb, token_events_to_pb
 from worker_runtime.kv_events import KVEventHub
 from worker_runtime.rpc import new_epoch, start_server
 from worker_runtime.service import WorkerRpcs, make_transport
@@ -193,10 +193,18 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
             else:
                 await self.aengine.call(self.engine.add_request, rid, prompt, params, prio, None,
                                         list(request.output_ids))
+            held = None  # an event that could not join the previous message
             while not finished:
-                ev = await q.get()
-                finished = ev.finished
-                yield token_event_to_pb(ev)
+                evs = [held if held is not None else await q.get()]
+                held = None
+                while not evs[-1].finished and not q.empty():  # what queued while the last message was sent
+                    ev = q.get_nowait()
+                    if not can_join(evs[-1], ev):
+                        held = ev
+                        break
+                    evs.append(ev)
+                finished = evs[-1].finished
+                yield token_events_to_pb(evs)
         except NoCapacity as e:
             finished = True  # nothing was reserved
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))

@@ -3,6 +3,8 @@
     TANDEM_CACHE_DIR   where the built-in model and compiled kernels live
                        (default ~/.cache/tandem)
     TANDEM_LOG_LEVEL   log level of workers and the router (default INFO)
+    TANDEM_CPU_PACKED_WEIGHTS  0 turns off oneDNN pre-packed bf16 linear layers on
+                       CPU (engine/models/packed.py; default on where supported)
     TANDEM_FAULTS      fault injection for failure tests, comma-separated key=value:
                          prefill_step_delay_s=F  sleep F s in every prefill step
                          transfer_delay_s=F      hold every KV write F s before it completes
@@ -29,6 +31,10 @@ def cache_dir() -> Path:
 
 def log_level() -> str:
     return os.environ.get("TANDEM_LOG_LEVEL", "INFO").upper()
+
+
+def cpu_packed_weights() -> bool:
+    return os.environ.get("TANDEM_CPU_PACKED_WEIGHTS", "1").lower() not in ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)

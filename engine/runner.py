@@ -20,6 +20,7 @@ from engine.attention import AttentionBackend, AttentionMetadata, get_backend
 from engine.config import CacheConfig, DeviceConfig, ModelConfig
 from engine.events import TokenLogprobs
 from engine.kv_cache import KVCache
+from engine.models.packed import can_pack, pack_linears
 from engine.plan import SampleRow, SeqWork, StepPlan  # noqa: F401 (re-exported)
 from engine.sampler import Sampler, SamplerOutput
 
@@ -55,6 +56,8 @@ class ModelRunner:
     ) -> None:
         self.device = torch.device(device_config.device)
         self.model = model
+        if can_pack(model, self.device):
+            pack_linears(model, model.embed_tokens.weight if model.lm_head is None else None)
         self.model_config = model_config
         self.kv_cache = KVCache(model_config, cache_config, self.device)
         self.block_size = cache_config.block_size

@@ -175,6 +175,10 @@ class PoolManager(AdminInterface):
                 # A local runtime advertises at least LOCAL_LOGICAL_CPUS, so pools can grow past the
                 # core count on one machine; workers share cores (pinned round-robin, PoolConfig.cores).
                 kw["num_cpus"] = max(os.cpu_count() or 1, LOCAL_LOGICAL_CPUS)
+                # Ray starts worker processes at nice 15, below the router and Ray's own
+                # daemons: on a busy CPU host the engines, which make every token, then
+                # lose each contended time slice (docs/performance.md). Equal footing.
+                kw["_system_config"] = {"worker_niceness": 0}
             await asyncio.to_thread(
                 ray.init,
                 address=self.ray_address,

@@ -41,16 +41,30 @@ def logprobs_from_pb(m: pb.TokenLogprobs) -> TokenLogprobs:
     return TokenLogprobs(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top])
 
 
-def token_event_to_pb(ev: TokenEvent) -> pb.DecodeEvent:
-    """An engine token event as the Decode stream's message (the one conversion)."""
-    t = pb.Tokens(finished=ev.finished, finish_reason=ev.finish_reason.value if ev.finish_reason else "",
-                  error=ev.error or "")
-    if ev.token_id is not None:
-        t.first_index = ev.num_output_tokens - 1
-        t.token_ids.append(ev.token_id)
-        if ev.logprobs is not None:
-            t.logprobs.append(logprobs_to_pb(ev.logprobs))
-    if ev.finished:
-        t.usage.CopyFrom(pb.Usage(prompt_tokens=ev.num_prompt_tokens, completion_tokens=ev.num_output_tokens,
-                                  cached_tokens=ev.num_cached_tokens))
+def token_events_to_pb(evs: list[TokenEvent]) -> pb.DecodeEvent:
+    """Consecutive events of one request as one Tokens message: a stream that fell a
+    step or more behind its engine sends what queued up at once (one message, and one
+    SSE event at the router, instead of one per token). Callers keep `can_join`."""
+    last = evs[-1]
+    t = pb.Tokens(finished=last.finished, finish_reason=last.finish_reason.value if last.finish_reason else "",
+                  error=last.error or "")
+    toks = [e for e in evs if e.token_id is not None]
+    if toks:
+        t.first_index = toks[0].num_output_tokens - 1
+        t.token_ids.extend(e.token_id for e in toks)
+        t.logprobs.extend(logprobs_to_pb(e.logprobs) for e in toks if e.logprobs is not None)
+    if last.finished:
+        t.usage.CopyFrom(pb.Usage(prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens,
+                                  cached_tokens=last.num_cached_tokens))
     return pb.DecodeEvent(tokens=t)
+
+
+def can_join(prev: TokenEvent, ev: TokenEvent) -> bool:
+    """Whether `ev` may ride in the same Tokens message as `prev` (its predecessor):
+    token ids stay consecutive and logprobs stay parallel to them."""
+    return (
+        not prev.finished
+        and prev.token_id is not None
+        and (ev.token_id is None or ev.num_output_tokens == prev.num_output_tokens + 1)
+        and (ev.token_id is None or (ev.logprobs is None) == (prev.logprobs is None))
+    )

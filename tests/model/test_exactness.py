@@ -75,3 +75,28 @@ def test_sliding_window_caps_the_context(mistral_window_dir):
     assert run(engine, [prompt], SamplingParams(max_tokens=NEW, temperature=0)) == [
         hf_greedy(mistral_window_dir, prompt, NEW)
     ]
+
+
+def test_bf16_packed_weights_change_no_token(builtin_dir, monkeypatch):
+    """bf16 on CPU runs its linear layers on oneDNN-packed weights (where supported):
+    the greedy tokens are those of the same engine on plain F.linear."""
+    from engine.config import DeviceConfig
+    from engine.models.packed import PackedLinear
+
+    prompts = random_prompts(LENGTHS, seed=6)
+
+    def tokens():
+        engine = LLMEngine.from_config(EngineConfig(
+            model=str(builtin_dir), dtype="bfloat16", device=DeviceConfig(),
+            cache=CacheConfig(num_blocks=256), scheduler=SchedulerConfig(max_num_batched_tokens=4096,
+                                                                         max_model_len=1024)))
+        packed = any(isinstance(m, PackedLinear) for m in engine.runner.model.modules())
+        return packed, run(engine, prompts, SamplingParams(max_tokens=NEW, temperature=0))
+
+    packed, got = tokens()
+    monkeypatch.setenv("TANDEM_CPU_PACKED_WEIGHTS", "0")
+    plain, want = tokens()
+    assert not plain
+    if not packed:
+        pytest.skip("no native oneDNN bf16 here: nothing was packed")
+    assert got == want
