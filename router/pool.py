@@ -88,6 +88,9 @@ class Claim:
 
 
 LOCAL_LOGICAL_CPUS = 64
+# Local CPU runs: a worker step of at most this many tokens uses one torch thread, leaving
+# the other cores to the router and clients (measured: docs/performance.md).
+LOCAL_SERIAL_STEP_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -261,7 +264,10 @@ class PoolManager(AdminInterface):
         device = t.engine.device
         if self.config.cores and device.device == "cpu":
             cores = share_cores(self.config.cores, sum(self.targets.values()), slot)
-            device = dataclasses.replace(device, cpu_affinity=cores, num_threads=device.num_threads or len(cores))
+            # the router and local clients run on these cores too: small steps on one thread
+            serial = device.serial_step_tokens if device.serial_step_tokens is not None else LOCAL_SERIAL_STEP_TOKENS
+            device = dataclasses.replace(device, cpu_affinity=cores, num_threads=device.num_threads or len(cores),
+                                         serial_step_tokens=serial)
         return dataclasses.replace(
             t, role=role, worker_id=worker_id, engine=dataclasses.replace(t.engine, device=device)
         )
