@@ -26,9 +26,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
     g.add_argument("--cpu-affinity", default=None, help="cores this worker may use, e.g. 0-3,6")
-    g.add_argument("--serial-step-tokens", type=int, default=None, metavar="N",
-                   help="CPU: steps of at most N tokens run on one torch thread (0: never; default: 4 when "
-                   "`tandem serve` runs workers on the router's own cores, else 0)")
+    g.add_argument("--serial-step-work", type=float, default=None, metavar="N",
+                   help="CPU: a step whose tokens x weight parameters are at most N runs on one torch thread "
+                   "(0: never; default: 32e6 when `tandem serve` runs workers on the router's own cores, else 0)")
     g.add_argument("--attention-backend", default="auto")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory-gb)")
@@ -52,6 +52,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                                   max_model_len=a.max_model_len, enable_chunked_prefill=not a.no_chunked_prefill,
                                   policy=a.scheduler),
         device=DeviceConfig(device=a.device, num_threads=a.num_threads, cpu_affinity=parse_cores(a.cpu_affinity),
-                            attention_backend=a.attention_backend, serial_step_tokens=a.serial_step_tokens),
+                            attention_backend=a.attention_backend,
+                            serial_step_work=None if a.serial_step_work is None else int(a.serial_step_work)),
         seed=a.seed,
     )

@@ -236,11 +236,11 @@ class DeviceConfig:
     num_threads: int | None = None
     cpu_affinity: tuple[int, ...] | None = None
     attention_backend: str = "auto"  # auto | torch | triton | cpu
-    # CPU: steps of at most this many tokens run on one thread (0: never; None: the
-    # serving layer decides). For a worker whose cores the router and clients share: a
-    # small step gains little from a second thread, and each time the serving path
-    # preempts one, the whole parallel region waits (docs/performance.md).
-    serial_step_tokens: int | None = None
+    # CPU: a step whose tokens x weight parameters are at most this runs on one thread
+    # (0: never; None: the serving layer decides). For a worker whose cores the router
+    # and clients share: a small step gains little from a second thread, and each time
+    # the serving path preempts one, the whole parallel region waits (docs/performance.md).
+    serial_step_work: int | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -251,7 +251,7 @@ class DeviceConfig:
             "attention_backend: use auto, torch, triton or cpu",
         )
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
-        _require(self.serial_step_tokens is None or self.serial_step_tokens >= 0, "serial_step_tokens must be >= 0")
+        _require(self.serial_step_work is None or self.serial_step_work >= 0, "serial_step_work must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -64,13 +64,15 @@ class ModelRunner:
         self.backend: AttentionBackend = get_backend(device_config.attention_backend, self.device)
         self.sampler = Sampler(self.device, sampler_seed)
         self.max_threads = torch.get_num_threads()
-        self.serial_step_tokens = (device_config.serial_step_tokens or 0) if self.device.type == "cpu" else 0
+        self.serial_step_work = (device_config.serial_step_work or 0) if self.device.type == "cpu" else 0
+        self.weight_params = sum(p.numel() for p in model.parameters()) - model.embed_tokens.weight.numel()
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, on_layer_done: Callable[[int], None] | None = None) -> StepResult:
         t0 = time.perf_counter()
-        if self.serial_step_tokens and self.max_threads > 1:  # costs ~0.2 us a call
-            torch.set_num_threads(1 if plan.num_tokens <= self.serial_step_tokens else self.max_threads)
+        if self.serial_step_work and self.max_threads > 1:  # costs ~0.2 us a call
+            small = plan.num_tokens * self.weight_params <= self.serial_step_work
+            torch.set_num_threads(1 if small else self.max_threads)
         b = self._prepare(plan)
         hidden = self.model(b.input_ids, b.positions, self.kv_cache.layers, b.meta, self.backend, on_layer_done)
         if not b.sample_ids:

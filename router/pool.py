@@ -88,9 +88,11 @@ class Claim:
 
 
 LOCAL_LOGICAL_CPUS = 64
-# Local CPU runs: a worker step of at most this many tokens uses one torch thread, leaving
-# the other cores to the router and clients (measured: docs/performance.md).
-LOCAL_SERIAL_STEP_TOKENS = 4
+# Local CPU runs: a worker step of at most this much work (tokens x weight parameters) uses
+# one torch thread, leaving the other cores to the router and clients. About 4 tokens of
+# an 8M-parameter model; never one token of a 100M+ one, whose step is bandwidth-bound
+# and gains from every core (measured: docs/performance.md).
+LOCAL_SERIAL_STEP_WORK = 32_000_000
 
 
 @dataclass(frozen=True)
@@ -265,9 +267,9 @@ class PoolManager(AdminInterface):
         if self.config.cores and device.device == "cpu":
             cores = share_cores(self.config.cores, sum(self.targets.values()), slot)
             # the router and local clients run on these cores too: small steps on one thread
-            serial = device.serial_step_tokens if device.serial_step_tokens is not None else LOCAL_SERIAL_STEP_TOKENS
+            serial = device.serial_step_work if device.serial_step_work is not None else LOCAL_SERIAL_STEP_WORK
             device = dataclasses.replace(device, cpu_affinity=cores, num_threads=device.num_threads or len(cores),
-                                         serial_step_tokens=serial)
+                                         serial_step_work=serial)
         return dataclasses.replace(
             t, role=role, worker_id=worker_id, engine=dataclasses.replace(t.engine, device=device)
         )

@@ -211,3 +211,26 @@ def test_async_text_stream_with_stop_strings(builtin_dir):
     assert stopped[-1].finished and stopped[-1].finish_reason == "stop"
     # exactly the text before the stop string: no part of it was ever shown
     assert "".join(e.text for e in stopped) == full.text[: full.text.index(stop)]
+
+
+def test_small_steps_run_on_one_thread_when_asked(builtin_dir):
+    """serial_step_work: a step whose tokens x weight parameters fit runs on one torch
+    thread, a bigger one on all (a worker sharing its cores with the serving path)."""
+    from engine.config import DeviceConfig
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = LLMEngine.from_config(EngineConfig(model=str(builtin_dir), cache=CacheConfig(num_blocks=64),
+                                                    device=DeviceConfig(num_threads=2, serial_step_work=1)))
+        runner = engine.runner
+        runner.serial_step_work = 2 * runner.weight_params  # up to 2 tokens: one thread
+        seen = []
+        real = runner._prepare
+        runner._prepare = lambda plan: (seen.append((plan.num_tokens, torch.get_num_threads())), real(plan))[1]
+        engine.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=3, temperature=0))
+        while engine.has_work():
+            engine.step()
+        assert seen[0] == (20, 2) and all(t == 1 for n, t in seen[1:]) and len(seen) == 3
+    finally:
+        torch.set_num_threads(before)
