@@ -56,6 +56,10 @@ class ModelRunner:
     ) -> None:
         self.device = torch.device(device_config.device)
         self.model = model
+        # weights a step reads (the embedding: one row a token, unless it is also the head),
+        # counted before packing takes the linear layers' weights out of the parameters
+        self.weight_params = sum(p.numel() for p in model.parameters()) - (
+            model.embed_tokens.weight.numel() if model.lm_head is not None else 0)
         if can_pack(model, self.device):
             pack_linears(model, model.embed_tokens.weight if model.lm_head is None else None)
         self.model_config = model_config
@@ -65,7 +69,6 @@ class ModelRunner:
         self.sampler = Sampler(self.device, sampler_seed)
         self.max_threads = torch.get_num_threads()
         self.serial_step_work = (device_config.serial_step_work or 0) if self.device.type == "cpu" else 0
-        self.weight_params = sum(p.numel() for p in model.parameters()) - model.embed_tokens.weight.numel()
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, on_layer_done: Callable[[int], None] | None = None) -> StepResult:

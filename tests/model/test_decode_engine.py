@@ -221,9 +221,11 @@ def test_small_steps_run_on_one_thread_when_asked(builtin_dir):
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        engine = LLMEngine.from_config(EngineConfig(model=str(builtin_dir), cache=CacheConfig(num_blocks=64),
+        engine = LLMEngine.from_config(EngineConfig(model=str(builtin_dir), dtype="bfloat16",
+                                                    cache=CacheConfig(num_blocks=64),
                                                     device=DeviceConfig(num_threads=2, serial_step_work=1)))
         runner = engine.runner
+        assert runner.weight_params > 10**6  # counted before the linear layers were packed (bf16)
         runner.serial_step_work = 2 * runner.weight_params  # up to 2 tokens: one thread
         seen = []
         real = runner._prepare
