@@ -440,13 +440,12 @@ def point_name(rate: float | str, concurrency: int | None) -> str:
     return f"rate-{rate_name(rate)}" + (f"-c{concurrency}" if concurrency else "")
 
 
-def point_label(p: Point | dict[str, Any]) -> str:
-    """'rate 6', 'rate inf' or 'single stream' (concurrency 1) for tables and logs."""
-    conc = p.concurrency if isinstance(p, Point) else p.get("concurrency")
-    rate = p.rate if isinstance(p, Point) else p["rate"]
+def point_label(p: dict[str, Any]) -> str:
+    """'rate 6', 'rate inf' or 'single stream' (concurrency 1), from a point as saved."""
+    conc = p.get("concurrency")
     if conc == 1:
         return "single stream"
-    return f"rate {rate_name(rate)}" + (f", {conc} at a time" if conc else "")
+    return f"rate {rate_name(p['rate'])}" + (f", {conc} at a time" if conc else "")
 
 
 class Sweep:
@@ -552,14 +551,14 @@ class Sweep:
     def _done(self, pt: Point) -> None:
         self.points.append(pt)
         if pt.error or pt.summary is None:
-            log(f"[{pt.server}] {pt.workload} {point_label(pt)}: ERROR {pt.error}")
+            log(f"[{pt.server}] {pt.workload} {point_label(asdict(pt))}: ERROR {pt.error}")
             return
         s = pt.summary
         lat = s["latency_ms"]
         chk = ""
         if pt.counters and "match" in pt.counters:
             chk = ", /metrics counters " + ("match" if pt.counters["match"] else "DIFFER")
-        log(f"[{pt.server}] {pt.workload} {point_label(pt)}: "
+        log(f"[{pt.server}] {pt.workload} {point_label(asdict(pt))}: "
             f"{s['requests']['completed']}/{s['requests']['total']} ok, "
             f"{s['throughput']['requests_per_s']:.2f} req/s, "
             f"{s['throughput']['output_tokens_per_s']:.0f} out tok/s, "
@@ -603,7 +602,7 @@ class Sweep:
                 "workloads": {w: WORKLOAD_ARGS[self.mode][w] for w in self.workloads},
                 "request_timeout_s": self.args.request_timeout,
                 "argv": sys.argv[1:], "loadavg_start": os.getloadavg()}
-        if getattr(self.args, "bandwidth", False):
+        if self.args.preset == "peers":
             from bench.bandwidth import floor
             from engine.models.builtin import builtin_model_path
 
@@ -1085,23 +1084,17 @@ def build_parser() -> argparse.ArgumentParser:
 PEERS_ORDER = ("vllm", "llamacpp", "tandem-colocated", "tandem-disagg")
 
 
-def apply_peers_preset(args: argparse.Namespace, argv: list[str]) -> None:
-    """Defaults of the peers side-by-side; options given on the command line win."""
-    given = {a.split("=")[0] for a in argv if a.startswith("--")}
-    defaults = {"--servers": ("servers", ",".join(PEERS_ORDER)), "--workloads": ("workloads", "random"),
-                "--rates": ("rates", "inf"), "--num-requests": ("num_requests", 200),
-                "--single-stream": ("single_stream", 20), "--tandem-dtype": ("tandem_dtype", "bfloat16"),
-                "--vllm-dtype": ("vllm_dtype", "bfloat16"), "--llama-threads": ("llama_threads", 2)}
-    for flag, (attr, value) in defaults.items():
-        if flag not in given:
-            setattr(args, attr, value)
-    args.bandwidth = True
+# The peers side-by-side's defaults; options given on the command line still win.
+PEERS_PRESET = {"servers": ",".join(PEERS_ORDER), "workloads": "random", "rates": "inf", "num_requests": 200,
+                "single_stream": 20, "tandem_dtype": "bfloat16", "vllm_dtype": "bfloat16", "llama_threads": 2}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.preset == "peers":
-        apply_peers_preset(args, argv if argv is not None else sys.argv[1:])
+        parser.set_defaults(**PEERS_PRESET)
+        args = parser.parse_args(argv)
     if args.render_only:
         for path in render(Path(args.render_only)):
             print(f"wrote {path}")
