@@ -109,7 +109,7 @@ def bench_case(
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    from engine.attention.cpu import build
+    from engine.cpu_kernels import build
 
     if args.threads:
         torch.set_num_threads(args.threads)

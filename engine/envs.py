@@ -37,6 +37,29 @@ def cpu_packed_weights() -> bool:
     return os.environ.get("TANDEM_CPU_PACKED_WEIGHTS", "1").lower() not in ("0", "false", "no", "off")
 
 
+def cpu_fused_ops() -> bool:
+    return os.environ.get("TANDEM_CPU_FUSED_OPS", "1").lower() not in ("0", "false", "no", "off")
+
+
+def cpu_small_batch_linear() -> str:
+    """"auto", "on" or "off" (TANDEM_CPU_SMALL_BATCH_LINEAR)."""
+    raw = os.environ.get("TANDEM_CPU_SMALL_BATCH_LINEAR", "auto").strip().lower()
+    if raw in ("", "auto"):
+        return "auto"
+    if raw in ("1", "true", "yes", "on"):
+        return "on"
+    if raw in ("0", "false", "no", "off"):
+        return "off"
+    raise ValueError(f"TANDEM_CPU_SMALL_BATCH_LINEAR must be auto, 1 or 0, not {raw!r}")
+
+
+def physical_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: assume plenty is not known
+        return 0
+
+
 @dataclass(frozen=True)
 class Faults:
     prefill_step_delay_s: float = 0.0

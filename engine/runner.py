@@ -10,12 +10,14 @@ one place where it becomes tensors. A step mixes decode tokens and prefill chunk
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
+from engine import envs
 from engine.attention import AttentionBackend, AttentionMetadata, get_backend
 from engine.config import CacheConfig, DeviceConfig, ModelConfig
 from engine.events import TokenLogprobs
@@ -23,6 +25,8 @@ from engine.kv_cache import KVCache
 from engine.models.packed import can_pack, pack_linears
 from engine.plan import SampleRow, SeqWork, StepPlan  # noqa: F401 (re-exported)
 from engine.sampler import Sampler, SamplerOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,6 +66,8 @@ class ModelRunner:
             model.embed_tokens.weight.numel() if model.lm_head is not None else 0)
         if can_pack(model, self.device):
             pack_linears(model, model.embed_tokens.weight if model.lm_head is None else None)
+        if self.device.type == "cpu" and hasattr(model, "cpu_ops"):
+            model.cpu_ops = fused_cpu_ops()
         self.model_config = model_config
         self.kv_cache = KVCache(model_config, cache_config, self.device)
         self.block_size = cache_config.block_size
@@ -135,6 +141,20 @@ class ModelRunner:
             sample_ids=sample_ids,
             sample_rows=rows,
         )
+
+
+def fused_cpu_ops():
+    """The compiled CPU kernels for the model's fused operators, or None (torch operators):
+    when TANDEM_CPU_FUSED_OPS=0 or the kernels cannot be built here."""
+    if not envs.cpu_fused_ops():
+        return None
+    from engine.cpu_kernels import build
+
+    try:
+        return build.load()
+    except build.KernelBuildError as e:
+        log.warning("fused cpu operators unavailable (%s); the model runs torch operators", e)
+        return None
 
 
 def _pad_tables(tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:

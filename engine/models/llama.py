@@ -11,7 +11,7 @@ positions; attention reads and writes the paged cache through an AttentionBacken
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -76,16 +76,31 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm; with `ops` (the compiled CPU kernels, engine/cpu_kernels/fused.cpp) one
+    operator instead of eight, rounding at the same points."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
+        if ops is not None:
+            out = torch.empty_like(x)
+            ops.rms_norm(out, x, self.weight, self.eps)
+            return out
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_forward(self, residual: torch.Tensor, delta: torch.Tensor, ops=None) -> torch.Tensor:
+        """`residual += delta` in place (the decoder's skip connection), then its norm."""
+        if ops is not None:
+            out = torch.empty_like(residual)
+            ops.add_rms_norm(out, residual, delta, self.weight, self.eps)
+            return out
+        return self.forward(residual.add_(delta))
 
 
 class Rotary(nn.Module):
@@ -100,10 +115,20 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin rows of `positions` [T], each [T, 1, D] in `dtype`. Built once per
-        step and shared by every layer."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+    def rotation(self, positions: torch.Tensor, dtype: torch.dtype, ops=None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The function that rotates x [T, heads, D] at `positions` [T], made once per
+        step and shared by every layer. With `ops`, one compiled operator rotating x in
+        place; else torch over cos, sin rows gathered once ([T, 1, D] in `dtype`)."""
+        if ops is not None:
+            cos, sin = self.cos, self.sin
+
+            def rotate_(x: torch.Tensor) -> torch.Tensor:
+                ops.rotary_(x, positions, cos, sin)
+                return x
+
+            return rotate_
+        cos_t, sin_t = self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        return lambda x: rotate(x, cos_t, sin_t)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -128,7 +153,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Callable[[torch.Tensor], torch.Tensor],
         kv: tuple[torch.Tensor, torch.Tensor],
         meta,
         backend: AttentionBackend,
@@ -137,7 +162,7 @@ class Attention(nn.Module):
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads sit side by side: one rotation for both (the same elementwise
         # math per head as rotating each, half the operator calls)
-        qk = rotate(qk.view(t, self.nh + self.nkv, self.hd), *rope)
+        qk = rope(qk.view(t, self.nh + self.nkv, self.hd))
         q, k = qk.split([self.nh, self.nkv], dim=1)
         o = backend.forward(q, k, v.view(t, self.nkv, self.hd), kv[0], kv[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
@@ -164,9 +189,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, kv, meta, backend):  # rope: (cos, sin) [T, 1, D] from Rotary.tables
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, residual, delta, rope, kv, meta, backend, ops=None):
+        """The skip connection is carried as (residual, delta), their sum being the
+        layer's input x, so that each norm can add and normalise in one fused operator
+        (`ops`); returns the next layer's pair. Same rounding as `x = x + attn(norm(x));
+        x = x + mlp(norm(x))`. `residual` is updated in place."""
+        if delta is None:
+            h = self.input_layernorm(residual, ops)
+        else:
+            h = self.input_layernorm.add_forward(residual, delta, ops)
+        h = self.post_attention_layernorm.add_forward(residual, self.self_attn(h, rope, kv, meta, backend), ops)
+        return residual, self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -178,6 +211,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # the compiled CPU kernels (engine/cpu_kernels), set by ModelRunner on CPU; None: torch operators
+        self.cpu_ops = None
 
     def forward(
         self,
@@ -188,13 +223,15 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         on_layer_done=None,  # called with the layer index once its KV is in the cache
     ) -> torch.Tensor:  # [T, hidden]
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary.tables(positions, x.dtype)
+        residual = self.embed_tokens(input_ids)  # a new tensor: the layers add into it in place
+        ops = self.cpu_ops if residual.is_cpu else None
+        rope = self.rotary.rotation(positions, residual.dtype, ops)
+        delta = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, kv_caches[i], meta, backend)
+            residual, delta = layer(residual, delta, rope, kv_caches[i], meta, backend, ops)
             if on_layer_done is not None:
                 on_layer_done(i)
-        return self.norm(x)
+        return self.norm(residual, ops) if delta is None else self.norm.add_forward(residual, delta, ops)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] fp32
         if self.lm_head is None:  # tied to the embedding

@@ -41,6 +41,7 @@ def make_engine(path, **sched):
 def test_one_paged_batch_matches_transformers(model_dir):
     prompts = random_prompts(LENGTHS, seed=1)
     engine = make_engine(model_dir)
+    assert engine.runner.model.cpu_ops is not None  # these tests run the fused cpu operators
     got = run(engine, prompts, SamplingParams(max_tokens=NEW, temperature=0))
     assert engine.stats.num_steps == NEW  # all prompts prefilled together in the first step
     for p, g in zip(prompts, got):
@@ -78,8 +79,9 @@ def test_sliding_window_caps_the_context(mistral_window_dir):
 
 
 def test_bf16_packed_weights_change_no_token(builtin_dir, monkeypatch):
-    """bf16 on CPU runs its linear layers on oneDNN-packed weights (where supported):
-    the greedy tokens are those of the same engine on plain F.linear."""
+    """bf16 on CPU runs its linear layers on oneDNN-packed weights (where supported),
+    and steps of one or two tokens on the small-batch kernel: the greedy tokens are
+    those of the same engine on plain F.linear, for a batch and for one stream alone."""
     from engine.config import DeviceConfig
     from engine.models.packed import PackedLinear
 
@@ -91,7 +93,8 @@ def test_bf16_packed_weights_change_no_token(builtin_dir, monkeypatch):
             cache=CacheConfig(num_blocks=256), scheduler=SchedulerConfig(max_num_batched_tokens=4096,
                                                                          max_model_len=1024)))
         packed = any(isinstance(m, PackedLinear) for m in engine.runner.model.modules())
-        return packed, run(engine, prompts, SamplingParams(max_tokens=NEW, temperature=0))
+        greedy = SamplingParams(max_tokens=NEW, temperature=0)
+        return packed, (run(engine, prompts, greedy), [run(engine, [p], greedy)[0] for p in prompts[:3]])
 
     packed, got = tokens()
     monkeypatch.setenv("TANDEM_CPU_PACKED_WEIGHTS", "0")

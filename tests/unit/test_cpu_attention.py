@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from engine.attention import AttentionMetadata, TorchAttention, get_backend, reference
-from engine.attention.cpu import build, kernels
+from engine.attention.cpu import kernels
 from engine.attention.cpu.backend import CpuAttention
+from engine.cpu_kernels import build
 
 pytestmark = pytest.mark.unit
 

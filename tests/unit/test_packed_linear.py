@@ -1,12 +1,22 @@
 """oneDNN pre-packed bf16 linear layers give the same bits as F.linear, and an engine
-with them gives the same greedy tokens as one without (engine/models/packed.py)."""
+with them gives the same greedy tokens as one without (engine/models/packed.py). The
+small-batch kernel (engine/cpu_kernels/linear.cpp) for one- and two-token steps rounds
+the same fp32 sums, added in another order, so it may differ from F.linear by one bf16
+step in rare outputs, and never by more."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.packed import PackedLinear, can_pack, pack_linears
+from engine.models.packed import (
+    SMALL_BATCH_ROWS,
+    PackedLinear,
+    can_pack,
+    keep_plain_copies,
+    pack_linears,
+    small_batch_ops,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -44,3 +54,66 @@ def test_not_packed_off_cpu_bf16_or_when_disabled(monkeypatch):
     assert not can_pack(nn.Linear(2, 2), torch.device("cpu"))  # fp32 stays on F.linear
     monkeypatch.setenv("TANDEM_CPU_PACKED_WEIGHTS", "0")
     assert not can_pack(nn.Linear(2, 2).bfloat16(), torch.device("cpu"))
+
+
+needs_small_batch = pytest.mark.skipif(small_batch_ops() is None, reason="no AVX512-BF16 build of the cpu kernels here")
+
+
+def bf16_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable bf16 values lie between a and b, elementwise (same signs)."""
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return (ia - ib).abs()
+
+
+@needs_bf16
+@needs_small_batch
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("shape,bias", [((384, 256), False), ((101, 1000), True), ((7, 37), True),
+                                        ((16000, 256), False), ((1024, 2816), False)])
+def test_small_batch_kernel_matches_f_linear_to_one_bf16_step(rows, shape, bias):
+    g = torch.Generator().manual_seed(rows * 7 + shape[1])
+    w = torch.randn(*shape, generator=g).bfloat16()
+    b = torch.randn(shape[0], generator=g).bfloat16() if bias else None
+    x = torch.randn(rows, shape[1], generator=g).bfloat16()
+    lin = PackedLinear(w, b, small_batch_ops(), keep_plain=True)
+    assert lin.plain is not None and rows <= SMALL_BATCH_ROWS
+    got, want = lin(x), F.linear(x, w, b)
+    same_sign = torch.sign(got) == torch.sign(want)
+    assert bool(same_sign.all())
+    apart = bf16_steps_apart(got, want)
+    assert int(apart.max()) <= 1
+    assert float((apart == 0).float().mean()) >= 0.99
+    # and against an fp32 reference, within bf16's rounding of the result
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(got.float(), ref, rtol=8e-3, atol=1e-2)
+
+
+@needs_bf16
+@needs_small_batch
+def test_small_batch_kernel_is_used_for_two_rows_and_onednn_from_three(monkeypatch):
+    w = torch.randn(64, 96).bfloat16()
+    lin = PackedLinear(w, None, small_batch_ops(), keep_plain=True)
+    calls = []
+    real = lin._small
+    monkeypatch.setattr(lin, "_small", lambda *a: (calls.append(a[1].shape[0]), real(*a))[1])
+    for rows in (1, 2, 3, 8):
+        lin(torch.randn(rows, 96).bfloat16())
+    assert calls == [1, 2]
+
+
+@needs_bf16
+def test_plain_copies_kept_by_memory_rule(monkeypatch):
+    from engine import envs
+
+    monkeypatch.setattr(envs, "physical_memory_bytes", lambda: 8 * 2**30)
+    assert keep_plain_copies(2**30) and not keep_plain_copies(2**30 + 1)
+    monkeypatch.setenv("TANDEM_CPU_SMALL_BATCH_LINEAR", "1")
+    assert keep_plain_copies(2**40)
+    monkeypatch.setenv("TANDEM_CPU_SMALL_BATCH_LINEAR", "0")
+    assert not keep_plain_copies(1)
+    model = nn.Sequential(nn.Linear(8, 8)).bfloat16()
+    pack_linears(model)
+    assert model[0].plain is None
+    monkeypatch.setenv("TANDEM_CPU_SMALL_BATCH_LINEAR", "maybe")
+    with pytest.raises(ValueError, match="auto, 1 or 0"):
+        keep_plain_copies(1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.cpu import build
+from engine.cpu_kernels import build
 
 
 def paged_decode_attention(

@@ -1,6 +1,8 @@
-"""Just-in-time build of the CPU attention kernel (paged_attention.cpp, shipped here).
+"""Just-in-time build of tandem's CPU kernels: every .cpp file shipped in this folder
+(paged_attention.cpp: paged decode attention; linear.cpp: the small-batch bf16 linear
+layer), built into one extension whose ops are `torch.ops.<name>.*`.
 
-`load()` compiles it with torch.utils.cpp_extension.load (needs ninja and a C++
+`load()` compiles them with torch.utils.cpp_extension.load (needs ninja and a C++
 compiler) the first time on a machine, then loads the cached binary (well under a
 second). The extension's name carries a fingerprint of the torch version, the flags
 and the CPU's instruction set, so an upgraded torch, or a cache directory shared by
@@ -34,9 +36,11 @@ from engine import envs
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 STALE_LOCK_S = 600.0
-BASE_CFLAGS = ["-O3", "-fopenmp", "-DNDEBUG"]
+# -ffp-contract=off: no multiply-add fused into one rounding unless the source asks for it
+# (fused.cpp rounds where torch does)
+BASE_CFLAGS = ["-O3", "-fopenmp", "-DNDEBUG", "-ffp-contract=off"]
 
 
 class KernelBuildError(RuntimeError):
@@ -78,19 +82,19 @@ def _build_and_load() -> Any:
     _remove_stale_lock(build_dir / "lock")
     cached = (build_dir / f"{name}.so").exists()
     if not cached:
-        log.info("attention: compiling the cpu kernel into %s (once per machine)", build_dir)
+        log.info("compiling the cpu kernels into %s (once per machine)", build_dir)
     t0 = time.perf_counter()
     try:
         cpp_extension.load(  # registers the ops with torch (TORCH_LIBRARY)
-            name=name, sources=[str(SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+            name=name, sources=[str(p) for p in SOURCES], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir), verbose=False, is_python_module=False,
         )
         ops = getattr(torch.ops, name)
         ops.simd_lanes()
     except Exception as e:  # compiler errors arrive as RuntimeError with the log
-        raise KernelBuildError(f"building {SOURCE.name} failed: {_reason(e)}") from e
+        raise KernelBuildError(f"building the cpu kernels failed: {_reason(e)}") from e
     if not cached:
-        log.info("attention: cpu kernel ready in %.1fs", time.perf_counter() - t0)
+        log.info("cpu kernels ready in %.1fs", time.perf_counter() - t0)
     return ops
 
 
@@ -110,12 +114,13 @@ def march_flags() -> list[str]:
 
 
 def extension_name(cflags: list[str]) -> str:
-    """`tandem_cpu_attn_<hash>` over torch version, flags, CPU flags and the source."""
+    """`tandem_cpu_<hash>` over torch version, flags, CPU flags and the sources."""
     h = hashlib.sha256()
-    for part in (torch.__version__, " ".join(cflags), platform.machine(), _cpu_flags(), SOURCE.read_bytes()):
+    sources = [p.read_bytes() for p in SOURCES]
+    for part in (torch.__version__, " ".join(cflags), platform.machine(), _cpu_flags(), *sources):
         h.update(part.encode() if isinstance(part, str) else part)
         h.update(b"\0")
-    return f"tandem_cpu_attn_{h.hexdigest()[:12]}"
+    return f"tandem_cpu_{h.hexdigest()[:12]}"
 
 
 def build_directory(name: str) -> Path:
@@ -141,7 +146,7 @@ def _remove_stale_lock(lock: Path) -> None:
     except FileNotFoundError:
         return
     if age > STALE_LOCK_S:
-        log.warning("attention: removing a stale build lock %s (%.0fs old)", lock, age)
+        log.warning("cpu kernels: removing a stale build lock %s (%.0fs old)", lock, age)
         lock.unlink(missing_ok=True)
 
 

@@ -1,0 +1,6 @@
+"""tandem's CPU kernels in C++, compiled just in time on first use (build.py).
+
+- paged_attention.cpp: paged decode attention (engine/attention/cpu uses it);
+- linear.cpp: bf16 linear layers for one- and two-token steps on AVX512-BF16
+  (engine/models/packed.py uses it).
+"""
