@@ -105,15 +105,19 @@ class EngineLoop:
             return True
         while item is not None:
             fn, args, fut = item
-            try:
-                res = fn(*args)
-                if fut is not None:
-                    fut.set_result(res)
-            except Exception as e:
-                if fut is not None:
-                    fut.set_exception(e)
-                else:
-                    log.warning("%s command %s failed: %s", self._name, getattr(fn, "__name__", fn), e)
+            # a caller that gave up (its wait timed out, its client left) cancelled the
+            # future: skip the command; a running future can no longer be cancelled, so
+            # setting its result below cannot fail
+            if fut is None or fut.set_running_or_notify_cancel():
+                try:
+                    res = fn(*args)
+                    if fut is not None:
+                        fut.set_result(res)
+                except Exception as e:
+                    if fut is not None:
+                        fut.set_exception(e)
+                    else:
+                        log.warning("%s command %s failed: %s", self._name, getattr(fn, "__name__", fn), e)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:

@@ -1,0 +1,43 @@
+"""EngineLoop (worker_runtime/loop.py): commands whose callers gave up are skipped, and
+never kill the engine thread (a storm of client disconnects once did: setting the
+result of a cancelled future raised InvalidStateError on the engine thread)."""
+
+import asyncio
+import threading
+
+import pytest
+
+from worker_runtime.loop import EngineLoop
+
+pytestmark = pytest.mark.unit
+
+
+async def test_cancelled_commands_are_skipped_and_the_loop_stays_healthy():
+    fatal: list[str] = []
+    loop = EngineLoop(step=lambda: [], wait_s=lambda: None, on_results=lambda r: None, on_fatal=fatal.append)
+    loop.start()
+    try:
+        release = threading.Event()
+        ran: list[int] = []
+        loop.post(lambda: release.wait(5))  # holds the engine thread
+        for i in range(50):  # every caller gives up while the engine is busy
+            with pytest.raises(asyncio.TimeoutError):
+                await loop.call(ran.append, i, timeout=0.001)
+        release.set()
+        assert await loop.call(lambda: "alive", timeout=5) == "alive"
+        assert loop.healthy and not fatal
+        assert ran == []  # the abandoned commands did not run
+    finally:
+        loop.stop()
+
+
+async def test_a_failing_command_reaches_its_caller_only():
+    fatal: list[str] = []
+    loop = EngineLoop(step=lambda: [], wait_s=lambda: None, on_results=lambda r: None, on_fatal=fatal.append)
+    loop.start()
+    try:
+        with pytest.raises(ZeroDivisionError):
+            await loop.call(lambda: 1 / 0, timeout=5)
+        assert await loop.call(lambda: 2, timeout=5) == 2 and loop.healthy and not fatal
+    finally:
+        loop.stop()
