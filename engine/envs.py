@@ -41,6 +41,10 @@ def cpu_fused_ops() -> bool:
     return os.environ.get("TANDEM_CPU_FUSED_OPS", "1").lower() not in ("0", "false", "no", "off")
 
 
+def cpu_bind_threads() -> bool:
+    return os.environ.get("TANDEM_CPU_BIND_THREADS", "1").lower() not in ("0", "false", "no", "off")
+
+
 def cpu_small_batch_linear() -> str:
     """"auto", "on" or "off" (TANDEM_CPU_SMALL_BATCH_LINEAR)."""
     raw = os.environ.get("TANDEM_CPU_SMALL_BATCH_LINEAR", "auto").strip().lower()

@@ -11,6 +11,7 @@ one place where it becomes tensors. A step mixes decode tokens and prefill chunk
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -75,10 +76,17 @@ class ModelRunner:
         self.sampler = Sampler(self.device, sampler_seed)
         self.max_threads = torch.get_num_threads()
         self.serial_step_work = (device_config.serial_step_work or 0) if self.device.type == "cpu" else 0
+        # CPU cores the worker owns: its steps' OpenMP threads are bound one to a core, from
+        # the thread that runs the steps (bound on its first step; see threads.cpp)
+        cores = device_config.cpu_affinity if self.device.type == "cpu" and envs.cpu_bind_threads() else None
+        self.bind_cores = list(cores[: self.max_threads]) if cores and len(cores) >= self.max_threads > 1 else None
+        self.bound_thread: int | None = None
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, on_layer_done: Callable[[int], None] | None = None) -> StepResult:
         t0 = time.perf_counter()
+        if self.bind_cores is not None and self.bound_thread != threading.get_ident():
+            self._bind_threads()
         if self.serial_step_work and self.max_threads > 1:  # costs ~0.2 us a call
             small = plan.num_tokens * self.weight_params <= self.serial_step_work
             torch.set_num_threads(1 if small else self.max_threads)
@@ -94,6 +102,15 @@ class ModelRunner:
             time.perf_counter() - t0,
             plan.num_tokens,
         )
+
+    def _bind_threads(self) -> None:
+        self.bound_thread = threading.get_ident()
+        ops = cpu_kernels()
+        if ops is None:
+            return
+        torch.set_num_threads(self.max_threads)
+        got = ops.bind_threads(self.bind_cores)
+        log.info("step threads bound to cores %s (each now on %s)", self.bind_cores, got)
 
     def _prepare(self, plan: StepPlan) -> _Batch:
         """Every tensor of the step, built here and nowhere else."""
@@ -143,18 +160,21 @@ class ModelRunner:
         )
 
 
-def fused_cpu_ops():
-    """The compiled CPU kernels for the model's fused operators, or None (torch operators):
-    when TANDEM_CPU_FUSED_OPS=0 or the kernels cannot be built here."""
-    if not envs.cpu_fused_ops():
-        return None
+def cpu_kernels():
+    """The compiled CPU kernels (engine/cpu_kernels), or None where they cannot be built."""
     from engine.cpu_kernels import build
 
     try:
         return build.load()
     except build.KernelBuildError as e:
-        log.warning("fused cpu operators unavailable (%s); the model runs torch operators", e)
+        log.warning("cpu kernels unavailable (%s): torch operators, threads left floating", e)
         return None
+
+
+def fused_cpu_ops():
+    """The compiled CPU kernels for the model's fused operators, or None (torch operators):
+    when TANDEM_CPU_FUSED_OPS=0 or the kernels cannot be built here."""
+    return cpu_kernels() if envs.cpu_fused_ops() else None
 
 
 def _pad_tables(tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:

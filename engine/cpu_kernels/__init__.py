@@ -2,5 +2,7 @@
 
 - paged_attention.cpp: paged decode attention (engine/attention/cpu uses it);
 - linear.cpp: bf16 linear layers for one- and two-token steps on AVX512-BF16
-  (engine/models/packed.py uses it).
+  (engine/models/packed.py uses it);
+- fused.cpp: RMSNorm (with the residual add), rotary in place, the KV store;
+- threads.cpp: binds a worker's OpenMP threads one to a core (engine/runner.py).
 """

@@ -65,7 +65,9 @@ inline void row_dot(const BFloat16* x, int64_t K, const BFloat16* w, float bias,
 
 template <int MT>
 void rows(const BFloat16* x, const BFloat16* W, const BFloat16* b, BFloat16* y, int64_t N, int64_t K) {
-  // 8 rows per task at least: a task is then >= 8 x 2 KB of weights for K = 1024
+  // each thread one contiguous run of rows, at least 8 (16 KB of weights for K = 1024).
+  // (Rows handed out in chunks from a shared counter, so that a preempted thread's share
+  // goes to the others, measured no better served and 5% slower offline.)
   at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       row_dot<MT, 8>(x, K, W + n * K, b == nullptr ? 0.0f : static_cast<float>(b[n]), y + n, N);

@@ -87,3 +87,27 @@ def test_store_kv_equals_reference_and_skips_negative_slots(ops, dtype):
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
     with pytest.raises(RuntimeError, match="outside the cache"):
         ops.store_kv(*caches[0], key, value, torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, n * bs]))
+
+
+def test_bind_threads_puts_each_thread_of_the_callers_team_on_its_core(ops):
+    """Run on a thread of its own: binding pins the calling thread too."""
+    import os
+    import threading
+
+    cores = sorted(os.sched_getaffinity(0))
+    got: list = []
+
+    def bind():
+        torch.set_num_threads(min(2, len(cores)))
+        want = cores[: torch.get_num_threads()][::-1]
+        got.extend([want, ops.bind_threads(want), sorted(os.sched_getaffinity(0))])
+
+    before = torch.get_num_threads()
+    t = threading.Thread(target=bind)
+    t.start()
+    t.join(10)
+    torch.set_num_threads(before)
+    want, bound, own = got
+    assert bound == want  # thread i now runs on want[i]
+    assert own == [want[0]]  # the caller is thread 0 of its team
+    assert sorted(os.sched_getaffinity(0)) == cores  # other threads keep theirs
