@@ -49,6 +49,18 @@ def test_one_paged_batch_matches_transformers(model_dir):
     assert len({tuple(g) for g in got}) == len(got)  # the oracle is not trivially constant
 
 
+def test_torch_operators_without_the_fused_ones_match_transformers(model_dir, monkeypatch):
+    """The model's torch path (CUDA, or a CPU without a compiler) against the same oracle,
+    with a chunked prefill so that both decode and prefill steps run it."""
+    monkeypatch.setenv("TANDEM_CPU_FUSED_OPS", "0")
+    prompts = random_prompts(LENGTHS, seed=4)
+    engine = make_engine(model_dir, max_num_batched_tokens=40)
+    assert engine.runner.model.cpu_ops is None
+    got = run(engine, prompts, SamplingParams(max_tokens=NEW, temperature=0))
+    for p, g in zip(prompts, got):
+        assert g == hf_greedy(model_dir, p, NEW)
+
+
 def test_chunked_prefill_matches_transformers(model_dir):
     prompts = random_prompts(LENGTHS, seed=2)
     engine = make_engine(model_dir, max_num_batched_tokens=24)
