@@ -19,8 +19,10 @@ from bench.decode import _vocab, random_prompts
 from bench.engine import DTYPE_ALIASES, default_threads, format_table, set_threads, warn_if_busy
 
 GROUPS = (  # first match wins; names as torch.profiler reports them
-    ("matmul", ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm")),
-    ("attention", ("paged_decode_attention", "index_copy_", "scaled_dot_product")),  # index_copy_: the KV write
+    ("matmul", ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm",
+                "mkldnn::_linear_pointwise", "small_batch_linear")),
+    # index_copy_ (torch) and store_kv (the cpu kernels): the KV write
+    ("attention", ("paged_decode_attention", "index_copy_", "store_kv", "scaled_dot_product")),
     ("sampling", ("aten::argmax", "aten::topk", "aten::sort", "aten::softmax", "aten::exponential")),
 )
 

@@ -211,6 +211,9 @@ def test_profile_report(capsys):
 
 def test_profile_groups():
     assert bench_profile.group_of("aten::addmm") == "matmul"
-    assert bench_profile.group_of("tandem_cpu_attn_0::paged_decode_attention") == "attention"
+    assert bench_profile.group_of("tandem_cpu_0::paged_decode_attention") == "attention"
+    assert bench_profile.group_of("tandem_cpu_0::store_kv") == "attention"
+    assert bench_profile.group_of("tandem_cpu_0::small_batch_linear") == "matmul"
+    assert bench_profile.group_of("mkldnn::_linear_pointwise") == "matmul"
     assert bench_profile.group_of("aten::argmax") == "sampling"
     assert bench_profile.group_of("aten::silu_") == "other"
