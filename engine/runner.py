@@ -66,7 +66,8 @@ class ModelRunner:
         self.weight_params = sum(p.numel() for p in model.parameters()) - (
             model.embed_tokens.weight.numel() if model.lm_head is not None else 0)
         if can_pack(model, self.device):
-            pack_linears(model, model.embed_tokens.weight if model.lm_head is None else None)
+            pack_linears(model, model.embed_tokens.weight if model.lm_head is None else None,
+                         small_batch=device_config.small_batch_linear)
         if self.device.type == "cpu" and hasattr(model, "cpu_ops"):
             model.cpu_ops = fused_cpu_ops()
         self.model_config = model_config

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import dataclasses
 import logging
 
 import grpc
@@ -49,7 +50,10 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
 
     async def start(self) -> str:
         cfg = self.config
-        parts = await asyncio.to_thread(build_parts, cfg.engine)
+        # whole prompts only: no row-major weight copies for one- and two-token steps
+        engine_cfg = dataclasses.replace(
+            cfg.engine, device=dataclasses.replace(cfg.engine.device, small_batch_linear=False))
+        parts = await asyncio.to_thread(build_parts, engine_cfg)
         self.epoch = new_epoch()
         self.transport = make_transport(cfg, self.epoch)
         self.transport.register(parts.runner.kv_cache.kv)

@@ -92,14 +92,15 @@ def keep_plain_copies(extra_bytes: int) -> bool:
     return extra_bytes <= envs.physical_memory_bytes() // 8
 
 
-def pack_linears(model: nn.Module, head_weight: torch.Tensor | None = None) -> int:
+def pack_linears(model: nn.Module, head_weight: torch.Tensor | None = None, small_batch: bool = True) -> int:
     """Replace every nn.Linear of `model` by a PackedLinear; returns how many. A model
     whose output head is its (tied) embedding passes that weight as `head_weight`: the
-    head gets a packed copy of its own under `model.lm_head`."""
+    head gets a packed copy of its own under `model.lm_head`. `small_batch=False` keeps
+    no row-major copies whatever the environment says (a prefill worker)."""
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if isinstance(child, nn.Linear)]
     extra = sum(child.weight.numel() * child.weight.element_size() for _, _, child in swaps)
-    ops = small_batch_ops() if envs.cpu_small_batch_linear() != "off" else None
+    ops = small_batch_ops() if small_batch and envs.cpu_small_batch_linear() != "off" else None
     keep = ops is not None and keep_plain_copies(extra)
     with torch.no_grad():
         for parent, name, child in swaps:

@@ -114,6 +114,10 @@ def test_plain_copies_kept_by_memory_rule(monkeypatch):
     model = nn.Sequential(nn.Linear(8, 8)).bfloat16()
     pack_linears(model)
     assert model[0].plain is None
+    monkeypatch.setenv("TANDEM_CPU_SMALL_BATCH_LINEAR", "1")
+    model = nn.Sequential(nn.Linear(8, 8)).bfloat16()
+    pack_linears(model, small_batch=False)  # a prefill worker
+    assert model[0].plain is None
     monkeypatch.setenv("TANDEM_CPU_SMALL_BATCH_LINEAR", "maybe")
     with pytest.raises(ValueError, match="auto, 1 or 0"):
         keep_plain_copies(1)
