@@ -33,16 +33,24 @@ def log_level() -> str:
     return os.environ.get("TANDEM_LOG_LEVEL", "INFO").upper()
 
 
+OFF = ("0", "false", "no", "off")
+
+
+def _on(name: str) -> bool:
+    """A switch that is on unless set to 0/false/no/off."""
+    return os.environ.get(name, "1").strip().lower() not in OFF
+
+
 def cpu_packed_weights() -> bool:
-    return os.environ.get("TANDEM_CPU_PACKED_WEIGHTS", "1").lower() not in ("0", "false", "no", "off")
+    return _on("TANDEM_CPU_PACKED_WEIGHTS")
 
 
 def cpu_fused_ops() -> bool:
-    return os.environ.get("TANDEM_CPU_FUSED_OPS", "1").lower() not in ("0", "false", "no", "off")
+    return _on("TANDEM_CPU_FUSED_OPS")
 
 
 def cpu_bind_threads() -> bool:
-    return os.environ.get("TANDEM_CPU_BIND_THREADS", "1").lower() not in ("0", "false", "no", "off")
+    return _on("TANDEM_CPU_BIND_THREADS")
 
 
 def cpu_small_batch_linear() -> str:
@@ -52,7 +60,7 @@ def cpu_small_batch_linear() -> str:
         return "auto"
     if raw in ("1", "true", "yes", "on"):
         return "on"
-    if raw in ("0", "false", "no", "off"):
+    if raw in OFF:
         return "off"
     raise ValueError(f"TANDEM_CPU_SMALL_BATCH_LINEAR must be auto, 1 or 0, not {raw!r}")
 

@@ -21,6 +21,7 @@ import torch
 from engine import envs
 from engine.attention import AttentionBackend, AttentionMetadata, get_backend
 from engine.config import CacheConfig, DeviceConfig, ModelConfig
+from engine.cpu_kernels import build
 from engine.events import TokenLogprobs
 from engine.kv_cache import KVCache
 from engine.models.packed import can_pack, pack_linears
@@ -106,8 +107,8 @@ class ModelRunner:
 
     def _bind_threads(self) -> None:
         self.bound_thread = threading.get_ident()
-        ops = cpu_kernels()
-        if ops is None:
+        ops = build.load_or_none()
+        if ops is None:  # threads left floating
             return
         torch.set_num_threads(self.max_threads)
         got = ops.bind_threads(self.bind_cores)
@@ -161,21 +162,10 @@ class ModelRunner:
         )
 
 
-def cpu_kernels():
-    """The compiled CPU kernels (engine/cpu_kernels), or None where they cannot be built."""
-    from engine.cpu_kernels import build
-
-    try:
-        return build.load()
-    except build.KernelBuildError as e:
-        log.warning("cpu kernels unavailable (%s): torch operators, threads left floating", e)
-        return None
-
-
 def fused_cpu_ops():
     """The compiled CPU kernels for the model's fused operators, or None (torch operators):
     when TANDEM_CPU_FUSED_OPS=0 or the kernels cannot be built here."""
-    return cpu_kernels() if envs.cpu_fused_ops() else None
+    return build.load_or_none() if envs.cpu_fused_ops() else None
 
 
 def _pad_tables(tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:

@@ -64,33 +64,17 @@ class AttentionBackend(abc.ABC):
             return self.decode(
                 query, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, meta.decode_max_seq_len
             )
+        prefill = reference.varlen_attention(
+            query[nd:], key[nd:], value[nd:], k_cache, v_cache,
+            meta.prefill_block_tables, meta.prefill_query_lens, meta.prefill_seq_lens, scale,
+        )
         if nd == 0:
-            return reference.varlen_attention(
-                query,
-                key,
-                value,
-                k_cache,
-                v_cache,
-                meta.prefill_block_tables,
-                meta.prefill_query_lens,
-                meta.prefill_seq_lens,
-                scale,
-            )
+            return prefill
         out = torch.empty_like(query)
         out[:nd] = self.decode(
             query[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, meta.decode_max_seq_len
         )
-        out[nd:] = reference.varlen_attention(
-            query[nd:],
-            key[nd:],
-            value[nd:],
-            k_cache,
-            v_cache,
-            meta.prefill_block_tables,
-            meta.prefill_query_lens,
-            meta.prefill_seq_lens,
-            scale,
-        )
+        out[nd:] = prefill
         return out
 
 

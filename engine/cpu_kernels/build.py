@@ -59,6 +59,16 @@ def load() -> Any:
     return ops
 
 
+def load_or_none() -> Any:
+    """`load()`, or None (one warning per process) where the kernels cannot be built:
+    for callers that fall back to torch operators."""
+    ops, error = _load_once()
+    if error is not None and not getattr(error, "logged", False):
+        error.logged = True
+        log.warning("cpu kernels unavailable (%s): falling back to torch operators", error)
+    return ops
+
+
 @functools.lru_cache(maxsize=None)
 def _load_once() -> tuple[Any, KernelBuildError | None]:
     try:

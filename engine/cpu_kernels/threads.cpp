@@ -31,7 +31,6 @@ std::vector<int64_t> bind_threads(const std::vector<int64_t>& cores) {
   std::vector<int64_t> got(n, -1);
   TORCH_CHECK(n >= 1, "bind_threads: no cores given");
 #if defined(__linux__) && defined(_OPENMP)
-  omp_set_num_threads(n);
 #pragma omp parallel num_threads(n)
   {
     const int i = omp_get_thread_num();

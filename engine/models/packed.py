@@ -76,12 +76,8 @@ def small_batch_ops():
     """The compiled kernels when this machine runs the small-batch linear kernel, else None."""
     from engine.cpu_kernels import build
 
-    try:
-        ops = build.load()
-    except build.KernelBuildError as e:
-        log.warning("small-batch linear kernel unavailable: %s", e)
-        return None
-    return ops if ops.small_batch_linear_supported() else None
+    ops = build.load_or_none()
+    return ops if ops is not None and ops.small_batch_linear_supported() else None
 
 
 def keep_plain_copies(extra_bytes: int) -> bool:

@@ -192,3 +192,11 @@ def test_auto_falls_back_to_torch_when_the_build_fails(monkeypatch, caplog):
     assert [r.message for r in caplog.records if "no compiler" in r.message]
     with pytest.raises(RuntimeError, match="use auto or torch"):
         get_backend("cpu", torch.device("cpu"))
+
+
+def test_load_or_none_falls_back_with_one_warning(monkeypatch, caplog):
+    failure = build.KernelBuildError("no compiler")
+    monkeypatch.setattr(build, "_load_once", lambda: (None, failure))
+    with caplog.at_level("WARNING", logger=build.__name__):
+        assert build.load_or_none() is None and build.load_or_none() is None
+    assert len([r for r in caplog.records if "no compiler" in r.message]) == 1
