@@ -7,14 +7,15 @@ Routes:
     POST /v1/completions, POST /v1/chat/completions   API key (if any configured)
     GET  /v1/models, GET /v1/models/{model}           API key (if any configured)
     GET  /health   process is up: 200
-    GET  /ready    backend can serve now: 200, else 503 with Retry-After
+    GET  /ready    backend can serve now: 200, else 503 with Retry-After (and while draining)
     GET  /metrics  Prometheus text (router series plus any collectors passed in)
     GET/POST /admin/pools   admin key; 501 when the app has no admin object
 
 Request bodies are read here (capped: 413) and parsed with pydantic, so every bad
 input is an OpenAI error object with status 400 (never FastAPI's 422). There is no
 OpenAPI/docs page: the API is OpenAI's. The lifespan starts and stops the backend
-unless `settings.manage_backend` is False.
+unless `settings.manage_backend` is False. `app.state.drain` (router/shutdown.py) counts
+the requests in flight and, once a drain begins, answers new /v1 requests with 503.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from router.metrics import RouterMetrics
 from router.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, PoolsUpdate
 from router.serving import OpenAIServing
 from router.settings import RouterSettings, SettingsError
+from router.shutdown import Drain, DrainMiddleware
 from router.sse import ClientDisconnected
 
 __all__ = ["create_app", "RouterSettings"]
@@ -87,6 +89,7 @@ def create_app(backend: Backend, tokenizer: Tokenizer, settings: RouterSettings,
     for c in collectors:
         metrics.register(c)
     serving = OpenAIServing(backend, tokenizer, settings, metrics, admission)
+    drain = Drain(settings.shutdown_grace_s, settings.retry_after_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -102,8 +105,9 @@ def create_app(backend: Backend, tokenizer: Tokenizer, settings: RouterSettings,
 
     app = FastAPI(title="tandem router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.settings, app.state.metrics, app.state.admission = settings, metrics, admission
-    app.state.backend, app.state.serving = backend, serving
+    app.state.backend, app.state.serving, app.state.drain = backend, serving, drain
     install_error_handlers(app, metrics.count_error)
+    app.add_middleware(DrainMiddleware, drain=drain, on_refuse=metrics.count_error)
 
     async def openai_call(request: Request, model: type[M], handler) -> Response:
         arrival = time.monotonic()
@@ -146,6 +150,9 @@ def create_app(backend: Backend, tokenizer: Tokenizer, settings: RouterSettings,
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
+        if drain.draining:
+            raise ApiError(503, "the server is shutting down", None, "shutting_down",
+                           retry_after=settings.retry_after_s)
         if not backend.ready():
             raise ApiError(503, "the backend is not ready", None, "not_ready", retry_after=settings.retry_after_s)
         return JSONResponse({"status": "ready"})

@@ -49,6 +49,12 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--max-concurrent-requests", type=int, default=256)
     g.add_argument("--max-queued-requests", type=int, default=1024)
     g.add_argument("--queue-timeout-s", type=float, default=30.0)
+    g.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT: how long in-flight requests may finish while new ones get 503",
+    )
     g.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     g.add_argument("--slo-tpot-ms", type=float, default=100.0)
     g.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")

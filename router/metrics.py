@@ -116,19 +116,24 @@ class ChoiceTimer:
         self.first: float | None = None
         self.last: float | None = None
         self.tokens = 0
+        self.cached = 0  # prompt tokens counted as prefix cache hits so far
         self.done = False
 
     def on_tokens(self, n: int, prompt_tokens: int, cached_tokens: int, now: float | None = None) -> None:
+        """`cached_tokens`: the prompt tokens found in the prefix cache, as known so far
+        (a disaggregated request learns them with its last batch, not its first)."""
+        m = self.m
+        if cached_tokens > self.cached:
+            m.m_cache_hits.inc(cached_tokens - self.cached)
+            self.cached = cached_tokens
         if n <= 0:
             return
-        m = self.m
         now = time.monotonic() if now is None else now
         if self.first is None:
             self.first = now
             m.m_ttft.observe(now - self.arrival)
             m.m_prompt_tokens.inc(prompt_tokens)
             m.m_cache_queries.inc(prompt_tokens)
-            m.m_cache_hits.inc(cached_tokens)
         else:
             gap = (now - self.last) / n
             for _ in range(n):

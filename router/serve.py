@@ -8,6 +8,7 @@ import logging
 import os
 import secrets
 import sys
+from typing import Callable
 
 from engine import envs
 from engine.cli_args import engine_config_from_args, parse_cores
@@ -17,8 +18,9 @@ from worker_runtime.config import Role
 log = logging.getLogger("tandem")
 
 
-def build_app(args: argparse.Namespace):
-    """The app `serve` runs, from parsed options; it announces the cluster once started."""
+def build_app(args: argparse.Namespace, after_start: Callable[[], None] | None = None):
+    """The app `serve` runs, from parsed options; once started it announces the cluster
+    and calls `after_start` (on the server's event loop)."""
     from engine.models.builtin import builtin_model_path
     from engine.tokenizer import Tokenizer
     from router.app import create_app
@@ -59,14 +61,21 @@ def build_app(args: argparse.Namespace):
         queue_timeout_s=args.queue_timeout_s,
         slo_ttft_s=args.slo_ttft_ms / 1000,
         slo_tpot_s=args.slo_tpot_ms / 1000,
+        shutdown_grace_s=args.shutdown_grace_s,
     )
+
+    def started() -> None:
+        announce(args, backend, settings)
+        if after_start is not None:
+            after_start()
+
     app = create_app(
         backend,
         Tokenizer.from_dir(model_path),
         settings,
         admin=pool,
         collectors=[backend.metrics.registry],
-        on_started=lambda: announce(args, backend, settings),
+        on_started=started,
     )
     return app
 
@@ -89,11 +98,31 @@ def announce(args, backend, settings) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
+    """Run until SIGTERM/SIGINT, then drain (router/shutdown.py) and exit 0."""
     import uvicorn
+
+    from router.shutdown import SignalDrain
 
     level = (args.log_level or envs.log_level()).upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    uvicorn.run(
-        build_app(args), host=args.host, port=args.port, log_level="warning", lifespan="on", http="h11", ws="none"
-    )
+    holder: dict = {}
+
+    def exit_server(force: bool = False) -> None:
+        server = holder["server"]
+        server.should_exit = True
+        server.force_exit = server.force_exit or force
+
+    # the handlers go in once the backend is up: Ray's driver start-up installs a
+    # SIGTERM handler of its own (a backtrace, then abort), which they replace
+    app = build_app(args, after_start=lambda: holder["signals"].install())
+    holder["signals"] = signals = SignalDrain(app.state.drain, exit_server, lambda: exit_server(force=True))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on", http="h11",
+                            ws="none", timeout_graceful_shutdown=5)
+    holder["server"] = server = uvicorn.Server(config)
+    server.run()
+    if signals.result is not None:
+        start, left, waited = signals.result
+        how = f"all {start} finished" if left == 0 else f"{left} of {start} still running were cut off"
+        log.info("tandem: stopped on %s after draining for %.1f s (requests in flight: %s)",
+                 signals.signal_name, waited, how)
     return 0

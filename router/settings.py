@@ -27,11 +27,15 @@ class RouterSettings:
     # Admission in the router, counted in engine requests (prompts x n of each HTTP
     # request): at most `max_concurrent_requests` in the backend, at most
     # `max_queued_requests` waiting for a slot (beyond: 429), each waiting at most
-    # `queue_timeout_s` (then 503). Both answers carry Retry-After: `retry_after_s`.
+    # `queue_timeout_s` (then 503). Both answers carry Retry-After: an estimate from the
+    # rate slots are given back (router/admission.py), at least `retry_after_s`.
     max_concurrent_requests: int = 256
     max_queued_requests: int = 1024
     queue_timeout_s: float = 30.0
     retry_after_s: float = 1.0
+    # On SIGTERM/SIGINT (`tandem serve`): how long in-flight requests may run on while
+    # /ready and new requests answer 503 (router/shutdown.py).
+    shutdown_grace_s: float = 30.0
     # Largest request body accepted (413 beyond).
     max_request_body_bytes: int = 32 * 1024 * 1024
     # Largest n, and largest prompts x n of one request.
@@ -53,6 +57,7 @@ class RouterSettings:
         _require(self.max_queued_requests >= 0, "max_queued_requests must be >= 0 (0: no queue, 429 when busy)")
         _require(self.queue_timeout_s > 0, "queue_timeout_s must be > 0")
         _require(self.retry_after_s > 0, "retry_after_s must be > 0")
+        _require(self.shutdown_grace_s >= 0, "shutdown_grace_s must be >= 0")
         _require(self.max_request_body_bytes >= 1024, "max_request_body_bytes must be >= 1024")
         _require(self.max_n >= 1, "max_n must be >= 1")
         _require(self.max_choices_per_request >= self.max_n,

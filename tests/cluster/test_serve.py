@@ -103,6 +103,13 @@ def test_openai_sdk_and_metrics_on_a_disaggregated_cluster(serve, model_path):
     tok = __import__("engine.tokenizer", fromlist=["Tokenizer"]).Tokenizer.from_dir(model_path)
     assert r.choices[0].text == tok.decode(expect)
     assert r.usage.prompt_tokens == 200 and r.usage.completion_tokens == 10
+    # the same prompt again: its leading full blocks come from the prefill worker's cache
+    again = client.completions.create(model="tandem-tiny-v1", prompt=long_prompt, max_tokens=10, temperature=0)
+    assert again.choices[0].text == r.choices[0].text
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 192, again.usage
+    # the router counts the hits the responses report (they come with the last batch)
+    assert srv.metrics()["tandem:prefix_cache_hits_total"] == cached
     # short prompt streamed: local prefill on the decode worker
     chunks = list(
         client.completions.create(
@@ -151,7 +158,7 @@ def test_openai_sdk_and_metrics_on_a_disaggregated_cluster(serve, model_path):
         "tandem:pool_ready_workers",
     ):
         assert name in m, f"/metrics lacks {name}"
-    assert m["tandem:kv_transfer_bytes_total"] > 0 and m["tandem:generation_tokens_total"] == 10 + 8 + 12 + 12
+    assert m["tandem:kv_transfer_bytes_total"] > 0 and m["tandem:generation_tokens_total"] == 10 + 10 + 8 + 12 + 12
     assert m["tandem:worker_up"] == 2
     for pool in srv.pools().values():  # every worker serves its own /metrics
         for w in pool["workers"]:
@@ -265,3 +272,67 @@ def test_scale_and_kill_under_load(serve, model_path):
                 )
 
     asyncio.run(integrity())
+
+
+def test_sigterm_drains_streams_in_flight_then_exits_0(serve, model_path):
+    """SIGTERM to `tandem serve` (to its process alone, as Kubernetes sends it): /ready
+    and new requests answer 503 with Retry-After, every stream already running ends
+    whole, the process exits 0 with one line about it and no backtrace, and the workers
+    it started are gone."""
+    import psutil
+
+    srv = serve("--colocated", "--decode", "1", "--num-blocks", "4096", "--shutdown-grace-s", "120")
+    pids = [w["pid"] for pool in srv.pools().values() for w in pool["workers"]]
+    assert pids and all(psutil.pid_exists(p) for p in pids)
+    n_streams, n_tokens = 12, 1200
+    body = {"model": "tandem-tiny-v1", "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+    async def scenario():
+        started = [asyncio.Event() for _ in range(n_streams)]
+        done = [False] * n_streams
+
+        async def one(i: int, client: httpx.AsyncClient):
+            events = []
+            async with client.stream("POST", "/v1/completions", json={**body, "prompt": f"story {i}:"}) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        started[i].set()
+            done[i] = True
+            return events
+
+        async with httpx.AsyncClient(base_url=srv.url, timeout=300) as client:
+            streams = [asyncio.create_task(one(i, client)) for i in range(n_streams)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+            assert not any(done), "a stream ended before the signal: make them longer"
+            srv.proc.send_signal(signal.SIGTERM)
+            async with httpx.AsyncClient(base_url=srv.url, timeout=30) as probe:
+                for _ in range(200):  # the drain begins once the loop sees the signal
+                    ready = await probe.get("/ready")
+                    if ready.status_code == 503:
+                        break
+                    await asyncio.sleep(0.05)
+                assert ready.status_code == 503 and ready.headers["retry-after"] == "1", ready.text
+                refused = await probe.post("/v1/completions", json={**body, "stream": False, "prompt": "late"})
+                assert refused.status_code == 503 and refused.headers["retry-after"] == "1", refused.text
+                assert refused.json()["error"]["code"] == "shutting_down"
+                assert (await probe.get("/health")).status_code == 200  # the process is still up
+            assert not all(done), "every stream ended before the drain was seen: make them longer"
+            return await asyncio.gather(*streams)
+
+    results = asyncio.run(scenario())
+    for events in results:  # whole streams: every token, the usage chunk, [DONE]
+        assert events[-1] == "[DONE]"
+        usage = __import__("json").loads(events[-2])["usage"]
+        assert usage["completion_tokens"] == n_tokens
+    assert srv.proc.wait(timeout=120) == 0
+    srv.log.flush()
+    log = open(srv.log.name).read()
+    assert log.count("tandem: stopped on SIGTERM") == 1 and f"all {n_streams} finished" in log, log[-3000:]
+    assert "SIGTERM received" not in log and "Traceback" not in log, log[-3000:]
+    deadline = time.monotonic() + 30
+    while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(psutil.pid_exists(p) for p in pids), "a worker outlived tandem serve"
