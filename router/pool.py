@@ -20,12 +20,10 @@ import os
 import time
 from dataclasses import dataclass, field
 
-import grpc
-
 from protos import tandem_pb2 as pb
 from router.admin import AdminInterface
 from router.prefix_index import PrefixIndex
-from worker_runtime.client import WorkerClient, wait_ready
+from worker_runtime.client import RPC_ERRORS, WorkerClient, wait_ready
 from worker_runtime.config import Role, WorkerConfig
 from worker_runtime.stats import WorkerStats
 
@@ -310,7 +308,7 @@ class PoolManager(AdminInterface):
             try:
                 await w.client.drain(True)
                 await self._wait_idle(w)
-            except (grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
+            except (*RPC_ERRORS, asyncio.TimeoutError) as e:
                 log.warning("%s: drain incomplete (%s); stopping it anyway", w.worker_id, e)
         w.state = WorkerState.STOPPED if w.state != WorkerState.DEAD else WorkerState.DEAD
         for t in w.tasks:
@@ -363,7 +361,7 @@ class PoolManager(AdminInterface):
         try:
             reply = await w.client.health(timeout=2.0)
             ok = reply.healthy and reply.epoch == w.epoch
-        except grpc.aio.AioRpcError:
+        except RPC_ERRORS:
             ok = False
         w.failures = 0 if ok else w.failures + 1
         if not ok and w.failures >= self.config.health_failures and w.state == WorkerState.READY:
@@ -387,7 +385,7 @@ class PoolManager(AdminInterface):
                 if w.state in (WorkerState.READY, WorkerState.DRAINING):
                     try:
                         w.stats = await w.client.stats(timeout=1.0)
-                    except grpc.aio.AioRpcError:
+                    except RPC_ERRORS:
                         pass
 
     async def _follow_kv_events(self, w: Worker) -> None:
@@ -395,7 +393,7 @@ class PoolManager(AdminInterface):
             try:
                 async for batch in w.client.stub.KVEvents(pb.KVEventsRequest(), metadata=w.client.metadata):
                     self.index.apply(w.worker_id, batch)
-            except grpc.aio.AioRpcError:
+            except RPC_ERRORS:
                 self.index.drop(w.worker_id)
             await asyncio.sleep(0.5)
 

@@ -64,14 +64,29 @@ def rpc_error(e: grpc.aio.AioRpcError, who: str) -> BackendError:
     return BackendError(f"{who} failed: {code.name}: {e.details()}", 500)
 
 
+def gone(who: str) -> BackendError:
+    """The worker was removed from the pool (its channel is closed) after this request
+    chose it: retryable, on another worker."""
+    return BackendError(f"{who} was removed (its channel is closed)", 503, retry_after=1.0)
+
+
+def _open_decode(decode: WorkerClient, req: GenerateRequest, mode: int, lease_s: float):
+    try:
+        return decode.stub.Decode(_decode_request(req, mode, lease_s), metadata=decode.metadata)
+    except grpc.aio.UsageError as e:
+        raise gone(f"decode worker {decode.worker_id}") from e
+
+
 async def local_stream(decode: WorkerClient, req: GenerateRequest) -> AsyncIterator[TokenBatch]:
     """The decode worker prefills and decodes by itself."""
-    call = decode.stub.Decode(_decode_request(req, pb.LOCAL_PREFILL, 0.0), metadata=decode.metadata)
+    call = _open_decode(decode, req, pb.LOCAL_PREFILL, 0.0)
     try:
         async for ev in call:
             yield _batch(ev.tokens)
     except grpc.aio.AioRpcError as e:
         raise rpc_error(e, f"decode worker {decode.worker_id}") from e
+    except grpc.aio.UsageError as e:
+        raise gone(f"decode worker {decode.worker_id}") from e
     finally:
         call.cancel()
 
@@ -86,6 +101,8 @@ async def run_prefill(prefill: WorkerClient, decode: WorkerClient, req: Generate
         return PrefillOutcome(await prefill.stub.Prefill(preq, timeout=timeout, metadata=prefill.metadata))
     except grpc.aio.AioRpcError as e:
         return PrefillOutcome(None, f"prefill worker {prefill.worker_id}: {e.code().name}: {e.details()}")
+    except grpc.aio.UsageError:
+        return PrefillOutcome(None, f"prefill worker {prefill.worker_id} was removed (its channel is closed)")
 
 
 async def disaggregated_stream(prefill: WorkerClient, decode: WorkerClient, req: GenerateRequest,
@@ -93,12 +110,14 @@ async def disaggregated_stream(prefill: WorkerClient, decode: WorkerClient, req:
                                on_prefill=None) -> AsyncIterator[TokenBatch]:
     """Reserve on D, prefill on P into the reservation, then stream D's tokens.
     `on_prefill(outcome)` (optional) sees the prefill's reply or error (for metrics)."""
-    call = decode.stub.Decode(_decode_request(req, pb.REMOTE_PREFILL, lease_s), metadata=decode.metadata)
+    call = _open_decode(decode, req, pb.REMOTE_PREFILL, lease_s)
     try:
         try:
             first = await call.read()
         except grpc.aio.AioRpcError as e:
             raise rpc_error(e, f"decode worker {decode.worker_id}") from e
+        except grpc.aio.UsageError as e:
+            raise gone(f"decode worker {decode.worker_id}") from e
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "reservation":
             raise BackendError(f"decode worker {decode.worker_id} sent no reservation", 500)
         outcome = await run_prefill(prefill, decode, req, first.reservation, timeout=lease_s)
@@ -135,6 +154,8 @@ async def _decode_tokens(call, decode: WorkerClient) -> AsyncIterator[TokenBatch
             ev = await call.read()
         except grpc.aio.AioRpcError as e:
             raise rpc_error(e, f"decode worker {decode.worker_id}") from e
+        except grpc.aio.UsageError as e:
+            raise gone(f"decode worker {decode.worker_id}") from e
         if ev is grpc.aio.EOF:
             raise BackendError(f"decode worker {decode.worker_id} ended the stream early", 500)
         if ev.WhichOneof("kind") == "tokens":

@@ -13,6 +13,10 @@ from worker_runtime.config import Role
 from worker_runtime.rpc import call_metadata, channel
 from worker_runtime.stats import WorkerStats
 
+# What a call to a worker can raise: its failure, or UsageError when the channel was
+# closed under it (the worker was removed while the caller held its client).
+RPC_ERRORS = (grpc.aio.AioRpcError, grpc.aio.UsageError)
+
 
 class WorkerClient:
     """One worker's gRPC stub with the cluster token attached to every call."""
@@ -45,7 +49,7 @@ class WorkerClient:
                 pb.AbortRequest(request_id=request_id), timeout=timeout, metadata=self.metadata
             )
             return reply.found
-        except grpc.aio.AioRpcError:
+        except RPC_ERRORS:
             return False
 
 
