@@ -6,6 +6,7 @@ The router owns tokenization and the chat template; workers see token ids only.
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -145,6 +146,14 @@ class Tokenizer:
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """At most this many characters of text become one token: the longest vocabulary
+        entry (byte-level entries spell one byte a character, and a decoded character
+        takes at least one byte). Text longer than `n * max_token_chars` cannot fit in
+        `n` tokens, which is known without tokenizing it."""
+        return max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     @property
     def vocab_size(self) -> int:

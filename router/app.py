@@ -20,6 +20,7 @@ the requests in flight and, once a drain begins, answers new /v1 requests with 5
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from typing import Callable, Iterable, TypeVar
@@ -47,6 +48,9 @@ from router.sse import ClientDisconnected
 __all__ = ["create_app", "RouterSettings"]
 M = TypeVar("M", bound=BaseModel)
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request", used in metrics only
+
+
+_INLINE_PARSE_BYTES = 256 * 1024
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -112,7 +116,9 @@ def create_app(backend: Backend, tokenizer: Tokenizer, settings: RouterSettings,
     async def openai_call(request: Request, model: type[M], handler) -> Response:
         arrival = time.monotonic()
         auth.require_api_key(request)
-        req = parse(model, await read_body(request, settings.max_request_body_bytes))
+        body = await read_body(request, settings.max_request_body_bytes)
+        # a big body's JSON parse on a thread: the loop keeps serving between GIL slices
+        req = parse(model, body) if len(body) <= _INLINE_PARSE_BYTES else await asyncio.to_thread(parse, model, body)
         try:
             return await handler(request, req, arrival)
         except ClientDisconnected:

@@ -50,6 +50,9 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--max-queued-requests", type=int, default=1024)
     g.add_argument("--queue-timeout-s", type=float, default=30.0)
     g.add_argument(
+        "--max-request-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get 413"
+    )
+    g.add_argument(
         "--shutdown-grace-s",
         type=float,
         default=30.0,

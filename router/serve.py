@@ -62,6 +62,7 @@ def build_app(args: argparse.Namespace, after_start: Callable[[], None] | None =
         slo_ttft_s=args.slo_ttft_ms / 1000,
         slo_tpot_s=args.slo_tpot_ms / 1000,
         shutdown_grace_s=args.shutdown_grace_s,
+        max_request_body_bytes=args.max_request_body_bytes,
     )
 
     def started() -> None:

@@ -105,6 +105,17 @@ class OpenAIServing:
         if not self.backend.ready():
             raise ApiError.overloaded(503, "the backend is not ready", self.settings.retry_after_s)
 
+    def _check_text_fits(self, chars: int, what: str, param: str) -> None:
+        """400 for text that cannot fit in the context whatever it tokenizes to, before
+        spending time and memory tokenizing it (megabytes take seconds and gigabytes)."""
+        limit = self.backend.max_model_len
+        most = limit * self.tokenizer.max_token_chars
+        if limit and chars > most:
+            raise ApiError.context_length(
+                f"This model's maximum context length is {limit} tokens, and {what} has {chars} characters: "
+                f"more than {most} (at most {self.tokenizer.max_token_chars} characters make a token) "
+                "could never fit. Shorten the prompt.", param)
+
     async def _off_loop(self, size: int, fn, *args):
         """fn(*args), on a thread when the input is large (tokenizing megabytes)."""
         return fn(*args) if size <= _INLINE_TOKENIZE_CHARS else await asyncio.to_thread(fn, *args)
@@ -121,6 +132,7 @@ class OpenAIServing:
             if not item:
                 raise ApiError.invalid(f"{where} must not be empty", "prompt")
             if isinstance(item, str):
+                self._check_text_fits(len(item), where, "prompt")
                 out.append(PromptInput(await self._off_loop(len(item), self.tokenizer.encode, item), item))
                 continue
             bad = next((t for t in item if not 0 <= t < vocab), None)
@@ -133,6 +145,7 @@ class OpenAIServing:
         kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_ARGS}
         messages = [m.for_template() for m in req.messages]
         size = sum(len(m["content"]) for m in messages)
+        self._check_text_fits(size, "the messages", "messages")
         render = functools.partial(self.tokenizer.apply_chat_template, messages, tokenize=True,
                                    add_generation_prompt=req.add_generation_prompt is not False, **kwargs)
         try:

@@ -36,8 +36,9 @@ class RouterSettings:
     # On SIGTERM/SIGINT (`tandem serve`): how long in-flight requests may run on while
     # /ready and new requests answer 503 (router/shutdown.py).
     shutdown_grace_s: float = 30.0
-    # Largest request body accepted (413 beyond).
-    max_request_body_bytes: int = 32 * 1024 * 1024
+    # Largest request body accepted (413 beyond). Text that cannot fit in the context
+    # is refused before it is tokenized whatever this is (router/serving.py).
+    max_request_body_bytes: int = 8 * 1024 * 1024
     # Largest n, and largest prompts x n of one request.
     max_n: int = 16
     max_choices_per_request: int = 256

@@ -414,3 +414,31 @@ def test_metrics_carry_every_series(http, server):
         + s[("tandem:slo_attainment_total", (("met", "false"), m))]
     )
     assert met == s["tandem:e2e_request_latency_seconds_count"]
+
+
+async def test_megabyte_prompts_are_refused_before_tokenizing(builtin_dir, tok):
+    """Four concurrent multi-megabyte prompts once held the router for tens of seconds
+    and gigabytes (tokenized, then refused); now: 413 above the (lower) default body
+    limit, and text that cannot fit the context is refused by its length alone, while
+    a small request next to them is served."""
+    backend = EngineBackend(EngineConfig(
+        model=str(builtin_dir), cache=CacheConfig(num_blocks=64),
+        scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256),
+        device=DeviceConfig(num_threads=1)))
+    settings = RouterSettings(served_model_name=MODEL)
+    assert settings.max_request_body_bytes <= 8 * 1024 * 1024
+    big = "lorem ipsum dolor sit amet " * (6_000_000 // 27)  # 6 MB: under the body limit
+    with ServerThread(create_app(backend, tok, settings)) as s:
+        async with httpx.AsyncClient(base_url=s.url, timeout=120) as c:
+            huge = await c.post("/v1/completions", json={**COMPLETION, "prompt": "x" * 20_000_000})
+            check_error(huge, 413, None, "request_too_large")
+            replies = await asyncio.gather(
+                *(c.post("/v1/completions", json={**COMPLETION, "prompt": big}) for _ in range(3)),
+                c.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": big}]}),
+                c.post("/v1/completions", json={**COMPLETION, "prompt": ["fine", big]}),
+                c.post("/v1/completions", json={**COMPLETION, "prompt": "a small one", "max_tokens": 4}),
+            )
+    for r, param in zip(replies[:5], ["prompt"] * 3 + ["messages", "prompt"]):
+        err = check_error(r, 400, param, "context_length_exceeded")
+        assert f"has {len(big)} characters" in err["message"], err["message"]
+    assert replies[5].status_code == 200 and replies[5].json()["usage"]["completion_tokens"] == 4
