@@ -74,6 +74,18 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
         default=64,
         help="prompts whose uncached part is shorter than this prefill on their decode worker",
     )
+    c.add_argument(
+        "--decode-routing",
+        choices=("prefix", "headroom"),
+        default="prefix",
+        help="decode worker choice: prefix (prompt blocks it caches against its load) or headroom (most free blocks)",
+    )
+    c.add_argument(
+        "--prefill-block-weight",
+        type=float,
+        default=8.0,
+        help="decode routing: cost of a prompt block to prefill, against a block of decode load",
+    )
     c.add_argument("--prefill-num-cpus", type=float, default=1.0, help="Ray CPUs per prefill worker")
     c.add_argument("--decode-num-cpus", type=float, default=1.0, help="Ray CPUs per decode worker")
     c.add_argument("--num-gpus-per-worker", type=float, default=None, help="Ray GPUs per worker (default: 1 on cuda)")

@@ -167,8 +167,10 @@ class ClusterBackend(Backend):
             if exclude and any(w.worker_id not in exclude for w in decodes):
                 decodes = [w for w in decodes if w.worker_id not in exclude]
             views = [self._view(w, hashes) for w in decodes]
-            best = choose_decode(views, need)
-            if best is not None:
+            choice = choose_decode(views, need, self.routing, len(hashes))
+            if choice is not None:
+                best = choice.worker
+                self.metrics.decode_decisions.labels(choice.reason).inc()
                 d = self.pool.get(best.worker_id)
                 if req.output_ids:  # a migration: the decode worker prefills prompt + output itself
                     return d, None, "fallback"

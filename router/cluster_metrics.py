@@ -99,6 +99,13 @@ class ClusterMetrics:
             ["where", "reason"],
             registry=reg,
         )
+        self.decode_decisions = Counter(
+            "tandem:decode_decisions",
+            "How the decode worker was chosen: it held part of the prompt (prefix_overlap), "
+            "by load alone (load), or it was the only one with room (only_fit).",
+            ["reason"],
+            registry=reg,
+        )
         self.transfer_seconds = Histogram(
             "tandem:kv_transfer_seconds",
             "KV write issued to written and notified, per request.",
@@ -142,6 +149,8 @@ class ClusterMetrics:
             ("remote", "remote"),
         ):
             self.decisions.labels(where, reason)
+        for reason in ("prefix_overlap", "load", "only_fit"):
+            self.decode_decisions.labels(reason)
         for cause in ("decode_failed", "migrated", "no_capacity"):
             self.retries.labels(cause)
         if pool is not None:

@@ -1,8 +1,14 @@
 """Routing policy over plain data: which decode worker, which prefill worker, and
 whether a prompt is worth disaggregating at all. No I/O here.
 
-- Decode worker: the most KV headroom (free blocks minus what in-flight requests
-  routed there will claim), then the fewest running sequences.
+- Decode worker (`decode_routing="prefix"`, the default): the least cost, in KV blocks,
+  of the prompt blocks it would have to prefill or receive (those its prefix cache does
+  not hold, times `prefill_block_weight`) plus the blocks its running requests hold and
+  those routed there will claim (its decode load); ties go to the fewest running. As
+  Dynamo's KV router weighs overlap against load. A worker holding 60 of a prompt's 62
+  full blocks wins over an idle one unless the idle one's load is lighter by more than
+  8 x 60 blocks (the prefill and transfer it saves, weighted). `decode_routing="headroom"` (the policy
+  before): the most free blocks, then the fewest running.
 - Prefill worker: the most prompt tokens already cached there (from its KV events)
   minus the prompt tokens queued on it.
 - Conditional disaggregation: when the part of the prompt the chosen decode worker
@@ -19,6 +25,19 @@ from dataclasses import dataclass
 class RoutingConfig:
     local_prefill_threshold: int = 64  # uncached prompt tokens below which D prefills locally
     colocated: bool = False  # no prefill pool: every prompt prefills on its decode worker
+    decode_routing: str = "prefix"  # "prefix" (cached blocks against load) | "headroom"
+    # a prompt block to prefill (or receive), against a block of decode load; 8 kept every
+    # multi-turn hit that 1 and 4 lost (bench.multiturn, docs/performance.md)
+    prefill_block_weight: float = 8.0
+
+    def __post_init__(self) -> None:
+        if self.decode_routing not in DECODE_ROUTING:
+            raise ValueError(f"decode_routing must be one of {DECODE_ROUTING}, got {self.decode_routing!r}")
+        if self.prefill_block_weight < 0:
+            raise ValueError("prefill_block_weight must be >= 0")
+
+
+DECODE_ROUTING = ("prefix", "headroom")
 
 
 @dataclass
@@ -46,11 +65,31 @@ def headroom(w: WorkerView) -> int:
     return w.free_blocks - w.in_flight_blocks
 
 
-def choose_decode(workers: list[WorkerView], need_blocks: int) -> WorkerView | None:
+@dataclass
+class DecodeChoice:
+    worker: WorkerView
+    reason: str  # "only_fit" | "prefix_overlap" (it holds some of the prompt) | "load"
+
+
+def choose_decode(workers: list[WorkerView], need_blocks: int, cfg: RoutingConfig | None = None,
+                  prompt_blocks: int = 0) -> DecodeChoice | None:
+    """The decode worker for a request needing `need_blocks` blocks, whose prompt has
+    `prompt_blocks` full blocks (WorkerView.cached_blocks counts those a worker holds)."""
+    cfg = cfg or RoutingConfig()
     fits = [w for w in workers if headroom(w) >= need_blocks and w.running + w.in_flight < w.max_num_seqs]
     if not fits:
         return None
-    return max(fits, key=lambda w: (headroom(w), -(w.running + w.in_flight), w.worker_id))
+    if cfg.decode_routing == "headroom":
+        best = max(fits, key=lambda w: (headroom(w), -(w.running + w.in_flight), w.worker_id))
+    else:
+        def cost(w: WorkerView) -> tuple:
+            to_prefill = max(0, prompt_blocks - w.cached_blocks)
+            load = w.num_blocks - headroom(w)
+            return (cfg.prefill_block_weight * to_prefill + load, w.running + w.in_flight, w.worker_id)
+
+        best = min(fits, key=cost)
+    reason = "only_fit" if len(fits) == 1 else "prefix_overlap" if best.cached_blocks > 0 else "load"
+    return DecodeChoice(best, reason)
 
 
 def choose_prefill(workers: list[WorkerView], block_size: int) -> WorkerView | None:

@@ -47,7 +47,8 @@ def build_app(args: argparse.Namespace, after_start: Callable[[], None] | None =
         cores = parse_cores(args.pin_cores)
     sizes = {"prefill": 0 if args.colocated else args.prefill, "decode": args.decode}
     pool = PoolManager(PoolConfig(template, sizes=sizes, resources=resources, cores=cores), ray_address=args.address)
-    routing = RoutingConfig(local_prefill_threshold=args.local_prefill_threshold, colocated=args.colocated)
+    routing = RoutingConfig(local_prefill_threshold=args.local_prefill_threshold, colocated=args.colocated,
+                            decode_routing=args.decode_routing, prefill_block_weight=args.prefill_block_weight)
     backend = ClusterBackend(pool, routing, ClusterMetrics(pool), lease_s=args.reservation_lease_s)
     name = args.served_model_name or os.path.basename(model_path.rstrip("/"))
     settings = RouterSettings(

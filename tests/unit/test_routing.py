@@ -16,11 +16,32 @@ def d(wid, free, running=0, in_flight=0, in_flight_blocks=0, cached=0, max_seqs=
                       in_flight_blocks=in_flight_blocks, max_num_seqs=max_seqs, cached_blocks=cached)
 
 
-def test_decode_worker_with_most_headroom_wins_and_full_ones_are_skipped():
+@pytest.mark.parametrize("policy", ["prefix", "headroom"])
+def test_without_cached_blocks_the_least_loaded_decode_worker_wins(policy):
+    cfg = RoutingConfig(decode_routing=policy)
     ws = [d("a", 50), d("b", 80, in_flight_blocks=40), d("c", 60)]
-    assert choose_decode(ws, need_blocks=5).worker_id == "c"  # b's headroom is 40
-    assert choose_decode([d("a", 3), d("b", 100, running=8)], need_blocks=5) is None  # no blocks / no seats
-    assert choose_decode([d("a", 50, running=2), d("b", 50, running=1)], 5).worker_id == "b"
+    assert choose_decode(ws, 5, cfg).worker.worker_id == "c"  # b's headroom is 40
+    assert choose_decode(ws, 5, cfg).reason == "load"
+    assert choose_decode([d("a", 3), d("b", 100, running=8)], 5, cfg) is None  # no blocks / no seats
+    assert choose_decode([d("a", 50, running=2), d("b", 50, running=1)], 5, cfg).worker.worker_id == "b"
+    assert choose_decode([d("a", 3), d("b", 50)], 5, cfg).reason == "only_fit"
+
+
+def test_decode_routing_weighs_the_prompt_blocks_a_worker_holds_against_its_load():
+    # the case: a 1000-token prompt (62 full blocks); "a" holds 60 of them,
+    # "b" has a single free block more
+    a, b = d("a", 40, cached=60), d("b", 41)
+    pick = choose_decode([a, b], 5, RoutingConfig(), prompt_blocks=62)
+    assert (pick.worker.worker_id, pick.reason) == ("a", "prefix_overlap")
+    assert choose_decode([a, b], 5, RoutingConfig(decode_routing="headroom"), 62).worker.worker_id == "b"
+    # overlap wins until the other worker's load is lighter by more than the blocks saved
+    # (60 here) times the weight
+    even = RoutingConfig(prefill_block_weight=1.0)
+    assert choose_decode([d("a", 40, cached=60), d("b", 99)], 5, even, 62).worker.worker_id == "a"
+    assert choose_decode([d("a", 30, cached=60), d("b", 91)], 5, even, 62).worker.worker_id == "b"
+    assert choose_decode([d("a", 30, cached=60), d("b", 91)], 5, RoutingConfig(), 62).worker.worker_id == "a"
+    with pytest.raises(ValueError):
+        RoutingConfig(decode_routing="random")
 
 
 def test_prefill_worker_by_cached_overlap_minus_queue():
