@@ -383,3 +383,26 @@ def test_a_storm_of_client_disconnects_harms_nothing(serve):
     r = httpx.post(srv.url + "/v1/completions", json={"model": "tandem-tiny-v1", "prompt": "after", "max_tokens": 4},
                    timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_multiturn_chat_finds_every_earlier_turn_cached(tmp_path):
+    """bench.multiturn end to end on two colocated decode workers: with prefix-aware
+    decode routing every later turn lands where its earlier turns are cached."""
+    import json
+
+    from bench.multiturn import main
+
+    out = tmp_path / "mt.json"
+    rc = main(["--conversations", "3", "--turns", "3", "--max-tokens", "8", "--policies", "prefix",
+               "--serve-args", "--colocated --decode 2 --num-threads 1", "--json", str(out),
+               "--log-prefix", str(tmp_path / "serve")])
+    assert rc == 0
+    turns = json.loads(out.read_text())["results"][0]["turns"]
+    by_conv: dict = {}
+    for t in turns:
+        by_conv.setdefault(t["conversation"], []).append(t)
+    assert len(by_conv) == 3
+    for conv in by_conv.values():
+        assert conv[0]["cached_tokens"] == 0
+        for prev, cur in zip(conv, conv[1:]):  # all of the previous prompt but its last block
+            assert cur["cached_tokens"] >= 16 * (prev["prompt_tokens"] // 16) - 16, conv
