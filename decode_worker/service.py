@@ -32,6 +32,7 @@ from engine.sequence import FinishReason
 from kv_transfer.ledger import Entry, HandoffState, Ledger
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc as pb_grpc
+from worker_runtime.addresses import resolve as resolve_host
 from worker_runtime.config import Role, WorkerConfig
 from worker_runtime.convert import can_join, logprobs_from_pb, params_from_pb, token_events_to_pb
 from worker_runtime.kv_events import KVEventHub
@@ -61,7 +62,8 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         cfg = self.config
         self.engine = await asyncio.to_thread(LLMEngine.from_config, cfg.engine)
         self.epoch = new_epoch()
-        self.transport = make_transport(cfg, self.epoch)
+        self.endpoint = resolve_host(cfg.host)
+        self.transport = make_transport(cfg, self.epoch, self.endpoint)
         self.transport.register(self.engine.runner.kv_cache.kv)
         timeouts = cfg.handoff
         self.ledger = Ledger(self._on_free, default_lease_s=timeouts.reservation_lease_s, exclusive_blocks=False,
@@ -75,11 +77,11 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         self.metrics = self.make_metrics()
         self.engine.on_forward = self.metrics.on_step
         if cfg.metrics_port is not None:
-            self.metrics.serve(cfg.host, cfg.metrics_port)
+            self.metrics.serve(self.endpoint.bind, cfg.metrics_port, self.endpoint.advertise)
         self.aengine.start(loop)
         self.server, port = await start_server(lambda s: pb_grpc.add_DecodeWorkerServicer_to_server(self, s),
-                                               cfg.host, cfg.port, cfg.cluster_token)
-        self.address = f"{cfg.host}:{port}"
+                                               self.endpoint.bind, cfg.port, cfg.cluster_token)
+        self.address = f"{self.endpoint.advertise}:{port}"
         log.info("decode worker %s (epoch %x) serving on %s, transport %s", cfg.worker_id, self.epoch,
                  self.address, self.transport.name)
         return self.address

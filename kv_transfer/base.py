@@ -55,6 +55,8 @@ class TransportConfig:
 
     worker_name: stable name of this worker ("decode-0"); the epoch tells incarnations apart.
     bind_host / port: where the TCP receiver listens (port 0 = any free port).
+    advertise_host: the address peers are given to reach it (None: bind_host; needed
+      when binding 0.0.0.0).
     token: shared cluster secret; TCP peers without it are refused. None = no check.
     connect_timeout_s / io_timeout_s: bounds on connecting and on any single socket read/write.
     xfer_timeout_s: a write still pending after this long is FAILED.
@@ -65,6 +67,7 @@ class TransportConfig:
     epoch: str = dataclasses.field(default_factory=new_epoch)
     bind_host: str = "127.0.0.1"
     port: int = 0
+    advertise_host: str | None = None
     token: str | None = None
     connect_timeout_s: float = 5.0
     io_timeout_s: float = 30.0

@@ -104,7 +104,7 @@ class KVReceiver:
         self._listener = socket.create_server((config.bind_host, config.port))
         self._listener.settimeout(0.2)
         host, port = self._listener.getsockname()[:2]
-        self.address = f"{host}:{port}"
+        self.address = f"{config.advertise_host or host}:{port}"
         self._thread = threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True)
         self._thread.start()
 

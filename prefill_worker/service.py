@@ -24,6 +24,7 @@ from prefill_worker.engine import PrefillEngine, PrefillFailed, PrefillResult
 from prefill_worker.scheduler import PrefillScheduler
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc as pb_grpc
+from worker_runtime.addresses import resolve as resolve_host
 from worker_runtime.config import Role, WorkerConfig
 from worker_runtime.convert import logprobs_to_pb, params_from_pb
 from worker_runtime.kv_events import KVEventHub
@@ -55,7 +56,8 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
             cfg.engine, device=dataclasses.replace(cfg.engine.device, small_batch_linear=False))
         parts = await asyncio.to_thread(build_parts, engine_cfg)
         self.epoch = new_epoch()
-        self.transport = make_transport(cfg, self.epoch)
+        self.endpoint = resolve_host(cfg.host)
+        self.transport = make_transport(cfg, self.epoch, self.endpoint)
         self.transport.register(parts.runner.kv_cache.kv)
         self.engine = PrefillEngine(
             parts.runner,
@@ -71,14 +73,15 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
         self.metrics = self.make_metrics()
         self.engine.metrics = self.metrics
         if cfg.metrics_port is not None:
-            self.metrics.serve(cfg.host, cfg.metrics_port)
+            self.metrics.serve(self.endpoint.bind, cfg.metrics_port, self.endpoint.advertise)
         self.loop = EngineLoop(self._step, self._wait_s, lambda _: None, self._on_fatal, name="prefill-engine")
         self.engine_loop = self.loop
         self.loop.start(loop)
         self.server, port = await start_server(
-            lambda s: pb_grpc.add_PrefillWorkerServicer_to_server(self, s), cfg.host, cfg.port, cfg.cluster_token
+            lambda s: pb_grpc.add_PrefillWorkerServicer_to_server(self, s), self.endpoint.bind, cfg.port,
+            cfg.cluster_token,
         )
-        self.address = f"{cfg.host}:{port}"
+        self.address = f"{self.endpoint.advertise}:{port}"
         log.info(
             "prefill worker %s (epoch %x) serving on %s, transport %s, layer-wise push %s",
             cfg.worker_id,

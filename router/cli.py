@@ -86,11 +86,20 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
         default=8.0,
         help="decode routing: cost of a prompt block to prefill, against a block of decode load",
     )
+    c.add_argument("--prefill-resources", default=None, metavar="JSON",
+                   help='Ray custom resources each prefill worker needs, e.g. \'{"gpu_node": 1}\' (placement)')
+    c.add_argument("--decode-resources", default=None, metavar="JSON",
+                   help="Ray custom resources each decode worker needs (placement)")
     c.add_argument("--prefill-num-cpus", type=float, default=1.0, help="Ray CPUs per prefill worker")
     c.add_argument("--decode-num-cpus", type=float, default=1.0, help="Ray CPUs per decode worker")
     c.add_argument("--num-gpus-per-worker", type=float, default=None, help="Ray GPUs per worker (default: 1 on cuda)")
     c.add_argument("--pin-cores", default="auto", help="auto (local CPU runs), none, or a core list like 0-7")
-    add_worker_args(p, host_flag="--worker-host")
+    add_worker_args(
+        p, host_flag="--worker-host", host_default="auto",
+        host_help="where workers listen for gRPC, /metrics and KV transfer, resolved on each worker's node: auto "
+        "(127.0.0.1 for the local Ray this starts, the node's address with --address), an IP, 'node', 0.0.0.0 "
+        "(all interfaces, advertising the node's address), an interface name or a network (10.0.0.0/8)",
+    )
     add_engine_args(p)
     p.set_defaults(func=lambda a: _run_serve(a, p))
     return p

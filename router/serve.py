@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import secrets
@@ -16,6 +17,19 @@ from worker_runtime.args import worker_config_from_args
 from worker_runtime.config import Role
 
 log = logging.getLogger("tandem")
+
+
+def _custom(spec: str | None, role: str) -> dict:
+    """`--ROLE-resources JSON` as Ray actor options."""
+    if not spec:
+        return {}
+    try:
+        res = json.loads(spec)
+        if not isinstance(res, dict) or not all(isinstance(v, (int, float)) and v >= 0 for v in res.values()):
+            raise ValueError("an object of resource name -> non-negative amount")
+    except ValueError as e:
+        raise SystemExit(f"tandem: --{role}-resources {spec!r}: {e}") from None
+    return {"resources": res}
 
 
 def build_app(args: argparse.Namespace, after_start: Callable[[], None] | None = None):
@@ -34,11 +48,13 @@ def build_app(args: argparse.Namespace, after_start: Callable[[], None] | None =
     engine = dataclasses.replace(engine_config_from_args(args), model=model_path)
     token = args.cluster_token or secrets.token_hex(16)  # a fresh one per cluster unless given
     template = worker_config_from_args(args, Role.DECODE, "template", engine, metrics_port=0, cluster_token=token)
+    if template.host == "auto":  # loopback for the local Ray this starts; each node's address in a cluster
+        template = dataclasses.replace(template, host="127.0.0.1" if args.address is None else "node")
     on_gpu = engine.device.device.startswith("cuda")
     gpus = args.num_gpus_per_worker if args.num_gpus_per_worker is not None else (1 if on_gpu else 0)
     resources = {
-        "prefill": {"num_cpus": args.prefill_num_cpus, "num_gpus": gpus},
-        "decode": {"num_cpus": args.decode_num_cpus, "num_gpus": gpus},
+        "prefill": {"num_cpus": args.prefill_num_cpus, "num_gpus": gpus, **_custom(args.prefill_resources, "prefill")},
+        "decode": {"num_cpus": args.decode_num_cpus, "num_gpus": gpus, **_custom(args.decode_resources, "decode")},
     }
     cores = None
     if args.pin_cores == "auto" and not on_gpu and args.address is None:
@@ -125,6 +141,6 @@ def serve(args: argparse.Namespace) -> int:
     if signals.result is not None:
         start, left, waited = signals.result
         how = f"all {start} finished" if left == 0 else f"{left} of {start} still running were cut off"
-        log.info("tandem: stopped on %s after draining for %.1f s (requests in flight: %s)",
+        log.info("stopped on %s after draining for %.1f s (requests in flight: %s)",
                  signals.signal_name, waited, how)
     return 0

@@ -9,11 +9,14 @@ from engine.config import EngineConfig
 from worker_runtime.config import TRANSPORTS, HandoffTimeouts, Role, WorkerConfig
 
 
-def add_worker_args(p: argparse.ArgumentParser, host_flag: str = "--host") -> None:
+def add_worker_args(p: argparse.ArgumentParser, host_flag: str = "--host", host_default: str = "127.0.0.1",
+                    host_help: str = "") -> None:
     """`host_flag` names the bind-address flag (`tandem serve` has its own --host for HTTP)."""
     g = p.add_argument_group("worker")
-    g.add_argument(host_flag, dest="worker_host", default="127.0.0.1",
-                   help="address workers bind for gRPC and KV transfer (default 127.0.0.1)")
+    g.add_argument(host_flag, dest="worker_host", default=host_default,
+                   help=host_help or "where a worker listens for gRPC, /metrics and KV transfer, resolved on its node: "
+                   "an IP, 'node' (the node's address), 0.0.0.0 (all interfaces, advertising the node's address), "
+                   "an interface name or a network (10.0.0.0/8) (default %(default)s)")
     g.add_argument("--transport", default="auto", choices=TRANSPORTS, help="KV transfer backend (default auto)")
     g.add_argument("--cluster-token", default=None, help="shared secret every worker gRPC call must carry")
     g.add_argument("--no-layerwise-transfer", action="store_true",

@@ -60,7 +60,9 @@ class WorkerConfig:
     role: Role
     worker_id: str
     engine: EngineConfig = field(default_factory=EngineConfig)
-    host: str = "127.0.0.1"  # gRPC bind address (the cluster-facing interface)
+    # where the worker listens for gRPC, /metrics and KV transfer, resolved on its own node
+    # (worker_runtime/addresses.py): an IP, "node", 0.0.0.0, an interface or a network
+    host: str = "127.0.0.1"
     port: int = 0  # 0: any free port, reported after start
     transport: str = "auto"  # auto | nixl | tcp
     cluster_token: str | None = None  # required in every gRPC call's metadata when set

@@ -73,10 +73,11 @@ class WorkerMetrics:
         ).labels(*self.labels)
         self.address = ""
 
-    def serve(self, host: str, port: int) -> str:
-        """Start the /metrics HTTP endpoint (port 0: any free port); returns host:port."""
+    def serve(self, host: str, port: int, advertise: str | None = None) -> str:
+        """Start the /metrics HTTP endpoint on `host` (port 0: any free port); returns
+        the address to scrape, `advertise` (default `host`):port."""
         server, _ = start_http_server(port, addr=host, registry=self.registry)
-        self.address = f"{host}:{server.server_port}"
+        self.address = f"{advertise or host}:{server.server_port}"
         log.info("metrics at http://%s/metrics", self.address)
         return self.address
 

@@ -9,17 +9,19 @@ from engine import envs
 from kv_transfer.base import Transport, TransportConfig
 from kv_transfer.registry import create_transport
 from protos import tandem_pb2 as pb
+from worker_runtime.addresses import Endpoint
 from worker_runtime.config import WorkerConfig
 from worker_runtime.metrics import WorkerMetrics
 from worker_runtime.stats import WorkerStats
 
 
-def make_transport(cfg: WorkerConfig, epoch: int) -> Transport:
-    """The configured KV transport, named by worker id and this incarnation's epoch;
-    wrapped with injected faults when TANDEM_FAULTS asks for them."""
+def make_transport(cfg: WorkerConfig, epoch: int, endpoint: Endpoint) -> Transport:
+    """The configured KV transport, named by worker id and this incarnation's epoch,
+    on the worker's endpoint; wrapped with injected faults when TANDEM_FAULTS asks."""
     transport = create_transport(
         cfg.transport,
-        TransportConfig(worker_name=cfg.worker_id, epoch=f"{epoch:016x}", bind_host=cfg.host, token=cfg.cluster_token),
+        TransportConfig(worker_name=cfg.worker_id, epoch=f"{epoch:016x}", bind_host=endpoint.bind,
+                        advertise_host=endpoint.advertise, token=cfg.cluster_token),
     )
     faults = envs.faults()
     if faults.transfer_delay_s or faults.fail_transfers:

@@ -1,0 +1,174 @@
+"""Workers on two hosts: the project's own test hosts, made with network namespaces.
+
+Two namespaces, each with one veth into a bridge in the root namespace (addresses of
+our own, 10.213.7.0/24): host A (10.213.7.1) runs the Ray head and `tandem serve`
+(the router and the driver), host B (10.213.7.2) joins as a Ray worker node. The
+prefill worker is placed on A and the decode worker on B with Ray custom resources
+(`--prefill-resources`, `--decode-resources`); each advertises its own node's
+address (`--worker-host` auto = the node's address when joining a cluster). A long
+prompt is prefilled on A, its KV crosses to B over TCP, and over NIXL with UCX held
+to TCP (`UCX_TLS=tcp` on both nodes, so the bytes cross the bridge rather than shared
+memory); the greedy tokens equal transformers'.
+
+Needs root and `ip` (both here and in CI); without them the test skips and says why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.oracle import hf_greedy, random_prompts
+from worker_runtime.process import stop_process_group
+
+pytestmark = pytest.mark.cluster
+
+NET = "10.213.7"
+HOSTS = {"a": f"{NET}.1", "b": f"{NET}.2"}
+RAY_PORT, HTTP_PORT = 6390, 28600
+ADMIN = "multihost-admin"
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+
+class Hosts:
+    """The namespaces, the bridge and their links; `close` removes them all."""
+
+    def __init__(self) -> None:
+        tag = f"{os.getpid() % 100000}"
+        self.ns = {h: f"tdm{tag}{h}" for h in HOSTS}
+        self.bridge = f"tdmbr{tag}"
+        self.links: list[str] = []
+        _ip("link", "add", self.bridge, "type", "bridge")
+        self.links.append(self.bridge)
+        _ip("addr", "add", f"{NET}.254/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        for h, addr in HOSTS.items():
+            ns, outside, inside = self.ns[h], f"tdm{tag}{h}o", f"tdm{tag}{h}i"
+            _ip("netns", "add", ns)
+            _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+            self.links.append(outside)
+            _ip("link", "set", outside, "master", self.bridge)
+            _ip("link", "set", outside, "up")
+            _ip("link", "set", inside, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", inside)
+            _ip("-n", ns, "link", "set", inside, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+
+    def run(self, host: str, cmd: list[str], log, env: dict) -> subprocess.Popen:
+        return subprocess.Popen(["ip", "netns", "exec", self.ns[host], *cmd], stdout=log, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True, text=True)
+
+    def close(self) -> None:
+        for ns in self.ns.values():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        for link in reversed(self.links):
+            subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def hosts():
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2's `ip`")
+    try:
+        h = Hosts()
+    except (subprocess.CalledProcessError, OSError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        pytest.skip(f"cannot make network namespaces here: {detail.strip()}")
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def _wait_http(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout} s")
+
+
+@pytest.fixture
+def ray_cluster(hosts, tmp_path):
+    """A Ray head on host A and a worker node on host B, each with a custom resource
+    naming its host. Ray's token authentication is off (the test's own private network)."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "UCX_TLS": "tcp", "RAY_USAGE_STATS_ENABLED": "0"}
+    ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats", "--num-cpus", "2"]
+    procs, logs = [], []
+    try:
+        log = open(tmp_path / "ray-head.log", "w")
+        logs.append(log)
+        procs.append(hosts.run("a", [*ray, "--head", "--node-ip-address", HOSTS["a"], "--port", str(RAY_PORT),
+                                     "--include-dashboard=false", "--resources", json.dumps({"tandem_host_a": 4})],
+                               log, env))
+        time.sleep(3)
+        log = open(tmp_path / "ray-node.log", "w")
+        logs.append(log)
+        procs.append(hosts.run("b", [*ray, "--address", f"{HOSTS['a']}:{RAY_PORT}", "--node-ip-address",
+                                     HOSTS["b"], "--resources", json.dumps({"tandem_host_b": 4})], log, env))
+        yield env
+    finally:
+        for p in reversed(procs):
+            stop_process_group(p, grace_s=30)
+        for log in logs:
+            log.close()
+
+
+@pytest.mark.timeout(900)
+def test_prefill_on_one_host_decode_on_another_over_tcp_and_nixl(hosts, ray_cluster, tmp_path, model_path):
+    prompt = random_prompts([180], seed=41)[0]
+    expect = hf_greedy(model_path, prompt, 12)
+    for i, transport in enumerate(("tcp", "nixl")):
+        port = HTTP_PORT + i
+        url = f"http://{HOSTS['a']}:{port}"
+        log = open(tmp_path / f"serve-{transport}.log", "w")
+        serve = hosts.run("a", [
+            sys.executable, "-m", "router.cli", "serve", "--address", f"{HOSTS['a']}:{RAY_PORT}",
+            "--host", HOSTS["a"], "--port", str(port), "--admin-key", ADMIN, "--prefill", "1", "--decode", "1",
+            "--transport", transport, "--num-threads", "1", "--num-blocks", "256",
+            "--prefill-resources", json.dumps({"tandem_host_a": 1}),
+            "--decode-resources", json.dumps({"tandem_host_b": 1}),
+        ], log, ray_cluster)
+        try:
+            _wait_http(url + "/ready", 300)
+            pools = httpx.get(url + "/admin/pools", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10).json()
+            (p,), (d,) = pools["pools"]["prefill"]["workers"], pools["pools"]["decode"]["workers"]
+            # each worker serves gRPC and /metrics on its own host's address
+            assert p["address"].startswith(HOSTS["a"] + ":") and p["metrics"].startswith(HOSTS["a"] + ":"), p
+            assert d["address"].startswith(HOSTS["b"] + ":") and d["metrics"].startswith(HOSTS["b"] + ":"), d
+            r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                                          "logprobs": 0, "ignore_eos": True}, timeout=120)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            tok = __import__("engine.tokenizer", fromlist=["Tokenizer"]).Tokenizer.from_dir(model_path)
+            assert choice["text"] == tok.decode(expect), transport
+            metrics = httpx.get(url + "/metrics", timeout=10).text
+            assert 'tandem:prefill_decisions_total{reason="remote",where="remote"} 1.0' in metrics, transport
+            moved = [line for line in metrics.splitlines() if line.startswith("tandem:kv_transfer_bytes_total ")]
+            assert moved and float(moved[0].split()[1]) > 0, transport
+            assert "tandem:kv_transfer_failures_total 0.0" in metrics, transport
+            assert httpx.get(f"http://{d['metrics']}/metrics", timeout=10).status_code == 200
+        finally:
+            serve.send_signal(signal.SIGTERM)
+            try:
+                code = serve.wait(60)
+            except subprocess.TimeoutExpired:
+                stop_process_group(serve, grace_s=5, sig=signal.SIGKILL)
+                code = None
+            log.close()
+        assert code == 0, (tmp_path / f"serve-{transport}.log").read_text()[-3000:]
