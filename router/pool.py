@@ -184,7 +184,9 @@ class PoolManager(AdminInterface):
                 kw["_system_config"] = {"worker_niceness": 0}
             await asyncio.to_thread(
                 ray.init,
-                address=self.ray_address,
+                # "local": a fresh runtime of our own; with no address, ray.init would attach to
+                # whatever cluster `ray start` last ran on this machine (/tmp/ray/ray_current_cluster)
+                address=self.ray_address or "local",
                 include_dashboard=False,
                 ignore_reinit_error=True,
                 logging_level=logging.WARNING,

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -108,6 +109,10 @@ def ray_cluster(hosts, tmp_path):
     """A Ray head on host A and a worker node on host B, each with a custom resource
     naming its host. Ray's token authentication is off (the test's own private network)."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "UCX_TLS": "tcp", "RAY_USAGE_STATS_ENABLED": "0"}
+    # `ray start --head` records its address for later `ray.init()` calls on this machine;
+    # put back what was there before (tandem serve asks for a local runtime explicitly)
+    current = Path("/tmp/ray/ray_current_cluster")
+    before = current.read_text() if current.exists() else None
     ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats", "--num-cpus", "2"]
     procs, logs = [], []
     try:
@@ -127,6 +132,10 @@ def ray_cluster(hosts, tmp_path):
             stop_process_group(p, grace_s=30)
         for log in logs:
             log.close()
+        if before is None:
+            current.unlink(missing_ok=True)
+        else:
+            current.write_text(before)
 
 
 @pytest.mark.timeout(900)
