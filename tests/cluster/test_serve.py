@@ -406,3 +406,24 @@ def test_multiturn_chat_finds_every_earlier_turn_cached(tmp_path):
         assert conv[0]["cached_tokens"] == 0
         for prev, cur in zip(conv, conv[1:]):  # all of the previous prompt but its last block
             assert cur["cached_tokens"] >= 16 * (prev["prompt_tokens"] // 16) - 16, conv
+
+
+def test_a_local_serve_ignores_the_cluster_ray_start_last_recorded(serve):
+    """`ray start` records its address in /tmp/ray/ray_current_cluster and a bare
+    ray.init() attaches to it, even once that cluster is gone; `tandem serve` without
+    --address must start its own runtime whatever the record says."""
+    from pathlib import Path
+
+    record = Path("/tmp/ray/ray_current_cluster")
+    before = record.read_text() if record.exists() else None
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text("127.0.0.1:9")  # a cluster that is not there
+    try:
+        srv = serve("--colocated", "--decode", "1")
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+    finally:
+        if before is None:
+            record.unlink(missing_ok=True)
+        else:
+            record.write_text(before)
