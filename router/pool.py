@@ -15,12 +15,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import functools
 import logging
 import os
 import time
 from dataclasses import dataclass, field
 
 from protos import tandem_pb2 as pb
+from router import ray_join
 from router.admin import AdminInterface
 from router.prefix_index import PrefixIndex
 from worker_runtime.client import RPC_ERRORS, WorkerClient, wait_ready
@@ -105,6 +107,7 @@ class PoolConfig:
     health_failures: int = 3  # consecutive failed checks before a worker is replaced
     stats_interval_s: float = 0.25
     start_timeout_s: float = 600.0
+    join_timeout_s: float = 60.0  # joining a running Ray cluster (--address)
     drain_timeout_s: float = 120.0
     max_workers: int = 64
 
@@ -182,7 +185,7 @@ class PoolManager(AdminInterface):
                 # daemons: on a busy CPU host the engines, which make every token, then
                 # lose each contended time slice (docs/performance.md). Equal footing.
                 kw["_system_config"] = {"worker_niceness": 0}
-            await asyncio.to_thread(
+            init = functools.partial(
                 ray.init,
                 # "local": a fresh runtime of our own; with no address, ray.init would attach to
                 # whatever cluster `ray start` last ran on this machine (/tmp/ray/ray_current_cluster)
@@ -193,6 +196,10 @@ class PoolManager(AdminInterface):
                 log_to_driver=True,
                 **kw,
             )
+            if self.ray_address is None:
+                await asyncio.to_thread(init)
+            else:  # probed, bounded, and a failure says what to check (router/ray_join.py)
+                await ray_join.join(self.ray_address, init, self.config.join_timeout_s)
         from decode_worker.actor import DecodeWorkerActor
         from prefill_worker.actor import PrefillWorkerActor
 

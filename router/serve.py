@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import logging
@@ -79,6 +80,7 @@ def build_app(args: argparse.Namespace, after_start: Callable[[], None] | None =
         slo_ttft_s=args.slo_ttft_ms / 1000,
         slo_tpot_s=args.slo_tpot_ms / 1000,
         shutdown_grace_s=args.shutdown_grace_s,
+        manage_backend=False,  # serve() starts and stops it around the HTTP server
         max_request_body_bytes=args.max_request_body_bytes,
     )
 
@@ -123,6 +125,13 @@ def serve(args: argparse.Namespace) -> int:
 
     level = (args.log_level or envs.log_level()).upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.address is not None:
+        from router import ray_join
+
+        if "ray" in sys.modules:
+            log.debug("ray was imported before the auth mode was chosen")
+        elif ray_join.token_mode_if_token_given():
+            log.info("joining with Ray's token (RAY_AUTH_MODE=token)")
     holder: dict = {}
 
     def exit_server(force: bool = False) -> None:
@@ -137,10 +146,34 @@ def serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on", http="h11",
                             ws="none", timeout_graceful_shutdown=5)
     holder["server"] = server = uvicorn.Server(config)
-    server.run()
+    backend = app.state.backend
+
+    async def run() -> int:
+        # the pools come up before the HTTP server, so a cluster that cannot be joined or
+        # pools that do not start end the command with one clear line, not a traceback
+        try:
+            await backend.start()
+        except Exception as e:
+            log.error("%s", e)
+            await _quietly(backend.stop())
+            return 1
+        try:
+            await server.serve()
+        finally:
+            await _quietly(backend.stop())
+        return 0 if server.started else 1
+
+    code = asyncio.run(run())
     if signals.result is not None:
         start, left, waited = signals.result
         how = f"all {start} finished" if left == 0 else f"{left} of {start} still running were cut off"
         log.info("stopped on %s after draining for %.1f s (requests in flight: %s)",
                  signals.signal_name, waited, how)
-    return 0
+    return code
+
+
+async def _quietly(aw) -> None:
+    try:
+        await aw
+    except Exception as e:  # stopping what did not fully start
+        log.debug("stop: %s", e)

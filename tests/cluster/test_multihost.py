@@ -181,3 +181,49 @@ def test_prefill_on_one_host_decode_on_another_over_tcp_and_nixl(hosts, ray_clus
                 code = None
             log.close()
         assert code == 0, (tmp_path / f"serve-{transport}.log").read_text()[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_joining_a_cluster_with_token_authentication(hosts, tmp_path):
+    """A head with Ray's token authentication: a driver without the token is refused
+    with advice naming the token; given the token's path it joins and serves."""
+    home = tmp_path / "head-home"
+    (home / ".ray").mkdir(parents=True)
+    token = home / ".ray" / "auth_token"
+    token.write_text(os.urandom(32).hex())
+    current = Path("/tmp/ray/ray_current_cluster")
+    before = current.read_text() if current.exists() else None
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    head_env = {**base, "HOME": str(home), "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
+    log = open(tmp_path / "ray-head.log", "w")
+    head = hosts.run("a", [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--head",
+                           "--disable-usage-stats", "--num-cpus", "2", "--include-dashboard=false",
+                           "--node-ip-address", HOSTS["a"], "--port", str(RAY_PORT)], log, head_env)
+    driver_home = tmp_path / "driver-home"
+    driver_home.mkdir()
+    serve = [sys.executable, "-m", "router.cli", "serve", "--address", f"{HOSTS['a']}:{RAY_PORT}", "--host",
+             HOSTS["a"], "--port", str(HTTP_PORT + 5), "--colocated", "--decode", "1", "--num-threads", "1"]
+    try:
+        time.sleep(5)
+        refused = subprocess.run(["ip", "netns", "exec", hosts.ns["a"], *serve], capture_output=True, text=True,
+                                 timeout=180, env={**base, "HOME": str(driver_home)})
+        assert refused.returncode == 1, refused.stderr[-3000:]
+        assert "cannot join the Ray cluster" in refused.stderr and "RAY_AUTH_TOKEN_PATH" in refused.stderr
+        out = open(tmp_path / "serve.log", "w")
+        joined = hosts.run("a", serve, out, {**base, "HOME": str(driver_home), "RAY_AUTH_TOKEN_PATH": str(token)})
+        try:
+            _wait_http(f"http://{HOSTS['a']}:{HTTP_PORT + 5}/ready", 300)
+            r = httpx.post(f"http://{HOSTS['a']}:{HTTP_PORT + 5}/v1/completions",
+                           json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        finally:
+            joined.send_signal(signal.SIGTERM)
+            assert joined.wait(60) == 0
+            out.close()
+    finally:
+        stop_process_group(head, grace_s=30)
+        log.close()
+        if before is None:
+            current.unlink(missing_ok=True)
+        else:
+            current.write_text(before)

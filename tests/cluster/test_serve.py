@@ -427,3 +427,16 @@ def test_a_local_serve_ignores_the_cluster_ray_start_last_recorded(serve):
             record.unlink(missing_ok=True)
         else:
             record.write_text(before)
+
+
+def test_joining_an_unreachable_cluster_fails_at_once_with_advice(tmp_path):
+    """--address naming nothing: exit 1 in seconds with what to check (Ray alone
+    retries for minutes, deaf to SIGTERM meanwhile)."""
+    port = free_port()
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--address", f"127.0.0.1:{port}",
+                        "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert time.monotonic() - t0 < 60
+    assert f"cannot join the Ray cluster at 127.0.0.1:{port}" in r.stderr and "What to check" in r.stderr
+    assert "RAY_AUTH_TOKEN" in r.stderr and "loopback" in r.stderr and "Traceback" not in r.stderr
