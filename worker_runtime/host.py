@@ -4,7 +4,10 @@ comes from the worker package (prefill_worker, decode_worker); this package know
 nothing of either.
 
 `python -m prefill_worker` / `python -m decode_worker` run `main(...)`: one worker in
-the foreground, printing `READY <host:port>` once it serves, until SIGINT/SIGTERM.
+the foreground, printing `READY <host:port>` once it serves, until SIGINT/SIGTERM. The
+first signal drains: the worker refuses new requests (gRPC UNAVAILABLE: the router
+tries another worker), lets the running ones finish for at most `--shutdown-grace-s`,
+then stops and exits 0 with one log line; a second signal stops at once.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ class WorkerService(Protocol):
     stopped on the host's event loop."""
 
     epoch: int
+    draining: bool
+
+    def stats(self): ...
 
     async def start(self) -> str: ...
 
@@ -95,23 +101,40 @@ class WorkerActor:
         return True
 
 
-def parse_args(role: Role, argv: list[str] | None) -> WorkerConfig:
+def parse_args(role: Role, argv: list[str] | None) -> tuple[WorkerConfig, float]:
     p = argparse.ArgumentParser(
         prog=f"python -m {role.value}_worker", description=f"Run one tandem {role.value} worker."
     )
     p.add_argument("--worker-id", default=f"{role.value}-0")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any free port)")
+    p.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: how long running requests may finish while new ones are refused")
     add_worker_args(p)
     add_engine_args(p)
     a = p.parse_args(argv)
-    return worker_config_from_args(
+    config = worker_config_from_args(
         a, role, a.worker_id, engine_config_from_args(a), port=a.port, metrics_port=a.metrics_port
     )
+    return config, a.shutdown_grace_s
+
+
+async def drain(worker: WorkerService, grace_s: float, force: asyncio.Event) -> tuple[int, bool]:
+    """Refuse new requests and wait for the running ones (at most `grace_s`, or until
+    `force` is set). Returns (requests live at the start, whether all finished)."""
+    worker.draining = True
+    live = worker.stats()
+    start = live.num_running + live.num_waiting + live.num_awaiting_kv + live.num_handoffs
+    deadline = asyncio.get_running_loop().time() + grace_s
+    while not worker.stats().idle:
+        if force.is_set() or asyncio.get_running_loop().time() >= deadline:
+            return start, False
+        await asyncio.sleep(0.05)
+    return start, True
 
 
 def main(role: Role, make_service: ServiceFactory, argv: list[str] | None = None) -> int:
-    config = parse_args(role, argv)
+    config, grace_s = parse_args(role, argv)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
     setup_process(config.engine.device.num_threads, config.engine.device.cpu_affinity)
 
@@ -119,11 +142,23 @@ def main(role: Role, make_service: ServiceFactory, argv: list[str] | None = None
         worker = make_service(config)
         address = await worker.start()
         print(f"READY {address}", flush=True)
-        stop = asyncio.Event()
+        stop, force = asyncio.Event(), asyncio.Event()
+        got: list[str] = []
+
+        def on_signal(sig: signal.Signals) -> None:
+            got.append(sig.name)
+            (force if stop.is_set() else stop).set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+            asyncio.get_running_loop().add_signal_handler(sig, on_signal, sig)
         await stop.wait()
+        t0 = asyncio.get_running_loop().time()
+        start, finished = await drain(worker, grace_s, force)
         await worker.stop()
+        cut = "by a second signal" if force.is_set() else "by the grace period"
+        how = f"all {start} finished" if finished else f"cut off {cut}"
+        log.info("%s %s stopped on %s after draining for %.1f s (requests live: %d, %s)", role.value,
+                 config.worker_id, got[0], asyncio.get_running_loop().time() - t0, start, how)
 
     asyncio.run(serve())
     return 0

@@ -196,3 +196,45 @@ async def test_decode_worker_restarted_on_the_same_address(spawn, model_path):
     out = await collect(disaggregated_stream(pc, dc2, req("after", prompts[1]), fallback_local=False))
     assert out == hf_greedy(model_path, prompts[1], 12, ignore_eos=True)
     await assert_clean(dc2, pc)
+
+
+async def test_sigterm_drains_a_decode_worker(spawn, model_path):
+    """SIGTERM to a decode worker under load: the streams it accepted finish whole and
+    exact, new requests are refused as retryable (503), the process exits 0 with one
+    line about it and no backtrace."""
+    import signal
+
+    d = spawn("decode", "decode-0", args=("--shutdown-grace-s", "120"))
+    dc = d.client()
+    await wait_ready(dc)
+    prompts = random_prompts([5, 9, 14, 20, 27, 33, 40, 48], seed=51)
+    n = 300
+    started = [asyncio.Event() for _ in prompts]
+
+    async def one(i: int) -> list[int]:
+        out = []
+        async for b in local_stream(dc, req(f"drain-{i}", prompts[i], n=n)):
+            out += b.token_ids
+            started[i].set()
+        return out
+
+    tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+    assert not any(t.done() for t in tasks)
+    d.proc.send_signal(signal.SIGTERM)
+    for _ in range(200):  # the drain begins once the worker's loop sees the signal
+        if (await dc.health()).draining:
+            break
+        await asyncio.sleep(0.05)
+    with pytest.raises(BackendError) as refused:
+        await collect(local_stream(dc, req("late", prompts[0], n=4)))
+    assert refused.value.status == 503 and "draining" in str(refused.value)
+    assert not all(t.done() for t in tasks), "every stream ended before the drain was seen: make them longer"
+    outs = await asyncio.gather(*tasks)
+    for prompt, out in zip(prompts, outs):
+        assert out == hf_greedy(model_path, prompt, n, ignore_eos=True)
+    await dc.close()
+    assert await asyncio.to_thread(d.proc.wait, 60) == 0
+    log = d.log.read_text()
+    assert "decode decode-0 stopped on SIGTERM" in log and "all 8 finished" in log, log[-2000:]
+    assert "Traceback" not in log
