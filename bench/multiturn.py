@@ -21,15 +21,13 @@ import asyncio
 import json
 import random
 import shlex
-import signal
-import subprocess
 import sys
 import time
 
 import httpx
 import numpy as np
 
-from bench.sweep import free_port
+from bench.launch import ServeProcess
 
 WORDS = ("the of and to in is was for on that with as by at from his her an were are which this be "
          "had not but have one they their you all we can more if some there two into time only new "
@@ -41,34 +39,6 @@ WORDS = ("the of and to in is was for on that with as by at from his her an were
 
 def _words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
-
-
-class Server:
-    def __init__(self, args: list[str], log_path: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path, "w")
-        cmd = [sys.executable, "-m", "router.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if line.startswith("tandem: serving"):
-                return
-            if not line and self.proc.poll() is not None:
-                break
-        self.stop()
-        raise RuntimeError(f"tandem serve did not come up; see {log_path}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
 
 
 async def _turn(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
@@ -120,7 +90,7 @@ def run_policy(policy: str, a: argparse.Namespace) -> dict:
     serve_args = [*shlex.split(a.serve_args), "--decode-routing", policy]
     if a.model:
         serve_args += ["--model", a.model]
-    server = Server(serve_args, f"{a.log_prefix}-{policy}.log")
+    server = ServeProcess(serve_args, f"{a.log_prefix}-{policy}.log")
     try:
         async def go() -> tuple[list, float]:
             out: list = []

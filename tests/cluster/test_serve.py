@@ -16,6 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.launch import ServeProcess
 from bench.sweep import free_port
 from tests.oracle import hf_greedy, random_prompts
 from worker_runtime.client import WorkerClient
@@ -26,42 +27,15 @@ pytestmark = pytest.mark.cluster
 ADMIN, TOKEN = "test-admin-key", "test-cluster-token"
 
 
-class Serve:
+class Serve(ServeProcess):
     def __init__(self, args: list[str], log_path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path, "w")
-        cmd = [
-            sys.executable,
-            "-m",
-            "router.cli",
-            "serve",
-            "--port",
-            str(self.port),
-            "--admin-key",
-            ADMIN,
-            "--cluster-token",
-            TOKEN,
-            "--num-blocks",
-            "256",
-            "--num-threads",
-            "1",
-            *args,
-        ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if line.startswith("tandem: serving"):
-                return
-            if not line and self.proc.poll() is not None:
-                break
-        self.stop()
-        raise RuntimeError(f"tandem serve did not come up; see {log_path}")
+        super().__init__(["--admin-key", ADMIN, "--cluster-token", TOKEN, "--num-blocks", "256", "--num-threads", "1",
+                          *args], log_path)
 
     def stop(self) -> None:
-        stop_process_group(self.proc, grace_s=60)
-        self.log.close()
+        if not self.log.closed:
+            stop_process_group(self.proc, grace_s=60)
+            self.log.close()
 
     def pools(self) -> dict:
         r = httpx.get(self.url + "/admin/pools", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10)
