@@ -11,6 +11,8 @@ to TCP (`UCX_TLS=tcp` on both nodes, so the bytes cross the bridge rather than s
 memory); the greedy tokens equal transformers'.
 
 Needs root and `ip` (both here and in CI); without them the test skips and says why.
+A variant that needs neither runs everywhere: standalone workers on 127.0.0.2 and
+127.0.0.3, the KV handoff between them over TCP and NIXL.
 """
 
 from __future__ import annotations
@@ -227,3 +229,26 @@ def test_joining_a_cluster_with_token_authentication(hosts, tmp_path):
             current.unlink(missing_ok=True)
         else:
             current.write_text(before)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+async def test_prefill_and_decode_on_distinct_loopback_addresses(spawn, model_path, transport):
+    """The variant that needs no namespaces (it runs everywhere): each worker listens on
+    and advertises its own address, 127.0.0.2 and 127.0.0.3, and the KV handoff and the
+    metrics follow; tokens equal transformers'."""
+    from router.worker_client import disaggregated_stream
+    from tests.cluster.test_disagg import collect, req
+    from worker_runtime.client import wait_ready
+
+    p = spawn("prefill", "prefill-0", transport=transport, args=("--host", "127.0.0.2", "--metrics-port", "0"))
+    d = spawn("decode", "decode-0", transport=transport, args=("--host", "127.0.0.3", "--metrics-port", "0"))
+    assert p.address.startswith("127.0.0.2:") and d.address.startswith("127.0.0.3:")
+    pc, dc = p.client(), d.client()
+    assert (await wait_ready(pc)).metrics_address.startswith("127.0.0.2:")
+    assert (await wait_ready(dc)).metrics_address.startswith("127.0.0.3:")
+    [prompt] = random_prompts([150], seed=42)
+    out = await collect(disaggregated_stream(pc, dc, req("loop", prompt), fallback_local=False))
+    assert out == hf_greedy(model_path, prompt, 12, ignore_eos=True)
+    assert (await pc.stats()).transport == transport
+    await pc.close()
+    await dc.close()
