@@ -7,7 +7,7 @@ finish:
 - a new OpenAI request gets 503 with Retry-After (another replica can take it);
 - requests already in flight, streams included, run to their end, for at most
   `grace_s` seconds;
-- then the HTTP server is told to exit, the lifespan stops the backend (workers, the
+- then the HTTP server is told to exit, `tandem serve` stops the backend (workers, the
   local Ray), and the process exits 0 with one log line.
 
 A second signal during the drain stops at once. In-flight requests are counted by an
