@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import threading
 from pathlib import Path
 from typing import Callable
@@ -71,7 +70,7 @@ async def probe(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
         writer.close()
-    except (OSError, asyncio.TimeoutError, socket.gaierror) as e:
+    except (OSError, asyncio.TimeoutError) as e:
         why = "no answer" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
         raise JoinError(advice(address, f"cannot connect to {host}:{port} ({why} within {timeout:g} s)")) from None
 

@@ -128,24 +128,21 @@ def serve(args: argparse.Namespace) -> int:
     if args.address is not None:
         from router import ray_join
 
-        if "ray" in sys.modules:
-            log.debug("ray was imported before the auth mode was chosen")
-        elif ray_join.token_mode_if_token_given():
+        # before ray is imported: Ray reads its auth mode once
+        if "ray" not in sys.modules and ray_join.token_mode_if_token_given():
             log.info("joining with Ray's token (RAY_AUTH_MODE=token)")
-    holder: dict = {}
 
     def exit_server(force: bool = False) -> None:
-        server = holder["server"]
         server.should_exit = True
         server.force_exit = server.force_exit or force
 
-    # the handlers go in once the backend is up: Ray's driver start-up installs a
-    # SIGTERM handler of its own (a backtrace, then abort), which they replace
-    app = build_app(args, after_start=lambda: holder["signals"].install())
-    holder["signals"] = signals = SignalDrain(app.state.drain, exit_server, lambda: exit_server(force=True))
+    # the handlers go in once uvicorn serves (the lifespan's start): uvicorn's own signal
+    # capture and Ray's driver start-up (a backtrace, then abort) both set handlers first
+    app = build_app(args, after_start=lambda: signals.install())
+    signals = SignalDrain(app.state.drain, exit_server, lambda: exit_server(force=True))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on", http="h11",
                             ws="none", timeout_graceful_shutdown=5)
-    holder["server"] = server = uvicorn.Server(config)
+    server = uvicorn.Server(config)
     backend = app.state.backend
 
     async def run() -> int:

@@ -38,9 +38,7 @@ class Drain:
         self.grace_s = grace_s
         self.retry_after_s = retry_after_s
         self.draining = False
-        self.reason = ""
         self.in_flight = 0
-        self.refused = 0
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -59,7 +57,7 @@ class Drain:
         """Refuse new work and wait (at most `grace_s`) for the work in flight to end.
         Returns (requests in flight at the start, requests still running at the end,
         seconds waited)."""
-        self.draining, self.reason = True, reason
+        self.draining = True
         start, t0 = self.in_flight, time.monotonic()
         log.debug("%s: draining %d request(s) in flight, for at most %g s", reason, start, self.grace_s)
         try:
@@ -83,7 +81,6 @@ class DrainMiddleware:
             await self.app(scope, receive, send)
             return
         if self.drain.draining:
-            self.drain.refused += 1
             err = ApiError(503, "the server is shutting down; retry on another replica", None, "shutting_down",
                            retry_after=self.drain.retry_after_s, headers={"Connection": "close"})
             if self.on_refuse is not None:

@@ -24,7 +24,7 @@ import grpc
 
 from protos import tandem_pb2 as pb
 from router.backend import BackendError, GenerateRequest, TokenBatch
-from worker_runtime.client import WorkerClient
+from worker_runtime.client import RPC_ERRORS, WorkerClient
 from worker_runtime.convert import logprobs_from_pb, params_to_pb
 
 log = logging.getLogger(__name__)
@@ -52,8 +52,12 @@ def _decode_request(req: GenerateRequest, mode: int, lease_s: float) -> pb.Decod
                             priority=req.priority, mode=mode, lease_s=lease_s, output_ids=req.output_ids)
 
 
-def rpc_error(e: grpc.aio.AioRpcError, who: str) -> BackendError:
-    """Map a worker's gRPC failure to what the client sees."""
+def rpc_error(e: grpc.aio.AioRpcError | grpc.aio.UsageError, who: str) -> BackendError:
+    """Map a worker's gRPC failure to what the client sees. UsageError: the worker was
+    removed from the pool (its channel closed) after this request chose it; retryable,
+    on another worker."""
+    if isinstance(e, grpc.aio.UsageError):
+        return BackendError(f"{who} was removed (its channel is closed)", 503, retry_after=1.0)
     code = e.code()
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return BackendError(f"{who} is full: {e.details()}", 503, retry_after=1.0)
@@ -64,17 +68,11 @@ def rpc_error(e: grpc.aio.AioRpcError, who: str) -> BackendError:
     return BackendError(f"{who} failed: {code.name}: {e.details()}", 500)
 
 
-def gone(who: str) -> BackendError:
-    """The worker was removed from the pool (its channel is closed) after this request
-    chose it: retryable, on another worker."""
-    return BackendError(f"{who} was removed (its channel is closed)", 503, retry_after=1.0)
-
-
 def _open_decode(decode: WorkerClient, req: GenerateRequest, mode: int, lease_s: float):
     try:
         return decode.stub.Decode(_decode_request(req, mode, lease_s), metadata=decode.metadata)
     except grpc.aio.UsageError as e:
-        raise gone(f"decode worker {decode.worker_id}") from e
+        raise rpc_error(e, f"decode worker {decode.worker_id}") from e
 
 
 async def local_stream(decode: WorkerClient, req: GenerateRequest) -> AsyncIterator[TokenBatch]:
@@ -83,10 +81,8 @@ async def local_stream(decode: WorkerClient, req: GenerateRequest) -> AsyncItera
     try:
         async for ev in call:
             yield _batch(ev.tokens)
-    except grpc.aio.AioRpcError as e:
+    except RPC_ERRORS as e:
         raise rpc_error(e, f"decode worker {decode.worker_id}") from e
-    except grpc.aio.UsageError as e:
-        raise gone(f"decode worker {decode.worker_id}") from e
     finally:
         call.cancel()
 
@@ -114,10 +110,8 @@ async def disaggregated_stream(prefill: WorkerClient, decode: WorkerClient, req:
     try:
         try:
             first = await call.read()
-        except grpc.aio.AioRpcError as e:
+        except RPC_ERRORS as e:
             raise rpc_error(e, f"decode worker {decode.worker_id}") from e
-        except grpc.aio.UsageError as e:
-            raise gone(f"decode worker {decode.worker_id}") from e
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "reservation":
             raise BackendError(f"decode worker {decode.worker_id} sent no reservation", 500)
         outcome = await run_prefill(prefill, decode, req, first.reservation, timeout=lease_s)
@@ -152,10 +146,8 @@ async def _decode_tokens(call, decode: WorkerClient) -> AsyncIterator[TokenBatch
     while True:
         try:
             ev = await call.read()
-        except grpc.aio.AioRpcError as e:
+        except RPC_ERRORS as e:
             raise rpc_error(e, f"decode worker {decode.worker_id}") from e
-        except grpc.aio.UsageError as e:
-            raise gone(f"decode worker {decode.worker_id}") from e
         if ev is grpc.aio.EOF:
             raise BackendError(f"decode worker {decode.worker_id} ended the stream early", 500)
         if ev.WhichOneof("kind") == "tokens":

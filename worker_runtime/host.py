@@ -123,8 +123,7 @@ async def drain(worker: WorkerService, grace_s: float, force: asyncio.Event) -> 
     """Refuse new requests and wait for the running ones (at most `grace_s`, or until
     `force` is set). Returns (requests live at the start, whether all finished)."""
     worker.draining = True
-    live = worker.stats()
-    start = live.num_running + live.num_waiting + live.num_awaiting_kv + live.num_handoffs
+    start = worker.stats().live_requests
     deadline = asyncio.get_running_loop().time() + grace_s
     while not worker.stats().idle:
         if force.is_set() or asyncio.get_running_loop().time() >= deadline:

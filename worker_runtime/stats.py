@@ -47,9 +47,13 @@ class WorkerStats:
         return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
     @property
+    def live_requests(self) -> int:
+        """Requests here now (quarantined blocks are not requests)."""
+        return self.num_running + self.num_waiting + self.num_awaiting_kv + self.num_handoffs
+
+    @property
     def idle(self) -> bool:
-        """No live request here (quarantined blocks are not requests)."""
-        return not (self.num_running or self.num_waiting or self.num_awaiting_kv or self.num_handoffs)
+        return self.live_requests == 0
 
     def to_pb(self) -> pb.WorkerStats:
         return pb.WorkerStats(**(asdict(self) | {"role": self.role.value}))
