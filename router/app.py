@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Callable, Iterable, TypeVar
+from typing import Iterable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -76,10 +76,7 @@ def parse(model: type[M], body: bytes) -> M:
 
 
 def create_app(backend: Backend, tokenizer: Tokenizer, settings: RouterSettings,
-               admin: AdminInterface | None = None, collectors: Iterable[Collector] = (),
-               on_started: Callable[[], None] | None = None) -> FastAPI:
-    """`on_started` runs once the lifespan has started the backend (e.g. to say where
-    things are)."""
+               admin: AdminInterface | None = None, collectors: Iterable[Collector] = ()) -> FastAPI:
     keys = set(settings.api_keys)
     if settings.api_key_file:
         keys.update(read_key_file(settings.api_key_file))
@@ -99,8 +96,6 @@ def create_app(backend: Backend, tokenizer: Tokenizer, settings: RouterSettings,
     async def lifespan(app: FastAPI):
         if settings.manage_backend:
             await backend.start()
-        if on_started is not None:
-            on_started()
         try:
             yield
         finally:

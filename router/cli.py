@@ -1,8 +1,10 @@
-"""`tandem`: serve, scale, status, generate, bench.
+"""`tandem`: serve, router, controller, scale, status, generate, bench.
 
     tandem serve                      local Ray, 1 prefill + 1 decode worker, built-in model,
                                       OpenAI API on http://127.0.0.1:8000
     tandem serve --model DIR --prefill 2 --decode 2 --config serve.yaml
+    tandem controller --address HEAD:6379 --prefill 2 --decode 4   (pools that outlive routers)
+    tandem router --address HEAD:6379 --port 8000                  (one more router for them)
     tandem scale --prefill 3 --decode 2
     tandem status
     tandem generate "Once upon a time" --max-tokens 32
@@ -34,9 +36,67 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve",
         help="run the cluster and the OpenAI-compatible router",
-        description="Start (or join) a Ray cluster, the worker pools and the HTTP router.",
+        description="Start (or join) a Ray cluster, the controller with its worker pools, and one HTTP router. "
+        "Stopping it stops what it started.",
     )
     p.add_argument("--config", default=None, help="YAML or TOML file with any of these options")
+    _router_args(p)
+    c = p.add_argument_group("cluster")
+    c.add_argument(
+        "--address", default=None, help="Ray cluster to join ('auto', HOST:PORT or ray://host:port); default: start a "
+        "local one"
+    )
+    _routing_args(c)
+    _pool_args(p, c)
+    p.set_defaults(func=lambda a: _run_serve(a, p))
+    return p
+
+
+def _router_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "router",
+        help="one more OpenAI router for a running cluster's pools",
+        description="Attach a router to the tandem controller of a running Ray cluster. Routers keep no shared "
+        "state: any number may run, and any may stop or fail without touching the workers.",
+    )
+    p.add_argument("--config", default=None, help="YAML or TOML file with any of these options")
+    _router_args(p)
+    c = p.add_argument_group("cluster")
+    c.add_argument("--address", required=True, help="the Ray cluster ('auto', HOST:PORT or ray://host:port)")
+    c.add_argument("--model", default=None,
+                   help="the checkpoint dir for the tokenizer (default: the controller's path, same on every host)")
+    c.add_argument("--controller-wait-s", type=float, default=60.0,
+                   help="how long to wait for the controller to appear")
+    _routing_args(c)
+    p.set_defaults(func=lambda a: _run_serve(a, p, attach=True))
+    return p
+
+
+def _controller_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "controller",
+        help="start (or --stop) a detached controller and its pools in a running Ray cluster",
+        description="The control plane on its own: a detached Ray actor that owns the worker pools, checks "
+        "them, replaces and resizes them. It outlives this command; attach routers with `tandem router`.",
+    )
+    p.add_argument("--config", default=None, help="YAML or TOML file with any of these options")
+    p.add_argument("--address", required=True, help="the Ray cluster ('auto', HOST:PORT or ray://host:port)")
+    p.add_argument("--stop", action="store_true", help="stop the running controller and its workers")
+    p.add_argument("--join-timeout-s", type=float, default=60.0)
+    p.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
+    _pool_args(p, p.add_argument_group("pools"))
+
+    def run(a):
+        apply_config_file(a, p, a.argv)
+        from router.serve import controller
+
+        return controller(a)
+
+    p.set_defaults(func=run)
+    return p
+
+
+def _router_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("router")
     g.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     g.add_argument("--port", type=int, default=8000)
@@ -61,13 +121,9 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     g.add_argument("--slo-tpot-ms", type=float, default=100.0)
     g.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
-    c = p.add_argument_group("cluster")
-    c.add_argument(
-        "--address", default=None, help="Ray cluster to join ('auto' or ray://host:port); default: start a local one"
-    )
-    c.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    c.add_argument("--decode", type=int, default=1, help="decode workers")
-    c.add_argument("--colocated", action="store_true", help="no prefill pool: decode workers prefill locally")
+
+
+def _routing_args(c) -> None:
     c.add_argument(
         "--local-prefill-threshold",
         type=int,
@@ -86,6 +142,13 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
         default=8.0,
         help="decode routing: cost of a prompt block to prefill, against a block of decode load",
     )
+
+
+def _pool_args(p: argparse.ArgumentParser, c) -> None:
+    """The pools a controller creates: sizes, placement, and every worker and engine flag."""
+    c.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    c.add_argument("--decode", type=int, default=1, help="decode workers")
+    c.add_argument("--colocated", action="store_true", help="no prefill pool: decode workers prefill locally")
     c.add_argument("--prefill-resources", default=None, metavar="JSON",
                    help='Ray custom resources each prefill worker needs, e.g. \'{"gpu_node": 1}\' (placement)')
     c.add_argument("--decode-resources", default=None, metavar="JSON",
@@ -94,6 +157,8 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     c.add_argument("--decode-num-cpus", type=float, default=1.0, help="Ray CPUs per decode worker")
     c.add_argument("--num-gpus-per-worker", type=float, default=None, help="Ray GPUs per worker (default: 1 on cuda)")
     c.add_argument("--pin-cores", default="auto", help="auto (local CPU runs), none, or a core list like 0-7")
+    c.add_argument("--worker-shutdown-grace-s", type=float, default=30.0,
+                   help="a worker process sent SIGTERM (its pod deleted): how long its running requests may finish")
     add_worker_args(
         p, host_flag="--worker-host", host_default="auto",
         host_help="where workers listen for gRPC, /metrics and KV transfer, resolved on each worker's node: auto "
@@ -101,8 +166,6 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
         "(all interfaces, advertising the node's address), an interface name or a network (10.0.0.0/8)",
     )
     add_engine_args(p)
-    p.set_defaults(func=lambda a: _run_serve(a, p))
-    return p
 
 
 def _admin_parser(sub, name: str, help_: str) -> argparse.ArgumentParser:
@@ -116,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    _router_parser(sub)
+    _controller_parser(sub)
     s = _admin_parser(sub, "scale", "resize the worker pools of a running cluster")
     s.add_argument("--prefill", type=int, default=None)
     s.add_argument("--decode", type=int, default=None)
@@ -155,16 +220,16 @@ def apply_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser,
     for key, value in data.items():
         dest = key.replace("-", "_")
         if dest not in dests or dest in ("config", "help"):
-            raise SystemExit(f"tandem serve: unknown option {key!r} in {path}")
+            raise SystemExit(f"tandem {args.command}: unknown option {key!r} in {path}")
         if dest not in given:
             setattr(args, dest, value)
 
 
-def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser, attach: bool = False) -> int:
     apply_config_file(args, parser, args.argv)
     from router.serve import serve
 
-    return serve(args)
+    return serve(args, attach=attach)
 
 
 def _admin_request(args, method: str, body: dict | None = None) -> dict:

@@ -26,7 +26,8 @@ from engine.block_pool import block_hashes
 from router.backend import Backend, BackendError, GenerateRequest, TokenBatch
 from router.cluster_metrics import ClusterMetrics
 from router.policy import RoutingConfig, WorkerView, choose_decode, plan
-from router.pool import PoolManager, Worker
+from router.pool import Worker
+from router.view import ClusterView
 from router.worker_client import disaggregated_stream, local_stream
 from worker_runtime.config import Role
 
@@ -36,22 +37,25 @@ log = logging.getLogger(__name__)
 class ClusterBackend(Backend):
     def __init__(
         self,
-        pool: PoolManager,
+        pool: ClusterView,
         routing: RoutingConfig,
         metrics: ClusterMetrics | None = None,
         capacity_wait_s: float = 30.0,
         max_attempts: int = 3,
-        lease_s: float = 30.0,
     ) -> None:
         self.pool = pool
         self.routing = routing
         self.metrics = metrics or ClusterMetrics(pool)
         self.capacity_wait_s = capacity_wait_s
         self.max_attempts = max_attempts
-        self.lease_s = lease_s
+        self.lease_s = 30.0
 
     async def start(self) -> None:
         await self.pool.start()
+        # what the pools were made with: the controller's, whoever started it
+        info = self.pool.info
+        self.routing = dataclasses.replace(self.routing, colocated=bool(info.get("colocated", False)))
+        self.lease_s = float(info.get("lease_s", self.lease_s))
 
     async def stop(self) -> None:
         await self.pool.stop()

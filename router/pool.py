@@ -13,18 +13,14 @@ worker stops taking new requests, its running requests finish (bounded by
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import enum
-import functools
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
-from protos import tandem_pb2 as pb
-from router import ray_join
 from router.admin import AdminInterface
-from router.prefix_index import PrefixIndex
 from worker_runtime.client import RPC_ERRORS, WorkerClient, wait_ready
 from worker_runtime.config import Role, WorkerConfig
 from worker_runtime.stats import WorkerStats
@@ -87,7 +83,6 @@ class Claim:
             self.load.in_flight -= 1
 
 
-LOCAL_LOGICAL_CPUS = 64
 # Local CPU runs: a worker step of at most this much work (tokens x weight parameters) uses
 # one torch thread, leaving the other cores to the router and clients. About 4 tokens of
 # an 8M-parameter model; never one token of a 100M+ one, whose step is bandwidth-bound
@@ -156,50 +151,24 @@ class Worker:
 
 
 class PoolManager(AdminInterface):
-    def __init__(self, config: PoolConfig, ray_address: str | None = None) -> None:
+    def __init__(self, config: PoolConfig) -> None:
         self.config = config
-        self.ray_address = ray_address
         self.targets = dict(config.sizes)
         self.workers: dict[str, Worker] = {}
-        self.index = PrefixIndex()
+        self.version = 0  # bumped on every change of membership or state (routers follow it)
+        self._changed = asyncio.Event()
         self._counter = {r: 0 for r in ROLES}
         self._remote_cls: dict[str, object] = {}
         self._bg: list[asyncio.Task] = []
         self._reconcile_lock = asyncio.Lock()
         self.events: list[tuple[float, str]] = []  # (time, what happened), for status and tests
-        self._owns_ray = False  # this process started a local Ray runtime (and must end it)
         self.replaced = 0
 
     # ---- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
+        """Inside the controller actor (router/controller.py): Ray is up."""
         import ray
 
-        if not ray.is_initialized():
-            self._owns_ray = self.ray_address is None
-            kw = {}
-            if self.ray_address is None:
-                # A local runtime advertises at least LOCAL_LOGICAL_CPUS, so pools can grow past the
-                # core count on one machine; workers share cores (pinned round-robin, PoolConfig.cores).
-                kw["num_cpus"] = max(os.cpu_count() or 1, LOCAL_LOGICAL_CPUS)
-                # Ray starts worker processes at nice 15, below the router and Ray's own
-                # daemons: on a busy CPU host the engines, which make every token, then
-                # lose each contended time slice (docs/performance.md). Equal footing.
-                kw["_system_config"] = {"worker_niceness": 0}
-            init = functools.partial(
-                ray.init,
-                # "local": a fresh runtime of our own; with no address, ray.init would attach to
-                # whatever cluster `ray start` last ran on this machine (/tmp/ray/ray_current_cluster)
-                address=self.ray_address or "local",
-                include_dashboard=False,
-                ignore_reinit_error=True,
-                logging_level=logging.WARNING,
-                log_to_driver=True,
-                **kw,
-            )
-            if self.ray_address is None:
-                await asyncio.to_thread(init)
-            else:  # probed, bounded, and a failure says what to check (router/ray_join.py)
-                await ray_join.join(self.ray_address, init, self.config.join_timeout_s)
         from decode_worker.actor import DecodeWorkerActor
         from prefill_worker.actor import PrefillWorkerActor
 
@@ -210,14 +179,12 @@ class PoolManager(AdminInterface):
             raise RuntimeError(f"pools did not come up: {missing}; see the worker logs")
         self._bg = [asyncio.create_task(self._health_loop()), asyncio.create_task(self._stats_loop())]
 
-    async def stop(self, timeout: float = 20.0) -> None:
+    async def stop(self) -> None:
         for t in self._bg:
             t.cancel()
         await asyncio.gather(
             *(self._remove(w, drain=False) for w in list(self.workers.values())), return_exceptions=True
         )
-        if self._owns_ray:
-            await asyncio.to_thread(shutdown_local_ray)
 
     # ---- queries -------------------------------------------------------------------
     def ready(self, role: Role) -> list[Worker]:
@@ -306,7 +273,6 @@ class PoolManager(AdminInterface):
             await self._remove(w, drain=False)
             raise
         w.state = WorkerState.READY
-        w.tasks.append(asyncio.create_task(self._follow_kv_events(w)))
         self._note(f"{worker_id} ready at {address}")
         log.info("%s ready at %s", worker_id, address)
 
@@ -322,7 +288,7 @@ class PoolManager(AdminInterface):
         w.state = WorkerState.STOPPED if w.state != WorkerState.DEAD else WorkerState.DEAD
         for t in w.tasks:
             t.cancel()
-        self.index.drop(w.worker_id)
+        self._bump()
         try:
             await asyncio.wait_for(w.actor.stop.remote(), 15)
         except Exception:
@@ -397,42 +363,35 @@ class PoolManager(AdminInterface):
                     except RPC_ERRORS:
                         pass
 
-    async def _follow_kv_events(self, w: Worker) -> None:
-        while w.state in (WorkerState.READY, WorkerState.DRAINING):
-            try:
-                async for batch in w.client.stub.KVEvents(pb.KVEventsRequest(), metadata=w.client.metadata):
-                    self.index.apply(w.worker_id, batch)
-            except RPC_ERRORS:
-                self.index.drop(w.worker_id)
-            await asyncio.sleep(0.5)
-
     def _note(self, what: str) -> None:
+        """Something changed (a worker came, changed state or went): noted, and the
+        routers waiting in `membership` wake up."""
         self.events.append((time.time(), what))
         del self.events[:-200]
+        self._bump()
 
+    def _bump(self) -> None:
+        self.version += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
 
-def shutdown_local_ray(grace_s: float = 3.0) -> None:
-    """End the local Ray runtime this process started: ray.shutdown(), then whatever of
-    its processes (raylet, agents, actor workers; all descendants of this process)
-    outlive it. Ray's agents otherwise linger for a minute after their raylet is gone."""
-    import psutil
-    import ray
+    def members(self) -> list[dict]:
+        """What a router needs to reach each worker and to know whether to route to it."""
+        return [
+            {"worker_id": w.worker_id, "role": w.role.value, "state": w.state.value,
+             "address": w.client.address if w.client else "", "epoch": w.epoch,
+             "metrics_address": w.metrics_address, "pid": w.pid}
+            for w in self.workers.values()
+        ]
 
-    me = psutil.Process()
-    children = me.children(recursive=True)
-    ray.shutdown()
-    for p in children:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(children, timeout=grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=grace_s)
+    async def membership(self, since: int, wait_s: float) -> dict:
+        """The members and targets once `version` has moved past `since`, or after
+        `wait_s` (a long poll: routers learn of a change at once)."""
+        if self.version <= since:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), wait_s)
+        return {"version": self.version, "targets": {r.value: n for r, n in self.targets.items()},
+                "workers": self.members()}
 
 
 def share_cores(cores: tuple[int, ...], num_workers: int, slot: int) -> tuple[int, ...]:

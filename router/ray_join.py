@@ -11,12 +11,17 @@ connect), the join is bounded, and every failure says what to check.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 from pathlib import Path
 from typing import Callable
 
 PROBE_TIMEOUT_S = 5.0
+CLIENT_ATTEMPTS = 3
+CLIENT_SERVER_FAILED = "Starting Ray client server failed"
+
+log = logging.getLogger(__name__)
 
 
 class JoinError(RuntimeError):
@@ -89,10 +94,35 @@ def token_mode_if_token_given() -> bool:
     return False
 
 
-async def join(address: str, init: Callable[[], None], timeout: float) -> None:
+async def join(address: str, init: Callable[[], None], timeout: float,
+               reset: Callable[[], None] | None = None) -> None:
     """Probe, then run `init` (ray.init) on a daemon thread for at most `timeout`
-    seconds (a join stuck in Ray's retries must not keep the process alive)."""
+    seconds (a join stuck in Ray's retries must not keep the process alive). Through
+    Ray Client (ray://) the head's client server forks a server per connection, and
+    that fork sometimes dies at birth ("Starting Ray client server failed"; seen here
+    about once in a few joins): such a join is tried again, up to CLIENT_ATTEMPTS
+    times within `timeout`, after `reset` (ray.shutdown)."""
     await probe(address)
+    deadline = asyncio.get_running_loop().time() + timeout
+    attempts = CLIENT_ATTEMPTS if address.startswith("ray://") else 1
+    for attempt in range(1, attempts + 1):
+        try:
+            await _run_init(init, deadline - asyncio.get_running_loop().time())
+            return
+        except asyncio.TimeoutError:
+            raise JoinError(advice(address, f"Ray did not finish connecting within {timeout:g} s")) from None
+        except Exception as e:
+            again = CLIENT_SERVER_FAILED in str(e) and attempt < attempts
+            if not again or asyncio.get_running_loop().time() + 2 >= deadline:
+                raise JoinError(advice(address, f"{type(e).__name__}: {e}")) from None
+            log.warning("joining %s: the Ray client server failed to start a server for us; trying again "
+                        "(%d of %d)", address, attempt + 1, attempts)
+            if reset is not None:
+                await asyncio.to_thread(reset)
+            await asyncio.sleep(1.0)
+
+
+async def _run_init(init: Callable[[], None], timeout: float) -> None:
     loop = asyncio.get_running_loop()
     done: asyncio.Future = loop.create_future()
 
@@ -105,9 +135,4 @@ async def join(address: str, init: Callable[[], None], timeout: float) -> None:
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
 
     threading.Thread(target=run, name="ray-join", daemon=True).start()
-    try:
-        await asyncio.wait_for(asyncio.shield(done), timeout)
-    except asyncio.TimeoutError:
-        raise JoinError(advice(address, f"Ray did not finish connecting within {timeout:g} s")) from None
-    except Exception as e:
-        raise JoinError(advice(address, f"{type(e).__name__}: {e}")) from None
+    await asyncio.wait_for(asyncio.shield(done), max(timeout, 0.1))

@@ -9,8 +9,8 @@ import json
 import logging
 import os
 import secrets
+import socket
 import sys
-from typing import Callable
 
 from engine import envs
 from engine.cli_args import engine_config_from_args, parse_cores
@@ -33,22 +33,36 @@ def _custom(spec: str | None, role: str) -> dict:
     return {"resources": res}
 
 
-def build_app(args: argparse.Namespace, after_start: Callable[[], None] | None = None):
-    """The app `serve` runs, from parsed options; once started it announces the cluster
-    and calls `after_start` (on the server's event loop)."""
-    from engine.models.builtin import builtin_model_path
-    from engine.tokenizer import Tokenizer
-    from router.app import create_app
+def build_backend(args: argparse.Namespace, attach: bool = False):
+    """The cluster backend: a router-side view of the pools (router/view.py). `serve`
+    gives it the pools to create (a controller of its own unless one runs already);
+    `router` (attach) only finds the running controller."""
     from router.cluster import ClusterBackend
     from router.cluster_metrics import ClusterMetrics
     from router.policy import RoutingConfig
-    from router.pool import PoolConfig, PoolManager
-    from router.settings import RouterSettings
+    from router.view import ClusterView, ViewConfig
 
-    model_path = os.path.abspath(args.model) if args.model else str(builtin_model_path())
+    routing = RoutingConfig(local_prefill_threshold=args.local_prefill_threshold,
+                            colocated=getattr(args, "colocated", False), decode_routing=args.decode_routing,
+                            prefill_block_weight=args.prefill_block_weight)
+    if attach:
+        view = ClusterView(ViewConfig(args.address, controller_wait_s=args.controller_wait_s))
+    else:
+        model_path = os.path.abspath(args.model) if args.model else str(_builtin())
+        view = ClusterView(ViewConfig(args.address, pools=pool_config(args, model_path),
+                                      detached=getattr(args, "detach", False),
+                                      info={"model": model_path, "colocated": args.colocated}))
+    return ClusterBackend(view, routing, ClusterMetrics(view))
+
+
+def pool_config(args: argparse.Namespace, model_path: str):
+    """The pools `serve` and `controller` create, from the cluster, worker and engine flags."""
+    from router.pool import PoolConfig
+
     engine = dataclasses.replace(engine_config_from_args(args), model=model_path)
     token = args.cluster_token or secrets.token_hex(16)  # a fresh one per cluster unless given
-    template = worker_config_from_args(args, Role.DECODE, "template", engine, metrics_port=0, cluster_token=token)
+    template = worker_config_from_args(args, Role.DECODE, "template", engine, metrics_port=0, cluster_token=token,
+                                       shutdown_grace_s=args.worker_shutdown_grace_s)
     if template.host == "auto":  # loopback for the local Ray this starts; each node's address in a cluster
         template = dataclasses.replace(template, host="127.0.0.1" if args.address is None else "node")
     on_gpu = engine.device.device.startswith("cuda")
@@ -63,10 +77,17 @@ def build_app(args: argparse.Namespace, after_start: Callable[[], None] | None =
     elif args.pin_cores not in ("auto", "none"):
         cores = parse_cores(args.pin_cores)
     sizes = {"prefill": 0 if args.colocated else args.prefill, "decode": args.decode}
-    pool = PoolManager(PoolConfig(template, sizes=sizes, resources=resources, cores=cores), ray_address=args.address)
-    routing = RoutingConfig(local_prefill_threshold=args.local_prefill_threshold, colocated=args.colocated,
-                            decode_routing=args.decode_routing, prefill_block_weight=args.prefill_block_weight)
-    backend = ClusterBackend(pool, routing, ClusterMetrics(pool), lease_s=args.reservation_lease_s)
+    return PoolConfig(template, sizes=sizes, resources=resources, cores=cores)
+
+
+def build_app(args: argparse.Namespace, backend):
+    """The HTTP app over a started backend (the model's tokenizer is the controller's
+    checkpoint unless --model names a copy of it on this host)."""
+    from engine.tokenizer import Tokenizer
+    from router.app import create_app
+    from router.settings import RouterSettings
+
+    model_path = os.path.abspath(args.model) if args.model else backend.pool.info["model"]
     name = args.served_model_name or os.path.basename(model_path.rstrip("/"))
     settings = RouterSettings(
         served_model_name=name,
@@ -83,21 +104,8 @@ def build_app(args: argparse.Namespace, after_start: Callable[[], None] | None =
         manage_backend=False,  # serve() starts and stops it around the HTTP server
         max_request_body_bytes=args.max_request_body_bytes,
     )
-
-    def started() -> None:
-        announce(args, backend, settings)
-        if after_start is not None:
-            after_start()
-
-    app = create_app(
-        backend,
-        Tokenizer.from_dir(model_path),
-        settings,
-        admin=pool,
-        collectors=[backend.metrics.registry],
-        on_started=started,
-    )
-    return app
+    return create_app(backend, Tokenizer.from_dir(model_path), settings, admin=backend.pool,
+                      collectors=[backend.metrics.registry])
 
 
 def announce(args, backend, settings) -> None:
@@ -107,7 +115,8 @@ def announce(args, backend, settings) -> None:
         f"tandem: serving {settings.served_model_name!r} at {url}/v1 (OpenAI API)",
         f"  health {url}/health   ready {url}/ready   metrics {url}/metrics   admin {url}/admin/pools"
         + ("" if settings.admin_key else " (closed: no --admin-key)"),
-        f"  Ray: {args.address or 'local'}   mode: {'colocated' if args.colocated else 'disaggregated'}",
+        f"  Ray: {args.address or 'local'}   mode: {'colocated' if backend.routing.colocated else 'disaggregated'}"
+        + ("" if backend.pool.created else "   (attached to a running controller)"),
     ]
     for role in ("prefill", "decode"):
         ws = sorted(pools.ready(role), key=lambda w: w.worker_id)
@@ -117,12 +126,122 @@ def announce(args, backend, settings) -> None:
     print("\n".join(lines), flush=True)
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Run until SIGTERM/SIGINT, then drain (router/shutdown.py) and exit 0."""
+def serve(args: argparse.Namespace, attach: bool = False) -> int:
+    """`tandem serve` (attach False) or `tandem router` (attach True): run until
+    SIGTERM/SIGINT, then drain (router/shutdown.py) and exit 0."""
     import uvicorn
 
     from router.shutdown import SignalDrain
 
+    _logging(args)
+    # the port is taken before Ray starts: Ray's processes bind ephemeral ports of their
+    # own and could otherwise take ours between the pools' start and uvicorn's bind
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        log.error("cannot listen on %s port %d: %s", args.host, args.port, e.strerror or e)
+        return 1
+    backend = build_backend(args, attach)
+    signals: SignalDrain | None = None
+    server: uvicorn.Server | None = None
+
+    def exit_server(force: bool = False) -> None:
+        server.should_exit = True
+        server.force_exit = server.force_exit or force
+
+    async def run() -> int:
+        nonlocal signals, server
+        # the pools come up before the HTTP server, so a cluster that cannot be joined or
+        # pools that do not start end the command with one clear line, not a traceback
+        try:
+            await backend.start()
+            app = build_app(args, backend)
+        except Exception as e:
+            log.error("%s", e)
+            await _quietly(backend.stop())
+            return 1
+        signals = SignalDrain(app.state.drain, exit_server, lambda: exit_server(force=True))
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", http="h11", ws="none",
+                                timeout_graceful_shutdown=5)
+        server = uvicorn.Server(config)
+        try:
+            serving = asyncio.create_task(server.serve(sockets=[sock]))
+            while not (server.started or serving.done()):
+                await asyncio.sleep(0.02)
+            if server.started:
+                # listening now, so whoever reads the banner can connect; the signal
+                # handlers go in after uvicorn's own and after Ray's driver start-up
+                # (a backtrace, then abort), which both set handlers first
+                signals.install()
+                announce(args, backend, app.state.settings)
+            await serving
+        finally:
+            await _quietly(backend.stop())
+        return 0 if server.started else 1
+
+    try:
+        code = asyncio.run(run())
+    finally:
+        sock.close()
+    if signals is not None and signals.result is not None:
+        start, left, waited = signals.result
+        how = f"all {start} finished" if left == 0 else f"{left} of {start} still running were cut off"
+        log.info("stopped on %s after draining for %.1f s (requests in flight: %s)",
+                 signals.signal_name, waited, how)
+    return code
+
+
+def controller(args: argparse.Namespace) -> int:
+    """`tandem controller --address ADDR`: start a detached controller and its pools in
+    a running cluster, print the members, exit (it stays); `--stop` ends one."""
+    from router import controller as ctl
+    from router.view import ClusterView, ViewConfig
+
+    _logging(args)
+
+    async def run() -> int:
+        await ctl.connect(args.address, args.join_timeout_s)
+        running = await asyncio.to_thread(ctl.find)
+        if args.stop:
+            if running is None:
+                log.error("no tandem controller runs in this cluster")
+                return 1
+            await ctl.stop(running)
+            print("tandem: controller and its workers stopped")
+            return 0
+        if running is not None:
+            log.error("a tandem controller already runs in this cluster: attach routers to it with "
+                      "`tandem router --address %s`, resize it with `tandem scale`, or stop it with "
+                      "`tandem controller --address %s --stop`", args.address, args.address)
+            return 1
+        model_path = os.path.abspath(args.model) if args.model else str(_builtin())
+        view = ClusterView(ViewConfig(args.address, pools=pool_config(args, model_path), detached=True,
+                                      info={"model": model_path, "colocated": args.colocated}))
+        try:
+            await view.start()
+        except Exception as e:
+            log.error("%s", e)
+            if view.controller is not None:
+                await ctl.stop(view.controller)
+            return 1
+        pools = await view.get_pools()
+        await view.stop()  # this process's clients; the controller stays
+        for role, p in pools["pools"].items():
+            print(f"tandem: {role} pool {p['ready']}/{p['target']} ready: "
+                  + ", ".join(f"{w['worker_id']}@{w['address']}" for w in p["workers"]))
+        print(f"tandem: controller running; attach routers with `tandem router --address {args.address}`")
+        return 0
+
+    return asyncio.run(run())
+
+
+def _builtin():
+    from engine.models.builtin import builtin_model_path
+
+    return builtin_model_path()
+
+
+def _logging(args) -> None:
     level = (args.log_level or envs.log_level()).upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.address is not None:
@@ -132,41 +251,17 @@ def serve(args: argparse.Namespace) -> int:
         if "ray" not in sys.modules and ray_join.token_mode_if_token_given():
             log.info("joining with Ray's token (RAY_AUTH_MODE=token)")
 
-    def exit_server(force: bool = False) -> None:
-        server.should_exit = True
-        server.force_exit = server.force_exit or force
 
-    # the handlers go in once uvicorn serves (the lifespan's start): uvicorn's own signal
-    # capture and Ray's driver start-up (a backtrace, then abort) both set handlers first
-    app = build_app(args, after_start=lambda: signals.install())
-    signals = SignalDrain(app.state.drain, exit_server, lambda: exit_server(force=True))
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on", http="h11",
-                            ws="none", timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
-    backend = app.state.backend
-
-    async def run() -> int:
-        # the pools come up before the HTTP server, so a cluster that cannot be joined or
-        # pools that do not start end the command with one clear line, not a traceback
-        try:
-            await backend.start()
-        except Exception as e:
-            log.error("%s", e)
-            await _quietly(backend.stop())
-            return 1
-        try:
-            await server.serve()
-        finally:
-            await _quietly(backend.stop())
-        return 0 if server.started else 1
-
-    code = asyncio.run(run())
-    if signals.result is not None:
-        start, left, waited = signals.result
-        how = f"all {start} finished" if left == 0 else f"{left} of {start} still running were cut off"
-        log.info("stopped on %s after draining for %.1f s (requests in flight: %s)",
-                 signals.signal_name, waited, how)
-    return code
+def _bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), not yet listening (uvicorn listens on it)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 async def _quietly(aw) -> None:

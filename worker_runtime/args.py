@@ -32,9 +32,10 @@ def add_worker_args(p: argparse.ArgumentParser, host_flag: str = "--host", host_
 
 def worker_config_from_args(a: argparse.Namespace, role: Role | str, worker_id: str, engine: EngineConfig,
                             port: int = 0, metrics_port: int | None = None,
-                            cluster_token: str | None = None) -> WorkerConfig:
+                            cluster_token: str | None = None, shutdown_grace_s: float = 30.0) -> WorkerConfig:
     handoff = HandoffTimeouts(reservation_lease_s=a.reservation_lease_s, quarantine_s=a.reservation_quarantine_s,
                               transfer_timeout_s=a.transfer_timeout_s)
     return WorkerConfig(role=role, worker_id=worker_id, engine=engine, host=a.worker_host, port=port,
                         transport=a.transport, cluster_token=cluster_token or a.cluster_token,
-                        layerwise_transfer=not a.no_layerwise_transfer, handoff=handoff, metrics_port=metrics_port)
+                        layerwise_transfer=not a.no_layerwise_transfer, handoff=handoff, metrics_port=metrics_port,
+                        shutdown_grace_s=shutdown_grace_s)

@@ -69,6 +69,7 @@ class WorkerConfig:
     layerwise_transfer: bool = True  # prefill: push each layer's KV as soon as it is computed
     handoff: HandoffTimeouts = field(default_factory=HandoffTimeouts)
     metrics_port: int | None = None  # serve Prometheus /metrics here (0: any free port)
+    shutdown_grace_s: float = 30.0  # on SIGTERM: how long running requests may finish (worker_runtime/host.py)
 
     def __post_init__(self) -> None:
         try:

@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Callable, Protocol
 
 from engine.cli_args import add_engine_args, engine_config_from_args
@@ -72,7 +73,13 @@ class WorkerHost:
 
 class WorkerActor:
     """Body of the Ray actor for either role; the actor process owns its cores.
-    A worker package subclasses it and names its service class in `service`."""
+    A worker package subclasses it and names its service class in `service`.
+
+    SIGTERM (a pod being deleted: its preStop hook signals the worker processes) drains
+    as a standalone worker does, in place of Ray's handler, which exits at once: new
+    requests are refused (routers retry elsewhere), running ones finish for at most
+    `shutdown_grace_s`, then the process exits 0 and the controller replaces it. A
+    second SIGTERM exits at once."""
 
     service: ServiceFactory
 
@@ -82,6 +89,31 @@ class WorkerActor:
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
         self.host = WorkerHost(config, type(self).service)
         self.address = ""
+        self._force: asyncio.Event | None = None
+        signal.signal(signal.SIGTERM, self._on_sigterm)  # Ray runs actor __init__ on the main thread
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if self._force is not None:  # the second one
+            self.host.loop.call_soon_threadsafe(self._force.set)
+            return
+        self._force = asyncio.Event()
+        threading.Thread(target=self._drain_then_exit, name="sigterm-drain", daemon=True).start()
+
+    def _drain_then_exit(self) -> None:
+        cfg, t0 = self.host.config, time.monotonic()
+        start, finished = 0, False
+        try:
+            if self.address:  # started: drain it
+                start, finished = self.host.run(drain(self.host.worker, cfg.shutdown_grace_s, self._force),
+                                                cfg.shutdown_grace_s + 10)
+            self.host.stop()
+        except Exception as e:  # noqa: BLE001 - exiting regardless
+            log.warning("%s: drain on SIGTERM: %s", cfg.worker_id, e)
+        how = f"all {start} finished" if finished else "cut off"
+        log.info("%s %s stopped on SIGTERM after draining for %.1f s (requests live: %d, %s)", cfg.role.value,
+                 cfg.worker_id, time.monotonic() - t0, start, how)
+        logging.shutdown()
+        os._exit(0)
 
     def start(self) -> str:
         self.address = self.host.start()
@@ -101,7 +133,7 @@ class WorkerActor:
         return True
 
 
-def parse_args(role: Role, argv: list[str] | None) -> tuple[WorkerConfig, float]:
+def parse_args(role: Role, argv: list[str] | None) -> WorkerConfig:
     p = argparse.ArgumentParser(
         prog=f"python -m {role.value}_worker", description=f"Run one tandem {role.value} worker."
     )
@@ -113,10 +145,8 @@ def parse_args(role: Role, argv: list[str] | None) -> tuple[WorkerConfig, float]
     add_worker_args(p)
     add_engine_args(p)
     a = p.parse_args(argv)
-    config = worker_config_from_args(
-        a, role, a.worker_id, engine_config_from_args(a), port=a.port, metrics_port=a.metrics_port
-    )
-    return config, a.shutdown_grace_s
+    return worker_config_from_args(a, role, a.worker_id, engine_config_from_args(a), port=a.port,
+                                   metrics_port=a.metrics_port, shutdown_grace_s=a.shutdown_grace_s)
 
 
 async def drain(worker: WorkerService, grace_s: float, force: asyncio.Event) -> tuple[int, bool]:
@@ -133,7 +163,7 @@ async def drain(worker: WorkerService, grace_s: float, force: asyncio.Event) -> 
 
 
 def main(role: Role, make_service: ServiceFactory, argv: list[str] | None = None) -> int:
-    config, grace_s = parse_args(role, argv)
+    config = parse_args(role, argv)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
     setup_process(config.engine.device.num_threads, config.engine.device.cpu_affinity)
 
@@ -152,7 +182,7 @@ def main(role: Role, make_service: ServiceFactory, argv: list[str] | None = None
             asyncio.get_running_loop().add_signal_handler(sig, on_signal, sig)
         await stop.wait()
         t0 = asyncio.get_running_loop().time()
-        start, finished = await drain(worker, grace_s, force)
+        start, finished = await drain(worker, config.shutdown_grace_s, force)
         await worker.stop()
         cut = "by a second signal" if force.is_set() else "by the grace period"
         how = f"all {start} finished" if finished else f"cut off {cut}"

@@ -17,8 +17,10 @@ A variant that needs neither runs everywhere: standalone workers on 127.0.0.2 an
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -252,3 +254,163 @@ async def test_prefill_and_decode_on_distinct_loopback_addresses(spawn, model_pa
     assert (await pc.stats()).transport == transport
     await pc.close()
     await dc.close()
+
+
+async def _load(url: str, prompts: list[list[int]], stop: asyncio.Event, results: list, tag: str) -> None:
+    """One closed-loop user: requests until `stop`; each outcome (or the connection
+    error once its router is gone, which ends this user) is recorded."""
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        while not stop.is_set():
+            i = random.randrange(len(prompts))
+            body = {"prompt": prompts[i], "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+            try:
+                r = await http.post("/v1/completions", json=body)
+            except httpx.HTTPError as e:
+                results.append((tag, i, None, repr(e)))
+                return
+            results.append((tag, i, r.status_code, r.json()))
+
+
+def _pools(url: str) -> dict:
+    r = httpx.get(url + "/admin/pools", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+    r.raise_for_status()
+    return r.json()["pools"]
+
+
+def _epochs(url: str) -> dict[str, str]:
+    return {w["worker_id"]: w["epoch"] for pool in _pools(url).values() for w in pool["workers"]}
+
+
+def _counter(url: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+@pytest.mark.timeout(900)
+def test_router_failover_under_load(hosts, ray_cluster, tmp_path, model_path):
+    """The control plane outlives its routers. A detached controller (`tandem
+    controller`) runs the pools: prefill on host A, two decode workers on host B.
+    Router 1 on A and router 2 on B attach to it (`tandem router`) and both take load;
+    router 1 is SIGKILLed mid-load. Every request on router 2 succeeds with
+    transformers' tokens, no worker restarts (the same epochs), and after the
+    quarantine every worker passes CheckIntegrity holding no KV block. A third router
+    attached afterwards through Ray Client (ray://) rebuilds its prefix index from the
+    workers' KV events (a cached prompt is routed by overlap), and its admin call
+    resizes the pools that router 2 sees."""
+    from worker_runtime.client import WorkerClient
+
+    token = "failover-cluster-token"
+    address = f"{HOSTS['a']}:{RAY_PORT}"
+    tandem = [sys.executable, "-m", "router.cli"]
+    logs: list = []
+
+    def log(name: str):
+        f = open(tmp_path / f"{name}.log", "w")
+        logs.append(f)
+        return f
+
+    def router(host: str, port: int, via: str = address) -> tuple[subprocess.Popen, str]:
+        p = hosts.run(host, [*tandem, "router", "--address", via, "--host", HOSTS[host], "--port", str(port),
+                             "--admin-key", ADMIN], log(f"router-{host}-{port}"), ray_cluster)
+        return p, f"http://{HOSTS[host]}:{port}"
+
+    controller = [*tandem, "controller", "--address", address, "--prefill", "1", "--decode", "2", "--transport",
+                  "tcp", "--num-threads", "1", "--num-blocks", "256", "--cluster-token", token,
+                  "--prefill-num-cpus", "0.5", "--decode-num-cpus", "0.5", "--reservation-quarantine-s", "2",
+                  "--prefill-resources", json.dumps({"tandem_host_a": 1}),
+                  "--decode-resources", json.dumps({"tandem_host_b": 1})]
+    routers: list[subprocess.Popen] = []
+    try:
+        started = subprocess.run(["ip", "netns", "exec", hosts.ns["a"], *controller], capture_output=True,
+                                 text=True, timeout=400, env=ray_cluster)
+        assert started.returncode == 0, started.stderr[-3000:]
+        assert "decode pool 2/2 ready" in started.stdout, started.stdout
+        r1, url1 = router("a", HTTP_PORT + 10)
+        r2, url2 = router("b", HTTP_PORT + 11)
+        routers += [r1, r2]
+        _wait_http(url1 + "/ready", 180)
+        _wait_http(url2 + "/ready", 180)
+        before = _epochs(url2)
+        assert before == _epochs(url1) and len(before) == 3, before
+
+        prompts = random_prompts([random.Random(i).randint(20, 140) for i in range(8)], seed=43)
+
+        async def scenario() -> tuple[list, list]:
+            stop, on1, on2 = asyncio.Event(), [], []
+            users = [asyncio.create_task(_load(url1, prompts, stop, on1, "r1")) for _ in range(3)]
+            users += [asyncio.create_task(_load(url2, prompts, stop, on2, "r2")) for _ in range(3)]
+            await asyncio.sleep(6)
+            assert on1 and on2, "both routers serve before the kill"
+            os.killpg(r1.pid, signal.SIGKILL)  # the router's whole process group, as a node loss would
+            await asyncio.sleep(8)
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(*users), 180)
+            return on1, on2
+
+        on1, on2 = asyncio.run(scenario())
+        tok = __import__("engine.tokenizer", fromlist=["Tokenizer"]).Tokenizer.from_dir(model_path)
+        want = [tok.decode(hf_greedy(model_path, p, 16, ignore_eos=True)) for p in prompts]
+        assert len(on2) >= 10, f"router 2 carried too little load: {len(on2)}"
+        for _, i, status, body in on2:  # the surviving router: every request, exact
+            assert status == 200, body
+            assert body["choices"][0]["text"] == want[i]
+        assert on1[-1][2] is None, "router 1's users end on its loss"
+        assert _epochs(url2) == before, "a worker restarted"
+
+        # a new router, joined through Ray Client (ray://, the head's client server): the
+        # members from the controller, the prefix index from the workers' KV events
+        r3, url3 = router("a", HTTP_PORT + 12, via=f"ray://{HOSTS['a']}:10001")
+        routers.append(r3)
+        _wait_http(url3 + "/ready", 180)
+        assert _epochs(url3) == before
+        overlap = _counter(url3, "tandem:decode_decisions_total", reason="prefix_overlap")
+        r = httpx.post(url3 + "/v1/completions", json={"prompt": prompts[0], "max_tokens": 16, "temperature": 0,
+                                                       "ignore_eos": True}, timeout=120)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want[0]
+        assert _counter(url3, "tandem:decode_decisions_total", reason="prefix_overlap") == overlap + 1
+
+        # admin from any router acts on the same pools
+        httpx.post(url3 + "/admin/pools", json={"decode": 3}, headers={"Authorization": f"Bearer {ADMIN}"},
+                   timeout=30).raise_for_status()
+        deadline = time.monotonic() + 240
+        while _pools(url2)["decode"]["ready"] < 3:
+            assert time.monotonic() < deadline, "router 2 never saw the third decode worker"
+            time.sleep(1)
+        assert set(before) < set(_epochs(url2))
+
+        async def clean() -> None:
+            await asyncio.sleep(3)  # quarantined reservations (2 s) expire
+            for pool in _pools(url2).values():
+                for w in pool["workers"]:
+                    c = WorkerClient(w["worker_id"], w["role"], w["address"], token)
+                    h, s = await c.check_integrity(), await c.stats()
+                    await c.close()
+                    assert h.healthy, h.error
+                    assert s.num_blocks == s.num_free_blocks, f"{w['worker_id']} holds blocks"
+
+        asyncio.run(clean())
+        for p in (r2, r3):  # the others stop cleanly: exit 0, no backtrace (Ray Client's included)
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(60) == 0
+        for port in (HTTP_PORT + 11, HTTP_PORT + 12):
+            text = next(tmp_path.glob(f"router-*-{port}.log")).read_text()
+            assert "Traceback" not in text and "stopped on SIGTERM" in text, text[-3000:]
+    finally:
+        for p in routers:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in routers:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                stop_process_group(p, grace_s=5, sig=signal.SIGKILL)
+        subprocess.run(["ip", "netns", "exec", hosts.ns["a"], *tandem, "controller", "--address", address, "--stop"],
+                       capture_output=True, timeout=180, env=ray_cluster)
+        for f in logs:
+            f.close()

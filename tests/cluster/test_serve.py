@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -62,7 +63,11 @@ def serve(tmp_path, model_path):
 
     yield _start
     for s in started:
+        died = s.proc.poll()
         s.stop()
+        if died is not None:  # it exited before the test stopped it: show why (in the failure report)
+            print(f"tandem serve exited by itself with {died}; the end of its log:")
+            print("".join(open(s.log.name).readlines()[-60:]))
 
 
 def test_openai_sdk_and_metrics_on_a_disaggregated_cluster(serve, model_path):
@@ -414,3 +419,59 @@ def test_joining_an_unreachable_cluster_fails_at_once_with_advice(tmp_path):
     assert time.monotonic() - t0 < 60
     assert f"cannot join the Ray cluster at 127.0.0.1:{port}" in r.stderr and "What to check" in r.stderr
     assert "RAY_AUTH_TOKEN" in r.stderr and "loopback" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_sigterm_to_a_worker_actor_drains_it_and_it_is_replaced(serve, model_path):
+    """SIGTERM to a decode worker's process (what a pod deletion's preStop hook sends):
+    its running streams end whole, new requests go to the other worker, the process
+    exits with one line and no backtrace, and the controller starts a replacement."""
+    import psutil
+
+    srv = serve("--colocated", "--decode", "2", "--num-blocks", "4096", "--worker-shutdown-grace-s", "120")
+    n_streams, n_tokens = 32, 2000
+    body = {"model": "tandem-tiny-v1", "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    victim = srv.pools()["decode"]["workers"][0]
+
+    async def scenario():
+        started = [asyncio.Event() for _ in range(n_streams)]
+
+        async def one(i: int, client: httpx.AsyncClient):
+            events = []
+            async with client.stream("POST", "/v1/completions", json={**body, "prompt": f"tale {i}:"}) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        started[i].set()
+            return events
+
+        async with httpx.AsyncClient(base_url=srv.url, timeout=300) as client:
+            streams = [asyncio.create_task(one(i, client)) for i in range(n_streams)]
+            # every stream under way (routing spreads them over both workers); the log's
+            # "requests live" below shows the victim had some when the signal came
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+            os.kill(victim["pid"], signal.SIGTERM)
+            await asyncio.sleep(0.5)  # its stats say draining by now (polled every 0.25 s)
+            late = await client.post("/v1/completions", json={"model": "tandem-tiny-v1", "max_tokens": 8,
+                                                              "prompt": "late"})
+            assert late.status_code == 200, late.text
+            return await asyncio.gather(*streams)
+
+    results = asyncio.run(scenario())
+    for events in results:  # whole streams, the victim's included
+        assert events[-1] == "[DONE]"
+        assert __import__("json").loads(events[-2])["usage"]["completion_tokens"] == n_tokens
+    deadline = time.monotonic() + 60
+    while psutil.pid_exists(victim["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not psutil.pid_exists(victim["pid"]), "the worker did not exit after its drain"
+    asyncio.run(_wait_for(lambda: srv.pools()["decode"]["ready"] == 2
+                          and victim["worker_id"] not in {w["worker_id"] for w in srv.pools()["decode"]["workers"]},
+                          180, "a replacement decode worker"))
+    srv.log.flush()
+    log = open(srv.log.name).read()
+    said = re.search(rf"decode {victim['worker_id']} stopped on SIGTERM after draining for [0-9.]+ s "
+                     r"\(requests live: (\d+), all (\d+) finished\)", log)
+    assert said and int(said[1]) == int(said[2]) > 0, log[-3000:]
+    assert "Traceback" not in log and "SIGTERM received" not in log, log[-3000:]

@@ -36,7 +36,8 @@ def test_the_blocker_blocks_torch():
 
 def test_router_imports_without_torch():
     done = run_without_torch("""
-        import router.app, router.cluster, router.pool, router.serve, router.worker_client
+        import router.app, router.cluster, router.controller, router.pool, router.serve, router.view
+        import router.worker_client
         from worker_runtime.client import WorkerClient
         from worker_runtime.stats import WorkerStats
         assert "torch" not in sys.modules, "torch was imported"

@@ -1,0 +1,208 @@
+"""One router's view of the pools the controller (router/controller.py) runs.
+
+A router keeps no state another router needs: it learns the members from the
+controller (a long poll, so a change reaches it at once), and keeps what it needs to
+route by itself: a gRPC client per worker, each worker's stats (polled), the prefix
+index (from each worker's KV event stream, which starts with a full snapshot, so a
+new router rebuilds it), and the load it has sent each worker and not yet seen in
+the worker's stats (`Load`, router/pool.py). Admin calls go to the controller, so
+every router acts on the same pools.
+
+A worker is routable here once the controller calls it ready and this router has
+read its stats once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+from protos import tandem_pb2 as pb
+from router import controller as ctl
+from router.admin import AdminInterface
+from router.pool import PoolConfig, Worker, WorkerState
+from router.prefix_index import PrefixIndex
+from worker_runtime.client import RPC_ERRORS, WorkerClient
+from worker_runtime.config import Role
+
+log = logging.getLogger(__name__)
+
+ROLES = (Role.PREFILL, Role.DECODE)
+
+
+@dataclass(frozen=True)
+class ViewConfig:
+    ray_address: str | None  # None: start a local Ray (tandem serve on a laptop)
+    pools: PoolConfig | None = None  # given: create the controller when none runs; None: attach only
+    detached: bool = False  # a controller created here outlives this process
+    info: dict | None = None  # what the created controller tells routers (model, colocated, ...)
+    join_timeout_s: float = 60.0
+    controller_wait_s: float = 60.0
+    start_timeout_s: float = 900.0
+    stats_interval_s: float = 0.25
+    poll_wait_s: float = 5.0  # the membership long poll
+
+
+class ClusterView(AdminInterface):
+    def __init__(self, config: ViewConfig) -> None:
+        self.config = config
+        self.workers: dict[str, Worker] = {}
+        self.targets: dict[Role, int] = {r: 0 for r in ROLES}
+        self.index = PrefixIndex()
+        self.info: dict = dict(config.info or {})
+        self.controller = None
+        self.created = False  # this router created the controller (and stops it, unless detached)
+        self._owns_ray = False
+        self._version = -1
+        self._said: dict[str, WorkerState] = {}  # each worker's state as the controller last gave it
+        self._bg: list[asyncio.Task] = []
+
+    # ---- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        c = self.config
+        self._owns_ray = await ctl.connect(c.ray_address, c.join_timeout_s)
+        handle = await asyncio.to_thread(ctl.find)
+        if handle is None and c.pools is not None:
+            handle = ctl.create(c.pools, self.info, detached=c.detached)
+            self.created = True
+        elif handle is None:
+            handle = await ctl.wait_for(c.controller_wait_s)
+        elif c.pools is not None:
+            log.warning("a tandem controller already runs in this cluster: attached to it (its pool sizes stand; "
+                        "resize with `tandem scale`)")
+        self.controller = handle
+        try:
+            self.info = await asyncio.wait_for(ctl.result(handle.info.remote()), 60)
+            # the pools come up once, whoever asks first; everyone else waits for it
+            await asyncio.wait_for(ctl.result(handle.start.remote()), c.start_timeout_s)
+        except Exception as e:
+            raise RuntimeError(f"the controller did not start its pools: {ctl.remote_cause(e)}") from None
+        await self._sync(await ctl.result(handle.membership.remote(-1, 0)))
+        self._bg = [asyncio.create_task(self._follow_membership()), asyncio.create_task(self._stats_loop())]
+
+    async def stop(self) -> None:
+        for t in self._bg:
+            t.cancel()
+        for w in list(self.workers.values()):
+            await self._forget(w)
+        if self.controller is not None and self.created and not self.config.detached:
+            await ctl.stop(self.controller)
+        if self._owns_ray:
+            await asyncio.to_thread(ctl.shutdown_local_ray)
+
+    # ---- what routing reads -------------------------------------------------------------
+    def ready(self, role: Role) -> list[Worker]:
+        """Routable: ready by the controller, stats read, and not draining by its own
+        account (a worker sent SIGTERM says so in its stats before the controller knows)."""
+        return [w for w in self.workers.values()
+                if w.role == role and w.state == WorkerState.READY and w.stats and not w.stats.draining]
+
+    def get(self, worker_id: str) -> Worker | None:
+        return self.workers.get(worker_id)
+
+    def suspect(self, worker_id: str) -> None:
+        """A request saw this worker fail: the controller checks it now."""
+        if self.controller is not None:
+            self.controller.suspect.remote(worker_id)
+
+    # ---- admin: the controller's ---------------------------------------------------------
+    async def get_pools(self) -> dict:
+        data = await self._call(self.controller.get_pools.remote())
+        return self._with_local_load(data)
+
+    async def set_pools(self, prefill: int | None, decode: int | None) -> dict:
+        data = await self._call(self.controller.set_pools.remote(prefill, decode))
+        if "error" in data:
+            raise ValueError(data["error"])
+        return self._with_local_load(data)
+
+    def _with_local_load(self, data: dict) -> dict:
+        for pool in data["pools"].values():
+            for w in pool["workers"]:
+                mine = self.workers.get(w["worker_id"])
+                w["in_flight"] = mine.load.in_flight if mine else 0  # this router's requests there
+        return data
+
+    async def _call(self, ref, timeout: float = 30.0):
+        try:
+            return await asyncio.wait_for(ctl.result(ref), timeout)
+        except Exception as e:
+            raise RuntimeError(f"the controller did not answer: {ctl.remote_cause(e)}") from None
+
+    # ---- following the controller --------------------------------------------------------
+    async def _follow_membership(self) -> None:
+        while True:
+            try:
+                m = await asyncio.wait_for(
+                    ctl.result(self.controller.membership.remote(self._version, self.config.poll_wait_s)),
+                    self.config.poll_wait_s + 30,
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the controller is gone or busy: keep routing to what we know
+                log.warning("membership from the controller failed: %s", ctl.remote_cause(e))
+                await asyncio.sleep(1.0)
+                continue
+            await self._sync(m)
+
+    async def _sync(self, m: dict) -> None:
+        self._version = m["version"]
+        self.targets = {Role(r): n for r, n in m["targets"].items()}
+        seen = set()
+        for entry in m["workers"]:
+            wid = entry["worker_id"]
+            seen.add(wid)
+            w = self.workers.get(wid)
+            if w is not None and (w.epoch != entry["epoch"] or (w.client and w.client.address != entry["address"])):
+                await self._forget(w)  # the same name on a new process (a new controller)
+                w = None
+            state = self._said[wid] = WorkerState(entry["state"])
+            if w is None:
+                if state is not WorkerState.READY or not entry["address"]:
+                    continue  # not reachable yet: picked up when the controller calls it ready
+                w = Worker(wid, Role(entry["role"]), actor=None, state=WorkerState.STARTING, epoch=entry["epoch"],
+                           metrics_address=entry["metrics_address"], pid=entry["pid"])
+                w.client = WorkerClient(wid, w.role, entry["address"], self.info["cluster_token"])
+                self.workers[wid] = w
+                w.tasks.append(asyncio.create_task(self._follow_kv_events(w)))
+            if state is WorkerState.READY and w.stats is None:
+                with contextlib.suppress(*RPC_ERRORS):
+                    w.stats = await w.client.stats(timeout=2.0)
+            w.state = state if (state is not WorkerState.READY or w.stats) else WorkerState.STARTING
+        for wid in set(self.workers) - seen:
+            await self._forget(self.workers[wid])
+        self._said = {wid: st for wid, st in self._said.items() if wid in seen}
+
+    async def _forget(self, w: Worker) -> None:
+        w.state = WorkerState.STOPPED
+        for t in w.tasks:
+            t.cancel()
+        self.index.drop(w.worker_id)
+        self.workers.pop(w.worker_id, None)
+        if w.client is not None:
+            await w.client.close()
+
+    async def _stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.stats_interval_s)
+            await asyncio.gather(*(self._read_stats(w) for w in list(self.workers.values())))
+
+    async def _read_stats(self, w: Worker) -> None:
+        try:
+            w.stats = await w.client.stats(timeout=1.0)
+        except RPC_ERRORS:
+            return
+        if w.state is WorkerState.STARTING and self._said.get(w.worker_id) is WorkerState.READY:
+            w.state = WorkerState.READY
+
+    async def _follow_kv_events(self, w: Worker) -> None:
+        while self.workers.get(w.worker_id) is w:
+            try:
+                async for batch in w.client.stub.KVEvents(pb.KVEventsRequest(), metadata=w.client.metadata):
+                    self.index.apply(w.worker_id, batch)
+            except RPC_ERRORS:
+                self.index.drop(w.worker_id)
+            await asyncio.sleep(0.5)
+
