@@ -296,7 +296,8 @@ def _counter(url: str, name: str, **labels: str) -> float:
 def test_router_failover_under_load(hosts, ray_cluster, tmp_path, model_path):
     """The control plane outlives its routers. A detached controller (`tandem
     controller`) runs the pools: prefill on host A, two decode workers on host B.
-    Router 1 on A and router 2 on B attach to it (`tandem router`) and both take load;
+    Router 1 on A (--address HOST:PORT) and router 2 on B (--address auto) attach to
+    it (`tandem router`) and both take load;
     router 1 is SIGKILLed mid-load. Every request on router 2 succeeds with
     transformers' tokens, no worker restarts (the same epochs), and after the
     quarantine every worker passes CheckIntegrity holding no KV block. A third router
@@ -332,7 +333,7 @@ def test_router_failover_under_load(hosts, ray_cluster, tmp_path, model_path):
         assert started.returncode == 0, started.stderr[-3000:]
         assert "decode pool 2/2 ready" in started.stdout, started.stdout
         r1, url1 = router("a", HTTP_PORT + 10)
-        r2, url2 = router("b", HTTP_PORT + 11)
+        r2, url2 = router("b", HTTP_PORT + 11, via="auto")  # Ray finds the cluster this machine's nodes joined
         routers += [r1, r2]
         _wait_http(url1 + "/ready", 180)
         _wait_http(url2 + "/ready", 180)
