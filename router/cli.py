@@ -82,7 +82,11 @@ def _controller_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="YAML or TOML file with any of these options")
     p.add_argument("--address", required=True, help="the Ray cluster ('auto', HOST:PORT or ray://host:port)")
     p.add_argument("--stop", action="store_true", help="stop the running controller and its workers")
+    p.add_argument("--exist-ok", action="store_true",
+                   help="a controller already running is success (each router pod may run this before `router`)")
     p.add_argument("--join-timeout-s", type=float, default=60.0)
+    p.add_argument("--start-timeout-s", type=float, default=900.0,
+                   help="how long the pools may take to come up (nodes added by an autoscaler take a while)")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
     _pool_args(p, p.add_argument_group("pools"))
 
@@ -157,6 +161,8 @@ def _pool_args(p: argparse.ArgumentParser, c) -> None:
     c.add_argument("--decode-num-cpus", type=float, default=1.0, help="Ray CPUs per decode worker")
     c.add_argument("--num-gpus-per-worker", type=float, default=None, help="Ray GPUs per worker (default: 1 on cuda)")
     c.add_argument("--pin-cores", default="auto", help="auto (local CPU runs), none, or a core list like 0-7")
+    c.add_argument("--worker-metrics-port", type=int, default=0,
+                   help="each worker's /metrics port (0: any free one; a fixed one suits one worker per pod)")
     c.add_argument("--worker-shutdown-grace-s", type=float, default=30.0,
                    help="a worker process sent SIGTERM (its pod deleted): how long its running requests may finish")
     add_worker_args(

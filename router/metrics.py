@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -77,6 +77,12 @@ class RouterMetrics:
                               buckets=TOKEN_LATENCY_BUCKETS, registry=reg)
         self.e2e = Histogram("tandem:e2e_request_latency_seconds", "Arrival to last token.", m,
                              buckets=E2E_BUCKETS, registry=reg)
+        # the SLO targets themselves, so one alert rule serves every deployment's SLOs
+        # (deploy/monitoring: p99 TTFT / TPOT compared with these)
+        for name, value, what in (("tandem:slo_ttft_seconds", slo_ttft_s, "TTFT"),
+                                  ("tandem:slo_tpot_seconds", slo_tpot_s, "TPOT")):
+            Gauge(name, f"The router's {what} SLO target (--slo-{what.lower()}-ms).", m,
+                  registry=reg).labels(model_name).set(value)
         for reason in FINISH_REASONS:  # series exist (at 0) before the first event
             self.success.labels(model_name, reason)
         for status in PRESET_STATUSES:

@@ -61,7 +61,8 @@ def pool_config(args: argparse.Namespace, model_path: str):
 
     engine = dataclasses.replace(engine_config_from_args(args), model=model_path)
     token = args.cluster_token or secrets.token_hex(16)  # a fresh one per cluster unless given
-    template = worker_config_from_args(args, Role.DECODE, "template", engine, metrics_port=0, cluster_token=token,
+    template = worker_config_from_args(args, Role.DECODE, "template", engine, metrics_port=args.worker_metrics_port,
+                                       cluster_token=token,
                                        shutdown_grace_s=args.worker_shutdown_grace_s)
     if template.host == "auto":  # loopback for the local Ray this starts; each node's address in a cluster
         template = dataclasses.replace(template, host="127.0.0.1" if args.address is None else "node")
@@ -209,6 +210,9 @@ def controller(args: argparse.Namespace) -> int:
             await ctl.stop(running)
             print("tandem: controller and its workers stopped")
             return 0
+        if running is not None and args.exist_ok:
+            print("tandem: a controller already runs in this cluster")
+            return 0
         if running is not None:
             log.error("a tandem controller already runs in this cluster: attach routers to it with "
                       "`tandem router --address %s`, resize it with `tandem scale`, or stop it with "
@@ -216,12 +220,13 @@ def controller(args: argparse.Namespace) -> int:
             return 1
         model_path = os.path.abspath(args.model) if args.model else str(_builtin())
         view = ClusterView(ViewConfig(args.address, pools=pool_config(args, model_path), detached=True,
-                                      info={"model": model_path, "colocated": args.colocated}))
+                                      info={"model": model_path, "colocated": args.colocated},
+                                      join_timeout_s=args.join_timeout_s, start_timeout_s=args.start_timeout_s))
         try:
             await view.start()
         except Exception as e:
             log.error("%s", e)
-            if view.controller is not None:
+            if view.controller is not None and view.created:
                 await ctl.stop(view.controller)
             return 1
         pools = await view.get_pools()

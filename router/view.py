@@ -65,8 +65,11 @@ class ClusterView(AdminInterface):
         self._owns_ray = await ctl.connect(c.ray_address, c.join_timeout_s)
         handle = await asyncio.to_thread(ctl.find)
         if handle is None and c.pools is not None:
-            handle = ctl.create(c.pools, self.info, detached=c.detached)
-            self.created = True
+            try:
+                handle = ctl.create(c.pools, self.info, detached=c.detached)
+                self.created = True
+            except ValueError:  # another process created it first (the name is taken): use that one
+                handle = await asyncio.to_thread(ctl.find)
         elif handle is None:
             handle = await ctl.wait_for(c.controller_wait_s)
         elif c.pools is not None:

@@ -1,0 +1,246 @@
+"""deploy/: the Helm chart, linted and rendered by Helm's own library (helm-python-sdk)
+for three values files; every rendered object validated against the Kubernetes API
+schemas (kubernetes-validate) and the RayCluster against KubeRay's CRD schema (a named
+release, tests/data/kuberay); bad values refused with a message naming the value; the
+chart's monitoring files identical to deploy/monitoring's; the Dockerfiles parsed and
+their install steps the README's."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "tandem"
+VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
+KUBE_VERSION = "1.30.0"
+KUBERAY_SCHEMA = ROOT / "tests" / "data" / "kuberay" / "raycluster-v1.7.0.schema.json"
+# objects of the Prometheus Operator: not in the Kubernetes API schemas (checked for shape below)
+OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+
+
+def need(module: str):
+    try:
+        return __import__(module)
+    except ImportError:
+        if os.environ.get("CI"):
+            pytest.fail(f"{module} is missing: it is a dev dependency (pyproject.toml)")
+        pytest.skip(f"{module} not installed (pip install -e .[dev])")
+
+
+def render(values: dict) -> list[dict]:
+    helm = need("helm_python")
+    out = helm.Chart.load(str(CHART)).render(values, name="tdm", namespace="ml", is_install=True)
+    return [d for path, text in sorted(out.items()) if not path.endswith("NOTES.txt")
+            for d in yaml.safe_load_all(text) if d]
+
+
+def test_there_are_three_values_files_gpu_cpu_and_large():
+    assert {p.name for p in VALUES} == {"gpu-values.yaml", "cpu-small-values.yaml", "large-values.yaml"}
+
+
+@pytest.mark.parametrize("values_file", VALUES, ids=lambda p: p.name)
+def test_helm_lint_is_clean(values_file):
+    helm = need("helm_python")
+    values = yaml.safe_load(values_file.read_text())
+    report = helm.lint(str(CHART), values, strict=True, kube_version=f"v{KUBE_VERSION}")
+    assert report["errors"] == [], report
+    assert [m for m in report["messages"] if m["severity"] >= 2] == [], report
+
+
+def _strict(schema):
+    """The CRD schema as `kubectl apply --validate=strict` reads it: fields it does not
+    list are errors (unless it keeps unknown fields)."""
+    if isinstance(schema, dict):
+        schema = {k: _strict(v) for k, v in schema.items()}
+        if ("properties" in schema and "additionalProperties" not in schema
+                and not schema.get("x-kubernetes-preserve-unknown-fields")):
+            schema["additionalProperties"] = False
+        if schema.get("x-kubernetes-int-or-string"):
+            schema.pop("type", None)
+            schema["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+        return schema
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+@pytest.mark.parametrize("values_file", VALUES, ids=lambda p: p.name)
+def test_every_rendered_object_validates_against_its_schema(values_file):
+    kv = need("kubernetes_validate")
+    import jsonschema
+
+    docs = render(yaml.safe_load(values_file.read_text()))
+    kinds = [d["kind"] for d in docs]
+    assert kinds.count("RayCluster") == 1 and "Service" in kinds and "ConfigMap" in kinds, kinds
+    raycluster = jsonschema.Draft7Validator(_strict(json.loads(KUBERAY_SCHEMA.read_text())))
+    for d in docs:
+        where = f"{d['kind']}/{d['metadata']['name']}"
+        assert d["metadata"]["namespace"] == "ml", where
+        assert d["metadata"]["labels"]["app.kubernetes.io/instance"] == "tdm", where
+        if d["kind"] == "RayCluster":
+            errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in raycluster.iter_errors(d)]
+            assert errors == [], f"{where}: {errors[:5]}"
+            # every pod template (head, groups) is also a valid core/v1 PodTemplateSpec
+            groups = d["spec"]["workerGroupSpecs"]
+            templates = [d["spec"]["headGroupSpec"]["template"]] + [g["template"] for g in groups]
+            for t in templates:
+                kv.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": t},
+                            KUBE_VERSION, strict=True)
+        elif d["kind"] in OPERATOR_KINDS:
+            assert d["apiVersion"] == "monitoring.coreos.com/v1", where
+        else:
+            kv.validate(d, KUBE_VERSION, strict=True)
+
+
+def test_the_gpu_default_places_each_pool_on_gpu_nodes_with_the_autoscaler_on():
+    docs = render(yaml.safe_load((CHART / "ci" / "gpu-values.yaml").read_text()))
+    rc = next(d for d in docs if d["kind"] == "RayCluster")
+    assert rc["spec"]["enableInTreeAutoscaling"] is True
+    assert rc["spec"]["authOptions"] == {"mode": "token", "secretName": "tdm-tandem-secrets"}
+    groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
+    assert set(groups) == {"prefill", "decode", "routers"}
+    for role in ("prefill", "decode"):
+        g = groups[role]
+        pod = g["template"]["spec"]
+        worker = pod["containers"][0]
+        assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"} and pod["tolerations"]
+        assert json.loads(json.loads(g["rayStartParams"]["resources"])) == {f"tandem_{role}": 1}
+        assert worker["lifecycle"]["preStop"]["exec"]["command"][-1] == "/etc/tandem/drain.sh"
+        assert g["minReplicas"] <= g["replicas"] <= g["maxReplicas"]
+    config = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "tdm-tandem-config")
+    controller = yaml.safe_load(config["data"]["controller.yaml"])
+    assert controller["prefill-resources"] == '{"tandem_prefill": 1}'
+    assert controller["decode-resources"] == '{"tandem_decode": 1}' and controller["num-gpus-per-worker"] == 1
+    head = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in head] == ["ray-head", "router"]
+    router = head[1]
+    assert router["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert router["livenessProbe"]["httpGet"]["path"] == "/health"
+    env = {e["name"]: e for e in router["env"]}
+    assert env["TANDEM_START_CONTROLLER"]["value"] == "1"
+    assert all("value" not in env[k] for k in ("TANDEM_ADMIN_KEY", "TANDEM_CLUSTER_TOKEN", "RAY_AUTH_TOKEN"))
+
+
+def test_secrets_are_generated_never_taken_from_values_and_an_existing_secret_is_used_as_given():
+    docs = render({})
+    secret = next(d for d in docs if d["kind"] == "Secret")
+    assert set(secret["data"]) == {"api-keys", "admin-key", "cluster-token", "auth_token"}
+    assert len({v for v in secret["data"].values()}) == 4  # four different random values
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    large = render(yaml.safe_load((CHART / "ci" / "large-values.yaml").read_text()))
+    assert not [d for d in large if d["kind"] == "Secret"]
+    text = yaml.safe_dump_all(large)
+    assert "tandem-prod-secrets" in text and "secretKeyRef" in text
+
+
+def test_the_large_values_turn_on_every_monitoring_object_and_the_ingress():
+    docs = render(yaml.safe_load((CHART / "ci" / "large-values.yaml").read_text()))
+    kinds = {d["kind"] for d in docs}
+    assert OPERATOR_KINDS | {"Ingress", "PodDisruptionBudget", "NetworkPolicy"} <= kinds
+    rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+    assert rule["spec"] == yaml.safe_load((ROOT / "deploy" / "monitoring" / "tandem-rules.yaml").read_text())
+    dash = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard"))
+    assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dash["data"]["tandem-dashboard.json"])["uid"] == "tandem-overview"
+    rc = next(d for d in docs if d["kind"] == "RayCluster")
+    groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
+    assert groups["routers"]["replicas"] == 2 and groups["decode"]["maxReplicas"] == 32
+    init = groups["decode"]["template"]["spec"]["initContainers"][0]
+    assert init["name"] == "fetch-model"
+    assert {e["name"] for e in init["env"]} >= {"HF_REPO", "HF_TOKEN"}
+
+
+def test_the_cpu_values_run_colocated_on_the_built_in_model_without_gpus():
+    docs = render(yaml.safe_load((CHART / "ci" / "cpu-small-values.yaml").read_text()))
+    rc = next(d for d in docs if d["kind"] == "RayCluster")
+    assert [g["groupName"] for g in rc["spec"]["workerGroupSpecs"]] == ["decode"]
+    assert "nvidia.com/gpu" not in json.dumps(rc)
+    config = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "tdm-tandem-config")
+    controller = yaml.safe_load(config["data"]["controller.yaml"])
+    assert controller["colocated"] is True and "model" not in controller
+
+
+def test_the_network_policy_opens_only_the_http_and_metrics_ports_beyond_the_release():
+    docs = render({})
+    policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    inner = policies["tdm-tandem"]["ingress"]
+    assert inner[0]["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "tandem",
+                                                                  "app.kubernetes.io/instance": "tdm"}}}]
+    assert "ports" not in inner[0]  # the release's own pods: any port (gRPC, KV, Ray are picked at start)
+    assert sorted(p["port"] for p in inner[1]["ports"]) == [8000, 9400]  # monitoring: /metrics only
+    http = policies["tdm-tandem-router-http"]
+    assert http["podSelector"]["matchLabels"]["tandem.io/router"] == "true"
+    assert [p["port"] for p in http["ingress"][0]["ports"]] == [8000]
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"pools": {"decode": {"replicas": 1, "minReplicas": 1, "maxReplicas": 2, "gpus": 2}}}, "/pools/decode/gpus"),
+    ({"model": {"source": "s3", "mountPath": "/m"}}, "/model/source"),
+    ({"pools": {"decodee": {}}}, "decodee"),
+    ({"router": {"service": {"type": "ExternalName", "port": 80}}}, "/router/service/type"),
+    ({"engine": {"transport": "rdma"}}, "/engine/transport"),
+    ({"monitoring": {"podMonitor": {"enabled": True, "interval": "fast"}}}, "/monitoring/podMonitor/interval"),
+])
+def test_a_bad_value_is_refused_with_a_message_naming_it(bad, message):
+    helm = need("helm_python")
+    with pytest.raises(helm.HelmValuesError) as e:
+        render(bad)
+    assert message in str(e.value), str(e.value)
+
+
+def test_a_required_value_missing_says_which():
+    helm = need("helm_python")
+    with pytest.raises(helm.HelmError) as e:
+        render({"model": {"source": "huggingface", "mountPath": "/models/m"}})
+    assert "model.huggingface.repo is required" in str(e.value)
+
+
+def test_the_chart_ships_the_monitoring_files_unchanged():
+    for name in ("tandem-rules.yaml", "tandem-dashboard.json"):
+        assert (CHART / "files" / name).read_bytes() == (ROOT / "deploy" / "monitoring" / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cpu"])
+def test_the_dockerfiles_parse_and_install_as_the_readme_says(name):
+    dockerfile_parse = need("dockerfile_parse")
+    import io
+
+    parser = dockerfile_parse.DockerfileParser(fileobj=io.BytesIO((ROOT / "deploy" / "docker" / name).read_bytes()))
+    steps = [s for s in parser.structure if s["instruction"] != "COMMENT"]
+    instructions = [s["instruction"] for s in steps]
+    assert instructions[0] in ("ARG", "FROM") and "FROM" in instructions
+    assert parser.baseimage.startswith("nvidia/cuda:" if name == "Dockerfile" else "python:3.11")
+    user = [s["value"] for s in steps if s["instruction"] == "USER"]
+    assert user and user[-1] not in ("0", "root")
+    assert json.loads(next(s["value"] for s in steps if s["instruction"] == "ENTRYPOINT")) == ["tandem"]
+    # the README's install command, torch pinned first, is the image's
+    readme = (ROOT / "README.md").read_text()
+    readme_install = re.search(r'pip install "torch==([0-9.]+)" -e \. && tandem serve', readme)
+    assert readme_install, "the README's serve command moved"
+    runs = " ".join(s["value"] for s in steps if s["instruction"] == "RUN")
+    assert re.search(r'pip install --no-cache-dir "torch==\$\{TORCH_VERSION\}" -e \.', runs)
+    torch_arg = next(s["value"] for s in steps if s["instruction"] == "ARG" and s["value"].startswith("TORCH_VERSION"))
+    assert torch_arg == f"TORCH_VERSION={readme_install[1]}"
+    # every package directory the project installs is copied in
+    copied = {s["value"].split()[0] for s in steps if s["instruction"] == "COPY"}
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists() and p.name != "tests"}
+    assert packages <= copied, packages - copied
+    if name == "Dockerfile.cpu":
+        assert "download.pytorch.org/whl/cpu" in runs
+
+
+def test_values_defaults_render_and_copy_is_not_shared():
+    """The defaults alone render (the GPU default), and rendering does not change values."""
+    v: dict = {}
+    before = copy.deepcopy(v)
+    assert render(v) and v == before
