@@ -9,9 +9,11 @@ are listed in docs/metrics.md.
 from __future__ import annotations
 
 import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -76,7 +78,7 @@ class WorkerMetrics:
     def serve(self, host: str, port: int, advertise: str | None = None) -> str:
         """Start the /metrics HTTP endpoint on `host` (port 0: any free port); returns
         the address to scrape, `advertise` (default `host`):port."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        server = _serve_text_format(self.registry, host, port)
         self.address = f"{advertise or host}:{server.server_port}"
         log.info("metrics at http://%s/metrics", self.address)
         return self.address
@@ -84,3 +86,28 @@ class WorkerMetrics:
     def on_step(self, num_tokens: int, forward_s: float) -> None:
         self.step_tokens.observe(num_tokens)
         self.step_seconds.observe(forward_s)
+
+
+def _serve_text_format(registry: CollectorRegistry, host: str, port: int) -> ThreadingHTTPServer:
+    """/metrics in Prometheus's text format whatever the scraper asks for, as the router's
+    is. prometheus-client's own server (start_http_server) answers Prometheus's Accept
+    header with OpenMetrics, and version 0.26 then writes `tandem:x` samples as
+    `tandem_x` (under a `# TYPE tandem:x`), so every rule and query missed them; a real
+    Prometheus found it (tests/cluster/test_prometheus.py)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = generate_latest(registry)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format, *args) -> None:  # no line per scrape
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server
