@@ -1,9 +1,9 @@
 """deploy/: the Helm chart, linted and rendered by Helm's own library (helm-python-sdk)
 for three values files; every rendered object validated against the Kubernetes API
-schemas (kubernetes-validate) and the RayCluster against KubeRay's CRD schema (a named
-release, tests/data/kuberay); bad values refused with a message naming the value; the
-chart's monitoring files identical to deploy/monitoring's; the Dockerfiles parsed and
-their install steps the README's."""
+schemas (kubernetes-validate), the RayCluster against KubeRay's CRD schema and the
+monitoring objects against the Prometheus Operator's (named releases, tests/data); bad
+values refused with a message naming the value; the chart's monitoring files identical
+to deploy/monitoring's; the Dockerfiles parsed and their install steps the README's."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ CHART = ROOT / "deploy" / "helm" / "tandem"
 VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 KUBE_VERSION = "1.30.0"
 KUBERAY_SCHEMA = ROOT / "tests" / "data" / "kuberay" / "raycluster-v1.7.0.schema.json"
-# objects of the Prometheus Operator: not in the Kubernetes API schemas (checked for shape below)
-OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+# the Prometheus Operator's objects: CRDs too, checked against a named release's schemas
+PROMETHEUS_OPERATOR = ROOT / "tests" / "data" / "prometheus-operator"
+OPERATOR_KINDS = {"ServiceMonitor": "servicemonitors", "PodMonitor": "podmonitors", "PrometheusRule": "prometheusrules"}
 
 
 def need(module: str):
@@ -82,6 +83,8 @@ def test_every_rendered_object_validates_against_its_schema(values_file):
     kinds = [d["kind"] for d in docs]
     assert kinds.count("RayCluster") == 1 and "Service" in kinds and "ConfigMap" in kinds, kinds
     raycluster = jsonschema.Draft7Validator(_strict(json.loads(KUBERAY_SCHEMA.read_text())))
+    operator = {kind: jsonschema.Draft7Validator(_strict(json.loads(
+        (PROMETHEUS_OPERATOR / f"{name}-v0.93.0.schema.json").read_text()))) for kind, name in OPERATOR_KINDS.items()}
     for d in docs:
         where = f"{d['kind']}/{d['metadata']['name']}"
         assert d["metadata"]["namespace"] == "ml", where
@@ -97,6 +100,8 @@ def test_every_rendered_object_validates_against_its_schema(values_file):
                             KUBE_VERSION, strict=True)
         elif d["kind"] in OPERATOR_KINDS:
             assert d["apiVersion"] == "monitoring.coreos.com/v1", where
+            errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in operator[d["kind"]].iter_errors(d)]
+            assert errors == [], f"{where}: {errors[:5]}"
         else:
             kv.validate(d, KUBE_VERSION, strict=True)
 
@@ -146,7 +151,7 @@ def test_secrets_are_generated_never_taken_from_values_and_an_existing_secret_is
 def test_the_large_values_turn_on_every_monitoring_object_and_the_ingress():
     docs = render(yaml.safe_load((CHART / "ci" / "large-values.yaml").read_text()))
     kinds = {d["kind"] for d in docs}
-    assert OPERATOR_KINDS | {"Ingress", "PodDisruptionBudget", "NetworkPolicy"} <= kinds
+    assert set(OPERATOR_KINDS) | {"Ingress", "PodDisruptionBudget", "NetworkPolicy"} <= kinds
     rule = next(d for d in docs if d["kind"] == "PrometheusRule")
     assert rule["spec"] == yaml.safe_load((ROOT / "deploy" / "monitoring" / "tandem-rules.yaml").read_text())
     dash = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard"))
