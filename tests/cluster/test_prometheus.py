@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -21,6 +19,7 @@ import pytest
 import yaml
 
 from bench.sweep import free_port
+from tests import needs
 from tests.cluster.test_serve import ADMIN, Serve
 from tests.oracle import random_prompts
 
@@ -31,12 +30,7 @@ MON = ROOT / "deploy" / "monitoring"
 
 
 def prometheus_binary() -> str:
-    path = shutil.which("prometheus")
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("prometheus is missing: .ci/run installs Debian's prometheus package")
-        pytest.skip("prometheus not installed (apt-get install prometheus)")
-    return path
+    return needs.tool("prometheus", "Debian's prometheus package; .ci/run installs it")
 
 
 class Prometheus:

@@ -164,6 +164,19 @@ async def _user(url: str, prompts: list[list[int]], stop: asyncio.Event, results
             results.append((time.monotonic(), prompt, r.status_code, r.json()))
 
 
+async def _stream(client: httpx.AsyncClient, body: dict, started: asyncio.Event) -> list[str]:
+    """One SSE completion stream, read to its end: the data payloads; `started` is set
+    at the first one."""
+    events = []
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                started.set()
+    return events
+
+
 async def assert_workers_clean(srv: Serve, after_s: float) -> None:
     """After `after_s` (quarantined reservations expire): every worker passes
     CheckIntegrity and holds no KV block."""
@@ -274,13 +287,7 @@ def test_sigterm_drains_streams_in_flight_then_exits_0(serve, model_path):
         done = [False] * n_streams
 
         async def one(i: int, client: httpx.AsyncClient):
-            events = []
-            async with client.stream("POST", "/v1/completions", json={**body, "prompt": f"story {i}:"}) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if line.startswith("data: "):
-                        events.append(line[6:])
-                        started[i].set()
+            events = await _stream(client, {**body, "prompt": f"story {i}:"}, started[i])
             done[i] = True
             return events
 
@@ -436,18 +443,9 @@ def test_sigterm_to_a_worker_actor_drains_it_and_it_is_replaced(serve, model_pat
     async def scenario():
         started = [asyncio.Event() for _ in range(n_streams)]
 
-        async def one(i: int, client: httpx.AsyncClient):
-            events = []
-            async with client.stream("POST", "/v1/completions", json={**body, "prompt": f"tale {i}:"}) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if line.startswith("data: "):
-                        events.append(line[6:])
-                        started[i].set()
-            return events
-
         async with httpx.AsyncClient(base_url=srv.url, timeout=300) as client:
-            streams = [asyncio.create_task(one(i, client)) for i in range(n_streams)]
+            streams = [asyncio.create_task(_stream(client, {**body, "prompt": f"tale {i}:"}, started[i]))
+                       for i in range(n_streams)]
             # every stream under way (routing spreads them over both workers); the log's
             # "requests live" below shows the victim had some when the signal came
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)

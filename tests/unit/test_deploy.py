@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests import needs
 
 pytestmark = pytest.mark.unit
 
@@ -29,12 +30,7 @@ OPERATOR_KINDS = {"ServiceMonitor": "servicemonitors", "PodMonitor": "podmonitor
 
 
 def need(module: str):
-    try:
-        return __import__(module)
-    except ImportError:
-        if os.environ.get("CI"):
-            pytest.fail(f"{module} is missing: it is a dev dependency (pyproject.toml)")
-        pytest.skip(f"{module} not installed (pip install -e .[dev])")
+    return needs.module(module)
 
 
 def render(values: dict) -> list[dict]:

@@ -6,15 +6,15 @@ dashboard name exists in docs/metrics.md and in the code."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests import needs
 
 pytestmark = pytest.mark.unit
 
@@ -26,12 +26,7 @@ ALERTS = {"TandemKVCacheHigh", "TandemTTFTHigh", "TandemTPOTHigh", "TandemQueueG
 
 
 def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("promtool is missing: .ci/run installs Debian's prometheus package")
-        pytest.skip("promtool not installed (apt-get install prometheus)")
-    return path
+    return needs.tool("promtool", "Debian's prometheus package; .ci/run installs it")
 
 
 def test_promtool_checks_the_rules():
