@@ -258,9 +258,14 @@ def _logging(args) -> None:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to (host, port), not yet listening (uvicorn listens on it)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    """A TCP socket bound to (host, port), not yet listening (uvicorn listens on it).
+    Its protocol is named (IPPROTO_TCP), not left 0: asyncio sets TCP_NODELAY only on
+    connections whose socket says TCP, and without it Nagle's algorithm holds each
+    small SSE write for the client's delayed ACK (measured: single-stream TTFT 40 ->
+    85 ms on the small model)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
     except OSError:
