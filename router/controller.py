@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -39,7 +40,9 @@ class Controller:
 
     def __init__(self, config: PoolConfig, info: dict) -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-        self.pool = PoolManager(config)
+        # the controller reads stats only for `tandem status` (drains poll for themselves);
+        # routers poll every 0.25 s for routing, so no need to wake every worker as often here
+        self.pool = PoolManager(dataclasses.replace(config, stats_interval_s=max(config.stats_interval_s, 1.0)))
         self._info = {**info, "cluster_token": config.template.cluster_token,
                       "lease_s": config.template.handoff.reservation_lease_s}
         self._start: asyncio.Task | None = None
