@@ -48,10 +48,7 @@ def build_backend(args: argparse.Namespace, attach: bool = False):
     if attach:
         view = ClusterView(ViewConfig(args.address, controller_wait_s=args.controller_wait_s))
     else:
-        model_path = os.path.abspath(args.model) if args.model else str(_builtin())
-        view = ClusterView(ViewConfig(args.address, pools=pool_config(args, model_path),
-                                      detached=getattr(args, "detach", False),
-                                      info={"model": model_path, "colocated": args.colocated}))
+        view = _creating_view(args)  # serve's controller ends with it (not detached)
     return ClusterBackend(view, routing, ClusterMetrics(view))
 
 
@@ -196,8 +193,6 @@ def controller(args: argparse.Namespace) -> int:
     """`tandem controller --address ADDR`: start a detached controller and its pools in
     a running cluster, print the members, exit (it stays); `--stop` ends one."""
     from router import controller as ctl
-    from router.view import ClusterView, ViewConfig
-
     _logging(args)
 
     async def run() -> int:
@@ -218,10 +213,8 @@ def controller(args: argparse.Namespace) -> int:
                       "`tandem router --address %s`, resize it with `tandem scale`, or stop it with "
                       "`tandem controller --address %s --stop`", args.address, args.address)
             return 1
-        model_path = os.path.abspath(args.model) if args.model else str(_builtin())
-        view = ClusterView(ViewConfig(args.address, pools=pool_config(args, model_path), detached=True,
-                                      info={"model": model_path, "colocated": args.colocated},
-                                      join_timeout_s=args.join_timeout_s, start_timeout_s=args.start_timeout_s))
+        view = _creating_view(args, detached=True, join_timeout_s=args.join_timeout_s,
+                              start_timeout_s=args.start_timeout_s)
         try:
             await view.start()
         except Exception as e:
@@ -240,10 +233,15 @@ def controller(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
-def _builtin():
+def _creating_view(args: argparse.Namespace, **config):
+    """A router-side view that creates the controller and its pools (from the pool flags)
+    when none runs; `config`: more ViewConfig fields."""
     from engine.models.builtin import builtin_model_path
+    from router.view import ClusterView, ViewConfig
 
-    return builtin_model_path()
+    model_path = os.path.abspath(args.model) if args.model else str(builtin_model_path())
+    return ClusterView(ViewConfig(args.address, pools=pool_config(args, model_path),
+                                  info={"model": model_path, "colocated": args.colocated}, **config))
 
 
 def _logging(args) -> None:

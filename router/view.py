@@ -22,14 +22,12 @@ from dataclasses import dataclass
 from protos import tandem_pb2 as pb
 from router import controller as ctl
 from router.admin import AdminInterface
-from router.pool import PoolConfig, Worker, WorkerState
+from router.pool import ROLES, PoolConfig, Worker, WorkerState
 from router.prefix_index import PrefixIndex
 from worker_runtime.client import RPC_ERRORS, WorkerClient
 from worker_runtime.config import Role
 
 log = logging.getLogger(__name__)
-
-ROLES = (Role.PREFILL, Role.DECODE)
 
 
 @dataclass(frozen=True)
