@@ -19,7 +19,9 @@ from typing import Callable
 
 PROBE_TIMEOUT_S = 5.0
 CLIENT_ATTEMPTS = 3
-CLIENT_SERVER_FAILED = "Starting Ray client server failed"
+# the head's client proxy could not start a server for this connection (it died at birth:
+# "Starting Ray client server failed", or a zombie by the time the proxy looked)
+CLIENT_SERVER_FAILED = "Initialization failure from server"
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +101,9 @@ async def join(address: str, init: Callable[[], None], timeout: float,
     """Probe, then run `init` (ray.init) on a daemon thread for at most `timeout`
     seconds (a join stuck in Ray's retries must not keep the process alive). Through
     Ray Client (ray://) the head's client server forks a server per connection, and
-    that fork sometimes dies at birth ("Starting Ray client server failed"; seen here
-    about once in a few joins): such a join is tried again, up to CLIENT_ATTEMPTS
-    times within `timeout`, after `reset` (ray.shutdown)."""
+    that fork sometimes dies at birth ("Initialization failure from server", as "Starting
+    Ray client server failed" or a zombie; seen here about once in a few joins): such a
+    join is tried again, up to CLIENT_ATTEMPTS times within `timeout`, after `reset`."""
     await probe(address)
     deadline = asyncio.get_running_loop().time() + timeout
     attempts = CLIENT_ATTEMPTS if address.startswith("ray://") else 1

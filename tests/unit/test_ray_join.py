@@ -61,7 +61,7 @@ async def test_the_retries_give_up_after_three_and_a_join_is_bounded(listening):
         calls.append(1)
         raise ConnectionAbortedError(ray_join.CLIENT_SERVER_FAILED)
 
-    with pytest.raises(ray_join.JoinError, match="client server failed"):
+    with pytest.raises(ray_join.JoinError, match=ray_join.CLIENT_SERVER_FAILED):
         await ray_join.join(f"ray://127.0.0.1:{listening}", failing, 30)
     assert len(calls) == ray_join.CLIENT_ATTEMPTS
     loop = asyncio.get_running_loop()
