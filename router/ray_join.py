@@ -128,13 +128,19 @@ async def _run_init(init: Callable[[], None], timeout: float) -> None:
     loop = asyncio.get_running_loop()
     done: asyncio.Future = loop.create_future()
 
+    def hand_over(settle: Callable[[], object]) -> None:
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop gave up waiting (timed out) and has closed since
+            pass
+
     def run() -> None:
         try:
             init()
         except BaseException as e:  # handed to the waiting loop
-            loop.call_soon_threadsafe(lambda err=e: done.done() or done.set_exception(err))
+            hand_over(lambda err=e: done.done() or done.set_exception(err))
         else:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+            hand_over(lambda: done.done() or done.set_result(None))
 
     threading.Thread(target=run, name="ray-join", daemon=True).start()
     await asyncio.wait_for(asyncio.shield(done), max(timeout, 0.1))

@@ -124,6 +124,9 @@ class ClusterView(AdminInterface):
             for w in pool["workers"]:
                 mine = self.workers.get(w["worker_id"])
                 w["in_flight"] = mine.load.in_flight if mine else 0  # this router's requests there
+                # whether this router sends requests there now (ready by the controller, its
+                # stats read here, not draining): a new router learns of workers a moment late
+                w["routable"] = bool(mine and mine in self.ready(mine.role))
         return data
 
     async def _call(self, ref, timeout: float = 30.0):

@@ -438,6 +438,9 @@ def test_sigterm_to_a_worker_actor_drains_it_and_it_is_replaced(serve, model_pat
     n_streams, n_tokens = 32, 2000
     body = {"model": "tandem-tiny-v1", "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    # both workers routable by the router itself (the controller's "ready" can come first)
+    asyncio.run(_wait_for(lambda: [w["routable"] for w in srv.pools()["decode"]["workers"]] == [True, True],
+                          60, "both decode workers routable"))
     victim = srv.pools()["decode"]["workers"][0]
 
     async def scenario():
