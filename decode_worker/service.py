@@ -36,7 +36,7 @@ from worker_runtime.addresses import resolve as resolve_host
 from worker_runtime.config import Role, WorkerConfig
 from worker_runtime.convert import can_join, logprobs_from_pb, params_from_pb, token_events_to_pb
 from worker_runtime.kv_events import KVEventHub
-from worker_runtime.rpc import new_epoch, start_server
+from worker_runtime.rpc import epoch_str, new_epoch, start_server
 from worker_runtime.service import WorkerRpcs, make_transport
 from worker_runtime.stats import WorkerStats, engine_fields
 
@@ -82,7 +82,7 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         self.server, port = await start_server(lambda s: pb_grpc.add_DecodeWorkerServicer_to_server(self, s),
                                                self.endpoint.bind, cfg.port, cfg.cluster_token)
         self.address = f"{self.endpoint.advertise}:{port}"
-        log.info("decode worker %s (epoch %x) serving on %s, transport %s", cfg.worker_id, self.epoch,
+        log.info("decode worker %s (epoch %s) serving on %s, transport %s", cfg.worker_id, epoch_str(self.epoch),
                  self.address, self.transport.name)
         return self.address
 
@@ -209,13 +209,18 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
                 yield token_events_to_pb(evs)
         except NoCapacity as e:
             finished = True  # nothing was reserved
+            log.info("request %s refused: %s", rid, e)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except (AdmissionError, ValueError) as e:
             finished = True
+            log.info("request %s refused: %s", rid, e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finally:
             self.aengine.unsubscribe(rid)
             if not finished and self.aengine.healthy:
+                # the router closed the stream: its client went away, or a stop string or
+                # a failure elsewhere ended the request first
+                log.info("request %s: stream closed by the router before the request finished; aborted", rid)
                 self.aengine.post(self._abort, rid)  # idempotent; queued after the reserve/add
 
     async def Abort(self, request, context):

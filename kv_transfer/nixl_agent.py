@@ -19,10 +19,19 @@ _agent_lock = threading.Lock()  # guards the config-class swap in new_agent
 
 
 def import_nixl() -> Any:
-    """NIXL's python API module (the CUDA variant matching torch, any one on CPU)."""
-    import nixl._api as api  # the meta package picks nixl_cu12 / nixl_cu13
+    """NIXL's python API module. tandem depends on `nixl-cu13` alone (the CUDA 13 build
+    that torch 2.13's CUDA wheels match; on a CPU machine its UCX backend works the
+    same), not on the `nixl` meta package, which installs the CUDA 12 build too (about
+    220 MB more). An install that has the meta package (or only nixl-cu12) still works."""
+    import importlib
 
-    return api
+    for name in ("nixl_cu13._api", "nixl._api", "nixl_cu12._api"):
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if not name.startswith(e.name or "\0"):  # a module missing inside NIXL itself
+                raise
+    raise ModuleNotFoundError("NIXL is not installed (pip install nixl-cu13)", name="nixl_cu13")
 
 
 def set_env_defaults(config: TransportConfig) -> None:

@@ -29,7 +29,7 @@ from worker_runtime.config import Role, WorkerConfig
 from worker_runtime.convert import logprobs_to_pb, params_from_pb
 from worker_runtime.kv_events import KVEventHub
 from worker_runtime.loop import EngineLoop
-from worker_runtime.rpc import call_metadata, channel, new_epoch, start_server
+from worker_runtime.rpc import call_metadata, channel, epoch_str, new_epoch, start_server
 from worker_runtime.service import WorkerRpcs, make_transport
 from worker_runtime.stats import WorkerStats, engine_fields
 
@@ -83,9 +83,9 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
         )
         self.address = f"{self.endpoint.advertise}:{port}"
         log.info(
-            "prefill worker %s (epoch %x) serving on %s, transport %s, layer-wise push %s",
+            "prefill worker %s (epoch %s) serving on %s, transport %s, layer-wise push %s",
             cfg.worker_id,
-            self.epoch,
+            epoch_str(self.epoch),
             self.address,
             self.transport.name,
             cfg.layerwise_transfer,
@@ -143,14 +143,14 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
             reply = await self._handshake(target.address)
             if reply.epoch != target.epoch:
                 raise PrefillFailed(
-                    f"decode worker {target.worker_id} at {target.address} is now epoch {reply.epoch:x}, "
-                    f"not {target.epoch:x}: it restarted; retry with a fresh reservation"
+                    f"decode worker {target.worker_id} at {target.address} is now epoch {epoch_str(reply.epoch)}, "
+                    f"not {epoch_str(target.epoch)}: it restarted; retry with a fresh reservation"
                 )
             peer = self.transport.add_peer(reply.descriptor)
             if known is not None:
                 await self.loop.call(self.engine.drop_peer, known[1], f"decode worker {target.worker_id} restarted")
             self._peers[target.worker_id] = (reply.epoch, peer)
-            log.info("peer %s added (epoch %x)", target.worker_id, reply.epoch)
+            log.info("peer %s added (epoch %s)", target.worker_id, epoch_str(reply.epoch))
             return peer
 
     async def _handshake(self, address: str) -> pb.HandshakeReply:
@@ -205,9 +205,12 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
             done = True  # rejected before anything was queued
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (PrefillFailed, asyncio.TimeoutError) as e:
+            log.warning("prefill of %s failed: %s", rid, e or "timed out")
             await context.abort(grpc.StatusCode.ABORTED, f"prefill of {rid} failed: {e or 'timed out'}")
         finally:
             if not done and self.loop.healthy:
+                log.info("prefill of %s ended before its result (cancelled by the router, timed out or "
+                         "failed): aborted", rid)
                 self.loop.post(self.engine.abort, rid, "cancelled, timed out or failed")  # idempotent
         return self._reply(result)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from typing import Iterable, TypeVar
 
@@ -33,6 +34,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
 from engine.tokenizer import Tokenizer
+from router.access import AccessLogMiddleware
 from router.admin import AdminInterface
 from router.admission import Admission
 from router.auth import KeyChecker, read_key_file
@@ -44,6 +46,8 @@ from router.serving import OpenAIServing
 from router.settings import RouterSettings, SettingsError
 from router.shutdown import Drain, DrainMiddleware
 from router.sse import ClientDisconnected
+
+log = logging.getLogger("tandem.admin")
 
 __all__ = ["create_app", "RouterSettings"]
 M = TypeVar("M", bound=BaseModel)
@@ -107,6 +111,7 @@ def create_app(backend: Backend, tokenizer: Tokenizer, settings: RouterSettings,
     app.state.backend, app.state.serving, app.state.drain = backend, serving, drain
     install_error_handlers(app, metrics.count_error)
     app.add_middleware(DrainMiddleware, drain=drain, on_refuse=metrics.count_error)
+    app.add_middleware(AccessLogMiddleware)  # added last: outermost, so it sees every answer, 503s included
 
     async def openai_call(request: Request, model: type[M], handler) -> Response:
         arrival = time.monotonic()
@@ -135,13 +140,15 @@ def create_app(backend: Backend, tokenizer: Tokenizer, settings: RouterSettings,
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
         auth.require_api_key(request)
-        cards = ModelList(data=[model_card(n) for n in settings.model_names])
+        # only the served name: an alias (the checkpoint's path) is accepted in requests
+        # but never shown, so the API does not reveal the server's filesystem
+        cards = ModelList(data=[model_card(settings.served_model_name)])
         return Response(cards.model_dump_json(), media_type="application/json")
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(request: Request, model_id: str) -> Response:
         auth.require_api_key(request)
-        if model_id not in settings.model_names:
+        if model_id != settings.served_model_name:
             raise ApiError.model_not_found(model_id)
         return Response(model_card(model_id).model_dump_json(), media_type="application/json")
 
@@ -178,9 +185,17 @@ def create_app(backend: Backend, tokenizer: Tokenizer, settings: RouterSettings,
         update = parse(PoolsUpdate, await read_body(request, settings.max_request_body_bytes))
         if update.prefill is None and update.decode is None:
             raise ApiError.invalid("give `prefill` and/or `decode` worker counts", "prefill")
+        asked = {r: n for r, n in (("prefill", update.prefill), ("decode", update.decode)) if n is not None}
+        client = request.client.host if request.client else "-"
         try:
-            return JSONResponse(await target.set_pools(update.prefill, update.decode))
+            before = await target.get_pools()
+            data = await target.set_pools(update.prefill, update.decode)
         except ValueError as e:
+            log.warning("scale request from %s refused (%s): %s", client, asked, e)
             raise ApiError.invalid(str(e)) from None
+        was = {r: p.get("target") for r, p in before.get("pools", {}).items() if isinstance(p, dict)}
+        log.info("scale request from %s: %s", client, ", ".join(f"{r} {was.get(r, '?')} -> {n}"
+                                                               for r, n in asked.items()))
+        return JSONResponse(data)
 
     return app

@@ -55,6 +55,11 @@ class ChoiceRun:
         self._first: TokenBatch | None = None
         self._first_at = 0.0
 
+    @property
+    def first_token_at(self) -> float | None:
+        """When the first token reached the router (time.monotonic), if one has."""
+        return self._timer.first
+
     async def start(self) -> None:
         """Wait for the first batch (raises BackendError when not accepted)."""
         try:

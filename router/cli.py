@@ -25,6 +25,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from engine.cli_args import add_engine_args
+from router.checks import CommandError
 from worker_runtime.args import add_worker_args
 
 # Subcommands from packages above the router (`tandem bench`) are found through this
@@ -124,7 +125,9 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     g.add_argument("--slo-tpot-ms", type=float, default=100.0)
-    g.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
+    g.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING (env TANDEM_LOG_LEVEL)")
+    g.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="this process's log lines, the access log's included: text, or one JSON object a line")
 
 
 def _routing_args(c) -> None:
@@ -175,9 +178,11 @@ def _pool_args(p: argparse.ArgumentParser, c) -> None:
 
 
 def _admin_parser(sub, name: str, help_: str) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, help=help_)
-    p.add_argument("--url", default=os.environ.get("TANDEM_URL", "http://127.0.0.1:8000"), help="the router")
-    p.add_argument("--admin-key", default=os.environ.get("TANDEM_ADMIN_KEY"), help="the router's admin key")
+    p = sub.add_parser(name, help=help_, description=help_ + ".")
+    p.add_argument("--url", default=os.environ.get("TANDEM_URL", "http://127.0.0.1:8000"),
+                   help="the router (default: env TANDEM_URL, else http://127.0.0.1:8000)")
+    p.add_argument("--admin-key", default=os.environ.get("TANDEM_ADMIN_KEY"),
+                   help="the router's --admin-key (default: env TANDEM_ADMIN_KEY)")
     return p
 
 
@@ -187,11 +192,16 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _router_parser(sub)
     _controller_parser(sub)
-    s = _admin_parser(sub, "scale", "resize the worker pools of a running cluster")
-    s.add_argument("--prefill", type=int, default=None)
-    s.add_argument("--decode", type=int, default=None)
+    s = _admin_parser(sub, "scale", "resize the worker pools of a running cluster (a smaller pool drains the "
+                      "workers it removes first)")
+    s.add_argument("--prefill", type=int, default=None, help="prefill workers wanted (default: unchanged)")
+    s.add_argument("--decode", type=int, default=None, help="decode workers wanted (default: unchanged)")
+    s.add_argument("--wait", action="store_true",
+                   help="wait until every pool has its target of ready workers and no worker is draining, "
+                   "printing each change")
+    s.add_argument("--timeout-s", type=float, default=600.0, help="--wait gives up after this (default: 600)")
     s.set_defaults(func=_run_scale)
-    st = _admin_parser(sub, "status", "show pools, workers, KV usage and queues")
+    st = _admin_parser(sub, "status", "show the pools, their workers, KV usage and queues")
     st.add_argument("--json", action="store_true", help="print the raw JSON")
     st.set_defaults(func=_run_status)
     from router.generate_cli import add_generate_parser
@@ -252,11 +262,50 @@ def _admin_request(args, method: str, body: dict | None = None) -> dict:
 
 
 def _run_scale(args) -> int:
+    import time
+
     if args.prefill is None and args.decode is None:
-        raise SystemExit("tandem scale: give --prefill N and/or --decode M")
-    data = _admin_request(args, "POST", {"prefill": args.prefill, "decode": args.decode})
-    print(json.dumps({r: p["target"] for r, p in data["pools"].items()}))
-    return 0
+        raise CommandError("give --prefill N and/or --decode M")
+    before = _admin_request(args, "GET")["pools"]
+    data = _admin_request(args, "POST", {"prefill": args.prefill, "decode": args.decode})["pools"]
+    rows = [(role, before[role]["target"], p["target"], before[role]["ready"]) for role, p in data.items()]
+    _print_table(["pool", "target before", "target now", "ready"], rows,
+                 title=f"tandem scale at {args.url}")
+    if not args.wait:
+        return 0
+    deadline = time.monotonic() + args.timeout_s
+    seen = _members(data)
+    while True:
+        pools = _admin_request(args, "GET")["pools"]
+        now = _members(pools)
+        for wid in sorted(now.keys() | seen.keys()):
+            if now.get(wid) != seen.get(wid):
+                print(f"  {wid}: {seen.get(wid, 'new')} -> {now.get(wid, 'gone')}", flush=True)
+        seen = now
+        settled = all(p["ready"] == p["target"] and len(p["workers"]) == p["target"] for p in pools.values())
+        if settled:
+            print("tandem scale: " + ", ".join(f"{r} {p['ready']}/{p['target']} ready" for r, p in pools.items()))
+            return 0
+        if time.monotonic() >= deadline:
+            raise CommandError("gave up waiting after %.0f s: " % args.timeout_s + ", ".join(
+                f"{r} {p['ready']}/{p['target']} ready, {len(p['workers'])} present" for r, p in pools.items()), 1)
+        time.sleep(1.0)
+
+
+def _members(pools: dict) -> dict[str, str]:
+    return {w["worker_id"]: w["state"] for p in pools.values() for w in p["workers"]}
+
+
+def _print_table(columns: list[str], rows: list[tuple], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c)
+    for row in rows:
+        table.add_row(*(str(v) for v in row))
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
 
 
 def _run_status(args) -> int:
@@ -310,7 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except CommandError as e:
+        print(f"tandem {args.command}: error: {e}", file=sys.stderr)
+        return e.code
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import time
 
 from router import ray_join
 from router.pool import PoolConfig, PoolManager
+from worker_runtime.host import LOG_FORMAT
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +40,16 @@ class Controller:
     loop in the actor runs the pool's loops and answers the routers."""
 
     def __init__(self, config: PoolConfig, info: dict) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
         # the controller reads stats only for `tandem status` (drains poll for themselves);
         # routers poll every 0.25 s for routing, so no need to wake every worker as often here
         self.pool = PoolManager(dataclasses.replace(config, stats_interval_s=max(config.stats_interval_s, 1.0)))
         self._info = {**info, "cluster_token": config.template.cluster_token,
                       "lease_s": config.template.handoff.reservation_lease_s}
         self._start: asyncio.Task | None = None
+
+    def __repr__(self) -> str:  # Ray prefixes this actor's log lines with it: "(controller pid=...)"
+        return "controller"
 
     async def info(self) -> dict:
         """What a router needs besides the members: the model path (its tokenizer), the

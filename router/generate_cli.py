@@ -8,6 +8,7 @@ import json
 import sys
 
 from engine.cli_args import add_engine_args, engine_config_from_args
+from router.checks import check_model
 
 
 def add_generate_parser(sub) -> argparse.ArgumentParser:
@@ -56,6 +57,8 @@ def run_generate(args) -> int:
 
     items = _read_items(args)
     cfg = engine_config_from_args(args)
+    if cfg.model is not None:  # None: the built-in model, made and checked by the engine
+        check_model(cfg.model, need_chat_template=args.chat or any("messages" in it for it in items))
     llm = LLM(cfg.model, dtype=cfg.dtype, max_num_seqs=cfg.scheduler.max_num_seqs,
               max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens, max_model_len=cfg.scheduler.max_model_len,
               block_size=cfg.cache.block_size, kv_cache_memory_gb=cfg.cache.kv_cache_memory_gb,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from router.admin import AdminInterface
 from worker_runtime.client import RPC_ERRORS, WorkerClient, wait_ready
 from worker_runtime.config import Role, WorkerConfig
+from worker_runtime.rpc import epoch_str
 from worker_runtime.stats import WorkerStats
 
 log = logging.getLogger(__name__)
@@ -134,7 +135,7 @@ class Worker:
             "state": self.state.value,
             "in_flight": self.load.in_flight,
             "address": self.client.address if self.client else "",
-            "epoch": f"{self.epoch:x}",
+            "epoch": epoch_str(self.epoch),
             "metrics": self.metrics_address,
             "pid": self.pid,
         }

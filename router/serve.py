@@ -14,8 +14,11 @@ import sys
 
 from engine import envs
 from engine.cli_args import engine_config_from_args, parse_cores
+from router.access import use_log_format
+from router.checks import CommandError, check_model
 from worker_runtime.args import worker_config_from_args
 from worker_runtime.config import Role
+from worker_runtime.host import LOG_FORMAT
 
 log = logging.getLogger("tandem")
 
@@ -137,8 +140,13 @@ def serve(args: argparse.Namespace, attach: bool = False) -> int:
     try:
         sock = _bind(args.host, args.port)
     except OSError as e:
-        log.error("cannot listen on %s port %d: %s", args.host, args.port, e.strerror or e)
-        return 1
+        raise CommandError(f"cannot listen on {args.host} port {args.port}: {e.strerror or e}") from None
+    try:
+        if args.model or not attach:  # a router without --model takes the controller's checkpoint
+            check_model(resolve_model(args))
+    except CommandError:
+        sock.close()
+        raise
     backend = build_backend(args, attach)
     signals: SignalDrain | None = None
     server: uvicorn.Server | None = None
@@ -194,6 +202,8 @@ def controller(args: argparse.Namespace) -> int:
     a running cluster, print the members, exit (it stays); `--stop` ends one."""
     from router import controller as ctl
     _logging(args)
+    if not args.stop:  # before joining: the pools' model path (the same on every host)
+        check_model(resolve_model(args))
 
     async def run() -> int:
         await ctl.connect(args.address, args.join_timeout_s)
@@ -236,23 +246,54 @@ def controller(args: argparse.Namespace) -> int:
 def _creating_view(args: argparse.Namespace, **config):
     """A router-side view that creates the controller and its pools (from the pool flags)
     when none runs; `config`: more ViewConfig fields."""
-    from engine.models.builtin import builtin_model_path
     from router.view import ClusterView, ViewConfig
 
-    model_path = os.path.abspath(args.model) if args.model else str(builtin_model_path())
-    return ClusterView(ViewConfig(args.address, pools=pool_config(args, model_path),
-                                  info={"model": model_path, "colocated": args.colocated}, **config))
+    path = resolve_model(args)
+    return ClusterView(ViewConfig(args.address, pools=pool_config(args, path),
+                                  info={"model": path, "colocated": args.colocated}, **config))
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    """`--model` as an absolute path, or the built-in model's (made on first use)."""
+    from engine.models.builtin import builtin_model_path
+
+    return os.path.abspath(os.path.expanduser(args.model)) if args.model else str(builtin_model_path())
 
 
 def _logging(args) -> None:
     level = (args.log_level or envs.log_level()).upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr)
+    use_log_format(getattr(args, "log_format", "text"), LOG_FORMAT)
+    quiet_ray()
     if args.address is not None:
         from router import ray_join
 
         # before ray is imported: Ray reads its auth mode once
         if "ray" not in sys.modules and ray_join.token_mode_if_token_given():
-            log.info("joining with Ray's token (RAY_AUTH_MODE=token)")
+            log.debug("joining with Ray's token (RAY_AUTH_MODE=token)")
+
+
+class _DropRayNoise(logging.Filter):
+    """Ray's start-up warnings a tandem user cannot act on."""
+
+    NOISE = (
+        # ray.init runs on a thread here on purpose: tandem installs its own SIGTERM
+        # handler (a drain), which Ray's would replace with an immediate exit
+        "SIGTERM handler is not set because current thread is not the main thread",
+    )
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not any(n in msg for n in self.NOISE)
+
+
+def quiet_ray() -> None:
+    """Before Ray starts: no colour codes in the worker lines Ray copies to this
+    process's stderr unless it is a terminal, and no warnings a user cannot act on."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    for name in ("ray", "ray._private.worker"):
+        logging.getLogger(name).addFilter(_DropRayNoise())
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import re
 import uuid
 
 import jinja2
@@ -22,6 +21,7 @@ from engine.output import TextStream
 from engine.sampling_params import SamplingParams
 from engine.sequence import BATCH, INTERACTIVE
 from engine.tokenizer import Tokenizer, TokenizerError
+from router.access import access_record
 from router.admission import Admission
 from router.backend import Backend, BackendError, GenerateRequest
 from router.choice import ChoiceRun, all_or_nothing
@@ -34,7 +34,6 @@ from router.responses import Responder
 from router.settings import RouterSettings
 from router.sse import SSEResponse, until_disconnect
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,96}$")
 # Texts longer than this are tokenized on a worker thread, not on the event loop.
 _INLINE_TOKENIZE_CHARS = 32 * 1024
 _RESERVED_TEMPLATE_ARGS = {"messages", "add_generation_prompt", "tokenize", "bos_token", "eos_token"}
@@ -72,12 +71,17 @@ class OpenAIServing:
 
     async def _serve(self, request: Request, req: AnyRequest, prompts: list[PromptInput],
                      params: list[SamplingParams], arrival: float, rid: str) -> Response:
+        record = access_record(request.scope)
         if req.stream:
             job = await until_disconnect(request, self._open(req, prompts, params, arrival, rid))
+            if record is not None:
+                record.jobs.append(job)
             return SSEResponse(self.responder.stream(job, req, rid), job.close)
 
         async def answer() -> Response:
             job = await self._open(req, prompts, params, arrival, rid)
+            if record is not None:
+                record.jobs.append(job)
             try:
                 results = await all_or_nothing(run.collect() for run in job.runs)
             except BackendError as e:
@@ -209,9 +213,11 @@ class OpenAIServing:
 
 
 def _response_id(prefix: str, request: Request) -> str:
-    """`<prefix>-<x-request-id>-<random>` (the client's id when it is a sane one):
-    engine request ids stay unique even when a client reuses its ids."""
-    given = request.headers.get("x-request-id", "")
-    tail = uuid.uuid4().hex[:16]
-    return f"{prefix}-{given}-{tail}" if _REQUEST_ID.match(given) else f"{prefix}-{tail}"
-
+    """`<prefix>-<request id>` (router/access.py), with a random tail when the id is
+    the client's: engine request ids stay unique even when a client reuses its ids."""
+    record = access_record(request.scope)
+    if record is None:  # an app without the access middleware
+        return f"{prefix}-{uuid.uuid4().hex[:16]}"
+    if record.client_gave_id:
+        return f"{prefix}-{record.request_id}-{uuid.uuid4().hex[:16]}"
+    return f"{prefix}-{record.request_id}"

@@ -115,6 +115,9 @@ class WorkerActor:
         logging.shutdown()
         os._exit(0)
 
+    def __repr__(self) -> str:  # Ray prefixes this actor's log lines with it: "(decode-0 pid=...)"
+        return self.host.config.worker_id
+
     def start(self) -> str:
         self.address = self.host.start()
         return self.address

@@ -79,6 +79,11 @@ def new_epoch() -> int:
     return secrets.randbits(63) or 1
 
 
+def epoch_str(epoch: int) -> str:
+    """An epoch as every log line, status table and NIXL agent name shows it: 16 hex digits."""
+    return f"{epoch:016x}"
+
+
 def channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=_CLIENT_OPTIONS)
 

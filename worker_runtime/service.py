@@ -12,6 +12,7 @@ from protos import tandem_pb2 as pb
 from worker_runtime.addresses import Endpoint
 from worker_runtime.config import WorkerConfig
 from worker_runtime.metrics import WorkerMetrics
+from worker_runtime.rpc import epoch_str
 from worker_runtime.stats import WorkerStats
 
 
@@ -20,7 +21,7 @@ def make_transport(cfg: WorkerConfig, epoch: int, endpoint: Endpoint) -> Transpo
     on the worker's endpoint; wrapped with injected faults when TANDEM_FAULTS asks."""
     transport = create_transport(
         cfg.transport,
-        TransportConfig(worker_name=cfg.worker_id, epoch=f"{epoch:016x}", bind_host=endpoint.bind,
+        TransportConfig(worker_name=cfg.worker_id, epoch=epoch_str(epoch), bind_host=endpoint.bind,
                         advertise_host=endpoint.advertise, token=cfg.cluster_token),
     )
     faults = envs.faults()

@@ -234,10 +234,17 @@ def test_scale_and_kill_under_load(serve, model_path):
         httpx.post(srv.url + "/admin/pools", json={"decode": 3}, headers=admin, timeout=10).raise_for_status()
         await _wait_for(lambda: settled("decode", 3), 120, "3 decode workers")
         await asyncio.sleep(2)
-        httpx.post(
-            srv.url + "/admin/pools", json={"prefill": 1, "decode": 2}, headers=admin, timeout=10
-        ).raise_for_status()
-        await _wait_for(lambda: settled("decode", 2) and settled("prefill", 1), 180, "scale down to 1P + 2D")
+        # the operator's command: a table of the change, then --wait follows the drains
+        cli = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "router.cli", "scale", "--url", srv.url, "--prefill", "1", "--decode", "2",
+            "--wait", "--timeout-s", "180", env={**os.environ, "TANDEM_ADMIN_KEY": ADMIN},
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        out = (await asyncio.wait_for(cli.communicate(), 200))[0].decode()
+        assert cli.returncode == 0, out
+        assert re.search(r"prefill\W+2\W+1\W", out) and re.search(r"decode\W+3\W+2\W", out), out
+        assert re.search(r"(prefill|decode)-\d+: ready -> (draining|gone)", out), out
+        assert out.rstrip().endswith("tandem scale: prefill 1/1 ready, decode 2/2 ready"), out
+        assert settled("decode", 2) and settled("prefill", 1)
         await asyncio.sleep(2)
         kill_at = time.monotonic()
         victim = srv.pools()["decode"]["workers"][0]
@@ -266,6 +273,10 @@ def test_scale_and_kill_under_load(serve, model_path):
     assert srv.pools()["decode"]["ready"] == 2 and srv.metrics()["tandem:worker_up"] == 3
 
     asyncio.run(assert_workers_clean(srv, after_s=3))  # quarantines (2 s) end
+    srv.log.flush()
+    log = open(srv.log.name).read()
+    assert "scale request from 127.0.0.1: decode 2 -> 3" in log
+    assert "scale request from 127.0.0.1: prefill 2 -> 1, decode 3 -> 2" in log
 
 
 def test_sigterm_drains_streams_in_flight_then_exits_0(serve, model_path):
@@ -443,6 +454,8 @@ def test_sigterm_to_a_worker_actor_drains_it_and_it_is_replaced(serve, model_pat
                           60, "both decode workers routable"))
     victim = srv.pools()["decode"]["workers"][0]
 
+    spread: dict = {}  # worker -> (running, this router's in flight) when the signal went
+
     async def scenario():
         started = [asyncio.Event() for _ in range(n_streams)]
 
@@ -452,6 +465,8 @@ def test_sigterm_to_a_worker_actor_drains_it_and_it_is_replaced(serve, model_pat
             # every stream under way (routing spreads them over both workers); the log's
             # "requests live" below shows the victim had some when the signal came
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+            spread.update({w["worker_id"]: (w.get("running"), w["in_flight"])
+                           for w in (await asyncio.to_thread(srv.pools))["decode"]["workers"]})
             os.kill(victim["pid"], signal.SIGTERM)
             await asyncio.sleep(0.5)  # its stats say draining by now (polled every 0.25 s)
             late = await client.post("/v1/completions", json={"model": "tandem-tiny-v1", "max_tokens": 8,
@@ -474,5 +489,5 @@ def test_sigterm_to_a_worker_actor_drains_it_and_it_is_replaced(serve, model_pat
     log = open(srv.log.name).read()
     said = re.search(rf"decode {victim['worker_id']} stopped on SIGTERM after draining for [0-9.]+ s "
                      r"\(requests live: (\d+), all (\d+) finished\)", log)
-    assert said and int(said[1]) == int(said[2]) > 0, log[-3000:]
+    assert said and int(said[1]) == int(said[2]) > 0, (spread, log[-3000:])
     assert "Traceback" not in log and "SIGTERM received" not in log, log[-3000:]

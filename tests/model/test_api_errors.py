@@ -63,6 +63,7 @@ def server(builtin_dir, tok, tmp_path_factory):
     )
     settings = RouterSettings(
         served_model_name=MODEL,
+        model_aliases=(str(builtin_dir),),  # as `tandem serve` sets it: the checkpoint's path
         api_keys=frozenset({KEY}),
         api_key_file=str(key_file),
         admin_key=ADMIN,
@@ -213,7 +214,7 @@ def test_context_length(http, tok):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
 
 
-def test_routes_and_methods(http):
+def test_routes_and_methods(http, builtin_dir):
     check_error(http.get("/v1/nothing-here"), 404, None, "not_found")
     check_error(http.post("/v2/completions", json=COMPLETION), 404)
     r = http.get("/v1/completions")
@@ -222,6 +223,10 @@ def test_routes_and_methods(http):
     check_error(http.put("/v1/chat/completions", json=CHAT), 405)
     check_error(http.get("/v1/models/gpt-5"), 404, "model", "model_not_found")
     assert http.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+    # the list names the served model only: the alias (a server path) is never shown
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [MODEL]
+    assert str(builtin_dir) not in http.get("/v1/models").text
+    check_error(http.get(f"/v1/models/{builtin_dir}"), 404, "model", "model_not_found")
 
 
 def test_api_keys(server):

@@ -42,8 +42,22 @@ def test_unknown_key_in_config_is_an_error(tmp_path):
         parse(["serve", "--config", str(cfg)])
 
 
-def test_scale_needs_a_size():
+def test_scale_needs_a_size(capsys):
     from router.cli import main
 
-    with pytest.raises(SystemExit, match="give --prefill"):
-        main(["scale"])
+    assert main(["scale"]) == 2
+    assert capsys.readouterr().err == "tandem scale: error: give --prefill N and/or --decode M\n"
+
+
+def test_status_and_scale_help_name_their_defaults_and_environment(capsys):
+    from router.cli import main
+
+    for command in ("status", "scale"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "env TANDEM_URL" in text and "http://127.0.0.1:8000" in text and "env TANDEM_ADMIN_KEY" in text
+    with pytest.raises(SystemExit):
+        main(["scale", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--wait" in text and "default: unchanged" in text and "default: 600" in text

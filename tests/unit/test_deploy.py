@@ -229,7 +229,8 @@ def test_the_dockerfiles_parse_and_install_as_the_readme_says(name):
     readme_install = re.search(r'pip install "torch==([0-9.]+)" -e \. && tandem serve', readme)
     assert readme_install, "the README's serve command moved"
     runs = " ".join(s["value"] for s in steps if s["instruction"] == "RUN")
-    assert re.search(r'pip install --no-cache-dir "torch==\$\{TORCH_VERSION\}" -e \.', runs)
+    extra = r'"\.\[gpu\]"' if name == "Dockerfile" else r"\."  # the CUDA image takes the GPU extra
+    assert re.search(r'pip install --no-cache-dir "torch==\$\{TORCH_VERSION\}" -e ' + extra, runs), runs
     torch_arg = next(s["value"] for s in steps if s["instruction"] == "ARG" and s["value"].startswith("TORCH_VERSION"))
     assert torch_arg == f"TORCH_VERSION={readme_install[1]}"
     # every package directory the project installs is copied in

@@ -1,0 +1,153 @@
+"""Request ids and the access log.
+
+Every HTTP request gets an id: the client's `X-Request-Id` when it is a sane one
+(letters, digits and `._:-`, at most 96), else a fresh random one. It is echoed in the
+response's `X-Request-Id` header, it is part of the OpenAI response id and of every
+engine request id sent to the workers (`cmpl-<id>-<random>-<choice>`), so a worker's
+log line about a request names it, and it ends the request's access-log line.
+
+One access-log line per request (logger `tandem.access`), written when the response
+has been sent in full (for a stream: after its last event), with the method, path,
+status, prompt and output tokens, time to first token, duration and request id.
+`--log-format json` makes every log line of the router one JSON object, these with
+their fields as keys. Health probes and metric scrapes (/health, /ready, /metrics) are
+logged at DEBUG only: they come every few seconds and say nothing per request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger("tandem.access")
+
+REQUEST_ID_HEADER = "x-request-id"
+_SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,96}$")
+_QUIET_PATHS = ("/health", "/ready", "/metrics")
+LOG_FORMATS = ("text", "json")
+
+
+@dataclass
+class AccessRecord:
+    """What the serving layer tells the access log about one request."""
+
+    request_id: str
+    client_gave_id: bool
+    jobs: list = field(default_factory=list)  # router.job.Job: token counts and first-token times
+
+    def tokens(self) -> tuple[int | None, int | None, float | None]:
+        """(prompt tokens, output tokens, first token time) over every choice; Nones
+        for a request that never reached the engines."""
+        runs = [r for job in self.jobs for r in job.runs]
+        if not runs:
+            return None, None, None
+        prompt = sum(len(p.ids) for job in self.jobs for p in job.prompts)
+        output = sum(r.completion_tokens for r in runs)
+        firsts = [r.first_token_at for r in runs if r.first_token_at is not None]
+        return prompt, output, min(firsts) if firsts else None
+
+
+def request_id(scope: Scope) -> str:
+    return scope["state"]["access"].request_id
+
+
+def access_record(scope: Scope) -> AccessRecord | None:
+    return scope.get("state", {}).get("access")
+
+
+class AccessLogMiddleware:
+    """Outermost: sets the request id, adds its header, logs the line at the end."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.monotonic()
+        given = ""
+        for k, v in scope.get("headers", ()):
+            if k == b"x-request-id":
+                given = v.decode("latin-1")
+                break
+        sane = bool(_SANE_ID.match(given))
+        record = AccessRecord(given if sane else uuid.uuid4().hex[:16], sane)
+        scope.setdefault("state", {})["access"] = record
+        status = 0
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", record.request_id.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            self._log(scope, record, status or 500, t0)
+
+    @staticmethod
+    def _log(scope: Scope, record: AccessRecord, status: int, t0: float) -> None:
+        path = scope.get("path", "")
+        level = logging.DEBUG if path in _QUIET_PATHS else logging.INFO
+        if not log.isEnabledFor(level):
+            return
+        now = time.monotonic()
+        prompt, output, first = record.tokens()
+        client = scope.get("client") or ("-", 0)
+        fields = {
+            "client": f"{client[0]}:{client[1]}",
+            "method": scope.get("method", ""),
+            "path": path,
+            "status": status,
+            "prompt_tokens": prompt,
+            "output_tokens": output,
+            "ttft_ms": round((first - t0) * 1000, 1) if first is not None else None,
+            "duration_ms": round((now - t0) * 1000, 1),
+            "request_id": record.request_id,
+        }
+        text = (f'{fields["client"]} "{fields["method"]} {path}" {status} prompt={_dash(prompt)} '
+                f'output={_dash(output)} ttft={_dash(fields["ttft_ms"], "ms")} '
+                f'duration={fields["duration_ms"]}ms id={record.request_id}')
+        log.log(level, text, extra={"access": fields})
+
+
+def _dash(v, unit: str = "") -> str:
+    return "-" if v is None else f"{v}{unit}"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, and an access line's
+    fields as keys of their own."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        fields = getattr(record, "access", None)
+        if fields:
+            out.update(fields)
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def use_log_format(fmt: str, text_format: str) -> None:
+    """Format every handler of the root logger as `fmt` says (text: `text_format`)."""
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"log format must be one of {LOG_FORMATS}, got {fmt!r}")
+    formatter = JsonFormatter() if fmt == "json" else logging.Formatter(text_format)
+    for h in logging.getLogger().handlers:
+        h.setFormatter(formatter)
