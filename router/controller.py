@@ -173,7 +173,11 @@ def result(ref):
     """An awaitable for a Ray call's result whose cancellation (a timeout, the router
     stopping) leaves Ray's own future alone: Ray Client (ray://) later completes that
     future from its thread and fails with InvalidStateError if it was cancelled."""
-    return asyncio.shield(asyncio.wrap_future(ref.future()))
+    inner = asyncio.wrap_future(ref.future())
+    # a call still pending when the router stops (a membership long-poll) fails once the
+    # controller is gone; nobody awaits it then, and asyncio would log it as an error
+    inner.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return asyncio.shield(inner)
 
 
 def remote_cause(e: BaseException) -> BaseException:

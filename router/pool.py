@@ -221,6 +221,7 @@ class PoolManager(AdminInterface):
     async def reconcile(self) -> None:
         """Start or drain workers until every pool matches its target."""
         async with self._reconcile_lock:
+            steps = []  # both pools at once: a worker's start is mostly waiting (process, imports, weights)
             for role in ROLES:
                 live = [
                     w
@@ -229,12 +230,13 @@ class PoolManager(AdminInterface):
                 ]
                 diff = self.targets[role] - len(live)
                 if diff > 0:
-                    await asyncio.gather(*(self._add(role) for _ in range(diff)), return_exceptions=True)
+                    steps += [self._add(role) for _ in range(diff)]
                 elif diff < 0:
                     victims = sorted(
                         live, key=lambda w: (w.state == WorkerState.READY, -w.load.in_flight, w.worker_id)
                     )[:-diff]
-                    await asyncio.gather(*(self._remove(w, drain=True) for w in victims), return_exceptions=True)
+                    steps += [self._remove(w, drain=True) for w in victims]
+            await asyncio.gather(*steps, return_exceptions=True)
 
     def _worker_config(self, role: Role, worker_id: str, slot: int) -> WorkerConfig:
         t = self.config.template
@@ -261,6 +263,8 @@ class PoolManager(AdminInterface):
         )
         w = Worker(worker_id, role, actor)
         self.workers[worker_id] = w
+        t0 = time.monotonic()
+        log.info("%s starting", worker_id)
         try:
             address = await asyncio.wait_for(actor.start.remote(), self.config.start_timeout_s)
             w.client = WorkerClient(worker_id, role, address, self.config.template.cluster_token)
@@ -275,7 +279,7 @@ class PoolManager(AdminInterface):
             raise
         w.state = WorkerState.READY
         self._note(f"{worker_id} ready at {address}")
-        log.info("%s ready at %s", worker_id, address)
+        log.info("%s ready at %s (started in %.1f s)", worker_id, address, time.monotonic() - t0)
 
     async def _remove(self, w: Worker, drain: bool) -> None:
         if drain and w.client is not None and w.state == WorkerState.READY:

@@ -280,7 +280,11 @@ class _DropRayNoise(logging.Filter):
         # ray.init runs on a thread here on purpose: tandem installs its own SIGTERM
         # handler (a drain), which Ray's would replace with an immediate exit
         "SIGTERM handler is not set because current thread is not the main thread",
+        # tandem turns Ray's token authentication on for the clusters it starts (and the
+        # chart for KubeRay's); opting out is not advice to give
+        "Token authentication is enabled for this Ray cluster",
     )
+    LOGGERS = ("ray", "ray._private.worker", "ray._private.authentication.authentication_token_setup")
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
@@ -292,7 +296,7 @@ def quiet_ray() -> None:
     process's stderr unless it is a terminal, and no warnings a user cannot act on."""
     if not sys.stderr.isatty():
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
-    for name in ("ray", "ray._private.worker"):
+    for name in _DropRayNoise.LOGGERS:
         logging.getLogger(name).addFilter(_DropRayNoise())
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 
 from protos import tandem_pb2 as pb
@@ -60,12 +61,17 @@ class ClusterView(AdminInterface):
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         c = self.config
+        t0 = time.monotonic()
+        log.info("starting a local Ray cluster" if c.ray_address is None else f"joining Ray at {c.ray_address}")
         self._owns_ray = await ctl.connect(c.ray_address, c.join_timeout_s)
+        log.info("Ray up in %.1f s", time.monotonic() - t0)
         handle = await asyncio.to_thread(ctl.find)
         if handle is None and c.pools is not None:
             try:
                 handle = ctl.create(c.pools, self.info, detached=c.detached)
                 self.created = True
+                log.info("controller started; starting the pools: %s", ", ".join(
+                    f"{n} {role.value}" for role, n in c.pools.sizes.items() if n))
             except ValueError:  # another process created it first (the name is taken): use that one
                 handle = await asyncio.to_thread(ctl.find)
         elif handle is None:
@@ -82,10 +88,12 @@ class ClusterView(AdminInterface):
             raise RuntimeError(f"the controller did not start its pools: {ctl.remote_cause(e)}") from None
         await self._sync(await ctl.result(handle.membership.remote(-1, 0)))
         self._bg = [asyncio.create_task(self._follow_membership()), asyncio.create_task(self._stats_loop())]
+        log.info("pools up %.1f s after the start", time.monotonic() - t0)
 
     async def stop(self) -> None:
         for t in self._bg:
             t.cancel()
+        await asyncio.gather(*self._bg, return_exceptions=True)
         for w in list(self.workers.values()):
             await self._forget(w)
         if self.controller is not None and self.created and not self.config.detached:

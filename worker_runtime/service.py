@@ -4,6 +4,7 @@ answer alike (Health, CheckIntegrity, Drain, KVEvents, Stats)."""
 from __future__ import annotations
 
 import abc
+import time
 
 from engine import envs
 from kv_transfer.base import Transport, TransportConfig
@@ -14,6 +15,13 @@ from worker_runtime.config import WorkerConfig
 from worker_runtime.metrics import WorkerMetrics
 from worker_runtime.rpc import epoch_str
 from worker_runtime.stats import WorkerStats
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (its imports included), for start-up lines."""
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
 
 
 def make_transport(cfg: WorkerConfig, epoch: int, endpoint: Endpoint) -> Transport:

@@ -203,13 +203,17 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: bool = True) -> None:
+        """`rotary` False: no cos/sin tables yet (the loader builds the model on the meta
+        device and sets `rotary` on the real one; computing the tables, or nn.Embedding's
+        normal_ init, on meta imports torch's reference ops: 1.2-1.6 s of every start)."""
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = Rotary(cfg)
+        self.rotary = Rotary(cfg) if rotary else None
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # the compiled CPU kernels (engine/cpu_kernels), set by ModelRunner on CPU; None: torch operators
         self.cpu_ops = None

@@ -452,21 +452,27 @@ def test_sigterm_to_a_worker_actor_drains_it_and_it_is_replaced(serve, model_pat
     # both workers routable by the router itself (the controller's "ready" can come first)
     asyncio.run(_wait_for(lambda: [w["routable"] for w in srv.pools()["decode"]["workers"]] == [True, True],
                           60, "both decode workers routable"))
-    victim = srv.pools()["decode"]["workers"][0]
-
-    spread: dict = {}  # worker -> (running, this router's in flight) when the signal went
+    victim: dict = {}
+    spread: dict = {}  # worker -> requests live there by its own stats when the signal went
 
     async def scenario():
         started = [asyncio.Event() for _ in range(n_streams)]
+        t0 = time.monotonic()
 
         async with httpx.AsyncClient(base_url=srv.url, timeout=300) as client:
             streams = [asyncio.create_task(_stream(client, {**body, "prompt": f"tale {i}:"}, started[i]))
                        for i in range(n_streams)]
-            # every stream under way (routing spreads them over both workers); the log's
-            # "requests live" below shows the victim had some when the signal came
+            # every stream under way (routing spreads them over both workers)
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
-            spread.update({w["worker_id"]: (w.get("running"), w["in_flight"])
-                           for w in (await asyncio.to_thread(srv.pools))["decode"]["workers"]})
+            spread["all started after s"] = round(time.monotonic() - t0, 1)
+            # the victim: the worker with the most requests live by its own stats now (a
+            # worker can finish its share while the other is still starting its own)
+            for w in (await asyncio.to_thread(srv.pools))["decode"]["workers"]:
+                c = WorkerClient(w["worker_id"], w["role"], w["address"], TOKEN)
+                spread[w["worker_id"]] = (await c.stats()).live_requests
+                await c.close()
+                if spread[w["worker_id"]] > spread.get(victim.get("worker_id"), -1):
+                    victim.update(w)
             os.kill(victim["pid"], signal.SIGTERM)
             await asyncio.sleep(0.5)  # its stats say draining by now (polled every 0.25 s)
             late = await client.post("/v1/completions", json={"model": "tandem-tiny-v1", "max_tokens": 8,
