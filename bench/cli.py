@@ -95,7 +95,8 @@ def build_run_parser(prog: str = "tandem bench") -> argparse.ArgumentParser:
     o.add_argument("--no-save-requests", dest="save_requests", action="store_false",
                    help="leave per-request timelines out of the JSON")
     o.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
-    o.add_argument("--quiet", action="store_true", help="no progress bar or tables")
+    o.add_argument("--quiet", action="store_true",
+                   help="no progress bar or tables; without -o the JSON result goes to stdout")
     return p
 
 
@@ -206,6 +207,8 @@ def run_main(argv: list[str]) -> int:
     if args.output:
         write_json(args.output, doc)
         console.print(f"wrote {args.output}")
+    elif args.quiet:  # nothing shown and nothing saved would lose the run: the result goes to stdout
+        sys.stdout.write(json.dumps(doc, indent=1) + "\n")
     if args.plot:
         from bench.plots import plot_docs
 

@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from engine.tokenizer import Tokenizer
@@ -64,11 +65,14 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone before its body arrived: 499, not a 500 with a traceback
+        raise ClientDisconnected() from None
     return b"".join(chunks)
 
 
@@ -116,10 +120,11 @@ def create_app(backend: Backend, tokenizer: Tokenizer, settings: RouterSettings,
     async def openai_call(request: Request, model: type[M], handler) -> Response:
         arrival = time.monotonic()
         auth.require_api_key(request)
-        body = await read_body(request, settings.max_request_body_bytes)
-        # a big body's JSON parse on a thread: the loop keeps serving between GIL slices
-        req = parse(model, body) if len(body) <= _INLINE_PARSE_BYTES else await asyncio.to_thread(parse, model, body)
         try:
+            body = await read_body(request, settings.max_request_body_bytes)
+            # a big body's JSON parse on a thread: the loop keeps serving between GIL slices
+            req = (parse(model, body) if len(body) <= _INLINE_PARSE_BYTES
+                   else await asyncio.to_thread(parse, model, body))
             return await handler(request, req, arrival)
         except ClientDisconnected:
             metrics.count_error(CLIENT_CLOSED)

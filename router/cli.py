@@ -269,7 +269,7 @@ def _run_scale(args) -> int:
     before = _admin_request(args, "GET")["pools"]
     data = _admin_request(args, "POST", {"prefill": args.prefill, "decode": args.decode})["pools"]
     rows = [(role, before[role]["target"], p["target"], before[role]["ready"]) for role, p in data.items()]
-    _print_table(["pool", "target before", "target now", "ready"], rows,
+    _print_table(["pool", "target before", "target now", "ready now"], rows,
                  title=f"tandem scale at {args.url}")
     if not args.wait:
         return 0

@@ -81,7 +81,8 @@ def run_generate(args) -> int:
                 stop=tuple(it.get("stop", args.stop)), ignore_eos=it.get("ignore_eos", args.ignore_eos)))
         except SamplingParamsError as e:
             raise SystemExit(f"tandem generate: item {n}: {e}")
-    outs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+    # a bar on a terminal only: in a log file or a pipe its redraws would land among the lines
+    outs = llm.generate(prompts, params, use_tqdm=not args.no_progress and sys.stderr.isatty())
     f = open(args.output, "w") if args.output else sys.stdout
     with f if args.output else _nullctx(f):
         for it, o in zip(items, outs):

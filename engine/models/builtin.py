@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -46,6 +47,8 @@ from engine import envs
 from engine.config import ModelConfig
 from engine.models.builtin_corpus import GAMMA, corpus
 from engine.models.llama import expected_shapes
+
+log = logging.getLogger(__name__)
 
 BUILTIN_VERSION = "tandem-tiny-v1"
 SEED = 0x7A9DE31
@@ -149,7 +152,10 @@ def builtin_model_path(cache_dir: str | Path | None = None) -> Path:
 def build_builtin_checkpoint(path: str | Path) -> None:
     """Write the built-in checkpoint's files into `path` (created if absent)."""
     cfg = ModelConfig.from_hf(BUILTIN_CONFIG)
-    with tqdm(total=3, desc=f"building {BUILTIN_VERSION}", unit="step", leave=False) as bar:
+    log.info("building the built-in model %s (first run only) into %s", BUILTIN_VERSION, path)
+    # a bar on a terminal only: in a log file or a pipe its redraws would land among the lines
+    with tqdm(total=3, desc=f"building {BUILTIN_VERSION}", unit="step", leave=False,
+              disable=not sys.stderr.isatty()) as bar:
         tok_json = train_tokenizer(corpus(SEED, CORPUS_CHARS), cfg.vocab_size)
         bar.update()
         tensors = random_weights(cfg, SEED, quiet_rows=range(len(SPECIAL_TOKENS)))

@@ -145,6 +145,22 @@ def test_openai_sdk_and_metrics_on_a_disaggregated_cluster(serve, model_path):
             assert "tandem:kv_cache_usage_perc" in wm and "tandem:worker_step_seconds_count" in wm
             assert wm["tandem:worker_step_seconds_count"] > 0
 
+    # the log a user reads: start-up progress with times, worker lines prefixed by the
+    # worker's id, no colour codes in a file, no Ray warnings nobody can act on, and
+    # one access line per request
+    srv.log.flush()
+    log = open(srv.log.name).read()
+    for step in (r"Ray up in [0-9.]+ s", r"controller started; starting the pools: 1 prefill, 1 decode",
+                 r"\(prefill-0 pid=\d+\) .* weights loaded in [0-9.]+ s; \d+ KV blocks",
+                 r"\(decode-0 pid=\d+\) .* serving on .* up [0-9.]+ s after its process started",
+                 r"prefill-0 ready at \S+ \(started in [0-9.]+ s\)", r"pools up [0-9.]+ s after the start"):
+        assert re.search(step, log), step
+    assert "\x1b[" not in log and "SIGTERM handler is not set" not in log, log[-2000:]
+    assert "Token authentication is enabled" not in log
+    epochs = re.findall(r"epoch ([0-9a-f]+)", log)
+    assert epochs and all(len(e) == 16 for e in epochs), epochs
+    assert len(re.findall(r'INFO tandem.access: 127\.0\.0\.1:\d+ "POST /v1/(chat/)?completions" 200 ', log)) == 5
+
 
 async def _user(url: str, prompts: list[list[int]], stop: asyncio.Event, results: list) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:
@@ -242,7 +258,7 @@ def test_scale_and_kill_under_load(serve, model_path):
         out = (await asyncio.wait_for(cli.communicate(), 200))[0].decode()
         assert cli.returncode == 0, out
         assert re.search(r"prefill\W+2\W+1\W", out) and re.search(r"decode\W+3\W+2\W", out), out
-        assert re.search(r"(prefill|decode)-\d+: ready -> (draining|gone)", out), out
+        assert re.search(r"(prefill|decode)-\d+: ready -> (draining|stopped|gone)", out), out
         assert out.rstrip().endswith("tandem scale: prefill 1/1 ready, decode 2/2 ready"), out
         assert settled("decode", 2) and settled("prefill", 1)
         await asyncio.sleep(2)

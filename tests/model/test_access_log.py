@@ -121,3 +121,17 @@ def test_json_format_has_the_fields_as_keys(server, caplog):
             use_log_format("yaml", "%(message)s")
     finally:
         root.removeHandler(handler)
+
+
+def test_a_client_gone_before_its_body_arrived_is_a_499_not_an_error(server, caplog):
+    import socket
+
+    caplog.set_level(logging.INFO)
+    host, port = server.url.split("//")[1].split(":")
+    s = socket.create_connection((host, int(port)))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 100\r\n\r\n{\"model\"")
+    s.close()
+    [rec] = wait_for_line(caplog, 1)
+    assert TEXT_LINE.match(rec.getMessage())["status"] == "499", rec.getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]

@@ -305,6 +305,14 @@ def test_cli_sweep_json_plots_and_compare(threaded_server, tmp_path, capsys):
     assert (tmp_path / "cmp" / "latency_cdf_run0.png").exists() or not HAVE_MPL
 
 
+def test_cli_quiet_without_output_prints_the_result(threaded_server, capsys):
+    assert cli.main(["--base-url", threaded_server + "/v1", "--input-len", "5", "--output-len", "3",
+                     "--num-requests", "3", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    doc = json.loads(out)  # stdout is the JSON result alone
+    assert doc["runs"][0]["summary"]["requests"]["completed"] == 3
+
+
 def test_cli_reports_unreachable_server(capsys):
     assert cli.main(["--base-url", "http://127.0.0.1:9", "--num-requests", "1",
                      "--quiet"]) == 2
