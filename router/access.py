@@ -130,11 +130,12 @@ class JsonFormatter(logging.Formatter):
     fields as keys of their own."""
 
     def format(self, record: logging.LogRecord) -> str:
+        record.message = record.getMessage()  # as logging.Formatter leaves it, for other handlers
         out = {
             "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
             "level": record.levelname,
             "logger": record.name,
-            "message": record.getMessage(),
+            "message": record.message,
         }
         fields = getattr(record, "access", None)
         if fields:
@@ -144,10 +145,10 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
-def use_log_format(fmt: str, text_format: str) -> None:
-    """Format every handler of the root logger as `fmt` says (text: `text_format`)."""
+def use_log_format(fmt: str, text_format: str, logger: logging.Logger | None = None) -> None:
+    """Format every handler of `logger` (the root logger) as `fmt` says (text: `text_format`)."""
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {LOG_FORMATS}, got {fmt!r}")
     formatter = JsonFormatter() if fmt == "json" else logging.Formatter(text_format)
-    for h in logging.getLogger().handlers:
+    for h in (logger or logging.getLogger()).handlers:
         h.setFormatter(formatter)

@@ -35,18 +35,20 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import tokenizers
-import torch
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 from engine import envs
 from engine.config import ModelConfig
 from engine.models.builtin_corpus import GAMMA, corpus
-from engine.models.llama import expected_shapes
+from engine.models.shapes import expected_shapes
 
 log = logging.getLogger(__name__)
 
@@ -109,17 +111,11 @@ BUILTIN_CONFIG: dict[str, Any] = {
     "vocab_size": 8192,
 }
 
+# torch dtype names -> safetensors' (torch is imported only to build a checkpoint:
+# finding a built one, as every router does, stays torch-free)
 _SAFETENSORS_DTYPES = {
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float64: "F64",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
+    "float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
+    "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
 }
 
 
@@ -258,6 +254,8 @@ def tokenizer_files(tok_json: dict[str, Any]) -> dict[str, Any]:
 
 def uniform(name: str, seed: int, n: int) -> np.ndarray:
     """n float64 values in (-1, 1) from splitmix64, seeded by SHA-256 of (seed, name)."""
+    import numpy as np
+
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     start = np.uint64(int.from_bytes(digest[:8], "little"))
     with np.errstate(over="ignore"):
@@ -275,6 +273,9 @@ def random_weights(cfg: ModelConfig, seed: int, quiet_rows=()) -> dict[str, torc
     Reusable for any Llama-shaped config (e.g. a larger benchmark model). `quiet_rows`:
     token ids whose embedding (and lm_head) rows are scaled by SPECIAL_ROW_SCALE.
     """
+    import numpy as np
+    import torch
+
     out = {}
     for name, shape in sorted(expected_shapes(cfg).items()):
         values = _scaled(name, shape, uniform(name, seed, int(np.prod(shape))).reshape(shape))
@@ -287,6 +288,8 @@ def random_weights(cfg: ModelConfig, seed: int, quiet_rows=()) -> dict[str, torc
 def _scaled(name: str, shape: tuple[int, ...], u: np.ndarray) -> np.ndarray:
     """Map uniform (-1, 1) values to the tensor's init: norms near 1, small biases,
     matrices with std GAIN / sqrt(fan_in), embeddings with std EMBED_STD."""
+    import numpy as np
+
     if name.endswith("norm.weight"):
         return 1.0 + NORM_JITTER * u
     if len(shape) == 1:
@@ -363,6 +366,8 @@ def _write_file(file: Path, content: Any) -> None:
 
 def write_safetensors(file: str | Path, tensors: dict[str, torch.Tensor]) -> None:
     """Write a .safetensors file deterministically: names sorted, metadata {"format": "pt"}."""
+    import torch
+
     if sys.byteorder != "little":
         raise RuntimeError(
             "safetensors are little-endian; writing them on a big-endian host is not supported"
@@ -373,7 +378,7 @@ def write_safetensors(file: str | Path, tensors: dict[str, torch.Tensor]) -> Non
         t = tensors[name].detach().cpu().contiguous()
         data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
         header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[t.dtype],
+            "dtype": _SAFETENSORS_DTYPES[str(t.dtype).removeprefix("torch.")],
             "shape": list(t.shape),
             "data_offsets": [offset, offset + len(data)],
         }

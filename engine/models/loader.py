@@ -12,14 +12,18 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-import torch
 from safetensors import SafetensorError, safe_open
 
 from engine.config import ConfigError, ModelConfig
-from engine.models.llama import LlamaForCausalLM, Rotary, expected_shapes
+from engine.models.shapes import expected_shapes
 from engine.tokenizer import Tokenizer, TokenizerError, merged_eos_ids
+
+if TYPE_CHECKING:  # torch is imported to build a model, not to check a checkpoint (routers)
+    import torch
+
+    from engine.models.llama import LlamaForCausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
 # Tensors some checkpoints carry that the model recomputes.
@@ -45,6 +49,8 @@ class Checkpoint:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The dtype weights are loaded in (config.dtype as a torch.dtype)."""
+        import torch
+
         return getattr(torch, self.config.dtype)
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -92,6 +98,10 @@ def build_model(checkpoint: Checkpoint, device: str | torch.device = "cpu") -> L
     Parameters are created on the meta device and materialised once, uninitialised, on
     `device`, so peak memory is one copy of the weights.
     """
+    import torch
+
+    from engine.models.llama import LlamaForCausalLM, Rotary
+
     device = torch.device(device)
     cfg = checkpoint.config
     with torch.device("meta"):
@@ -107,6 +117,8 @@ def _materialize(model: torch.nn.Module, device: torch.device) -> None:
     """Module.to_empty, by hand: it allocates through torch's reference ops (torch._refs),
     whose first use imports sympy and more, about 0.5 s of every worker's start-up. No
     parameter is shared in these models (a tied lm_head is None), so none is copied twice."""
+    import torch
+
     for m in model.modules():
         for name, p in m._parameters.items():
             if p is not None:
@@ -180,7 +192,7 @@ def _tensor_files(path: Path) -> tuple[dict[str, Path], dict[str, tuple[int, ...
 
 def _shard_shapes(file: Path) -> dict[str, tuple[int, ...]]:
     try:
-        with safe_open(str(file), framework="pt") as f:
+        with safe_open(str(file), framework="numpy") as f:  # headers only: no torch needed
             return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{file}: not a readable safetensors file: {e}") from e

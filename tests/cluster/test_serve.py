@@ -367,8 +367,9 @@ def test_a_storm_of_client_disconnects_harms_nothing(serve):
     async def one(i: int, client: httpx.AsyncClient) -> None:
         body = {"model": "tandem-tiny-v1", "prompt": prompts[i % len(prompts)], "max_tokens": 24,
                 "ignore_eos": True, "stream": True}
-        async with client.stream("POST", "/v1/completions", json=body) as r:
+        async with client.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": f"storm-{i}"}) as r:
             statuses.append(r.status_code)
+            assert r.headers["x-request-id"] == f"storm-{i}"
             if i % 3 == 1:
                 return  # closed right after the headers
             events = 0
@@ -396,6 +397,13 @@ def test_a_storm_of_client_disconnects_harms_nothing(serve):
     r = httpx.post(srv.url + "/v1/completions", json={"model": "tandem-tiny-v1", "prompt": "after", "max_tokens": 4},
                    timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    # the client's request id reaches the workers' log lines: the streams closed after 3
+    # events were running on the decode worker, which logs each abort with its id
+    srv.log.flush()
+    closed = re.findall(r"\(decode-0 pid=\d+\) .* request cmpl-storm-(\d+)-[0-9a-f]{16}-0: stream closed by the router",
+                        open(srv.log.name).read())
+    assert closed and all(0 <= int(i) < 240 for i in closed)
+    assert any(int(i) % 3 == 2 for i in closed), closed
 
 
 def test_multiturn_chat_finds_every_earlier_turn_cached(tmp_path):

@@ -110,17 +110,18 @@ def test_json_format_has_the_fields_as_keys(server, caplog):
         "request_id": "json-7"}
     assert out["prompt_tokens"] == r.json()["usage"]["prompt_tokens"] and out["output_tokens"] == 3
     assert 0 < out["ttft_ms"] <= out["duration_ms"] and out["message"] and out["time"]
-    # --log-format json sets it on the root logger's handlers: every line is one object
-    root = logging.getLogger()
-    handler = logging.StreamHandler()
-    root.addHandler(handler)
-    try:
-        use_log_format("json", "%(message)s")
-        assert isinstance(handler.formatter, JsonFormatter)
-        with pytest.raises(ValueError):
-            use_log_format("yaml", "%(message)s")
-    finally:
-        root.removeHandler(handler)
+    # --log-format json sets it on the (root) logger's handlers: every line is one object
+    import io
+
+    lg, out = logging.getLogger("tandem-test-json"), io.StringIO()
+    lg.addHandler(logging.StreamHandler(out))
+    lg.propagate = False
+    use_log_format("json", "%(message)s", lg)
+    lg.warning("one %s", "line", extra={"access": {"status": 204}})
+    assert json.loads(out.getvalue()) | {"time": None} == {
+        "time": None, "level": "WARNING", "logger": "tandem-test-json", "message": "one line", "status": 204}
+    with pytest.raises(ValueError):
+        use_log_format("yaml", "%(message)s", lg)
 
 
 def test_a_client_gone_before_its_body_arrived_is_a_499_not_an_error(server, caplog):
