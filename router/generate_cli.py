@@ -52,13 +52,13 @@ def _read_items(args) -> list[dict]:
 
 
 def run_generate(args) -> int:
-    from decode_worker.llm import LLM
-    from engine.sampling_params import SamplingParams, SamplingParamsError
-
     items = _read_items(args)
     cfg = engine_config_from_args(args)
     if cfg.model is not None:  # None: the built-in model, made and checked by the engine
         check_model(cfg.model, need_chat_template=args.chat or any("messages" in it for it in items))
+
+    from decode_worker.llm import LLM  # torch: after the checks, so a mistake fails at once
+    from engine.sampling_params import SamplingParams, SamplingParamsError
     llm = LLM(cfg.model, dtype=cfg.dtype, max_num_seqs=cfg.scheduler.max_num_seqs,
               max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens, max_model_len=cfg.scheduler.max_model_len,
               block_size=cfg.cache.block_size, kv_cache_memory_gb=cfg.cache.kv_cache_memory_gb,

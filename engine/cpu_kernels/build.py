@@ -11,14 +11,17 @@ different machines, never loads a stale or illegal binary.
 Where: $TANDEM_CACHE_DIR/torch_extensions/<name> when that variable is set, else
 torch's own extension cache ($TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions).
 
-Concurrency: torch's loader creates `<build dir>/lock` with O_EXCL; another process
-that finds it waits until it is gone, then loads the same binary. A lock left by a
-build that was killed would make every later process wait forever, so one older
-than STALE_LOCK_S is removed (with a warning) before loading.
+Concurrency: processes that build or load the same kernels take turns on an flock of
+`<build dir>/tandem.lock` (the first compiles, the others then load its binary). The
+kernel releases an flock when its holder dies, so a build killed halfway (Ctrl-C on a
+first start) costs the next start nothing: torch's own `<build dir>/lock` file, which
+would make torch's loader wait for ever, is known to be stale once we hold the flock,
+and is removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -37,7 +40,7 @@ from engine import envs
 log = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
-STALE_LOCK_S = 600.0
+TURN_WAIT_S = 1800.0  # a first compile takes about a minute on 2 cores
 # -ffp-contract=off: no multiply-add fused into one rounding unless the source asks for it
 # (fused.cpp rounds where torch does)
 BASE_CFLAGS = ["-O3", "-fopenmp", "-DNDEBUG", "-ffp-contract=off"]
@@ -89,20 +92,21 @@ def _build_and_load() -> Any:
     name = extension_name(cflags)
     build_dir = build_directory(name)
     build_dir.mkdir(parents=True, exist_ok=True)
-    _remove_stale_lock(build_dir / "lock")
-    cached = (build_dir / f"{name}.so").exists()
-    if not cached:
-        log.info("compiling the cpu kernels into %s (once per machine)", build_dir)
-    t0 = time.perf_counter()
-    try:
-        cpp_extension.load(  # registers the ops with torch (TORCH_LIBRARY)
-            name=name, sources=[str(p) for p in SOURCES], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir), verbose=False, is_python_module=False,
-        )
-        ops = getattr(torch.ops, name)
-        ops.simd_lanes()
-    except Exception as e:  # compiler errors arrive as RuntimeError with the log
-        raise KernelBuildError(f"building the cpu kernels failed: {_reason(e)}") from e
+    with _turn(build_dir / "tandem.lock"):
+        _remove_stale_lock(build_dir / "lock")
+        cached = (build_dir / f"{name}.so").exists()
+        if not cached:
+            log.info("compiling the cpu kernels into %s (once per machine)", build_dir)
+        t0 = time.perf_counter()
+        try:
+            cpp_extension.load(  # registers the ops with torch (TORCH_LIBRARY)
+                name=name, sources=[str(p) for p in SOURCES], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir), verbose=False, is_python_module=False,
+            )
+            ops = getattr(torch.ops, name)
+            ops.simd_lanes()
+        except Exception as e:  # compiler errors arrive as RuntimeError with the log
+            raise KernelBuildError(f"building the cpu kernels failed: {_reason(e)}") from e
     if not cached:
         log.info("cpu kernels ready in %.1fs", time.perf_counter() - t0)
     return ops
@@ -150,13 +154,34 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+@contextlib.contextmanager
+def _turn(path: Path, wait_s: float = TURN_WAIT_S):
+    """Hold an exclusive flock of `path` (waiting at most `wait_s` for another builder)."""
+    import fcntl
+
+    with open(path, "a") as f:
+        deadline, said = time.monotonic() + wait_s, False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise KernelBuildError(f"another process held {path} for {wait_s:.0f} s") from None
+                if not said:
+                    log.info("cpu kernels: another process is compiling them; waiting for it")
+                    said = True
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _remove_stale_lock(lock: Path) -> None:
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        log.warning("cpu kernels: removing a stale build lock %s (%.0fs old)", lock, age)
+    """With the turn held, torch's lock file can only be a killed build's."""
+    if lock.exists():
+        log.warning("cpu kernels: removing %s, left by a build that was stopped halfway", lock)
         lock.unlink(missing_ok=True)
 
 
