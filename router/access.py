@@ -21,13 +21,13 @@ import logging
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("tandem.access")
 
-REQUEST_ID_HEADER = "x-request-id"
+REQUEST_ID_HEADER = b"x-request-id"
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,96}$")
 _QUIET_PATHS = ("/health", "/ready", "/metrics")
 LOG_FORMATS = ("text", "json")
@@ -39,26 +39,29 @@ class AccessRecord:
 
     request_id: str
     client_gave_id: bool
-    jobs: list = field(default_factory=list)  # router.job.Job: token counts and first-token times
+    job: object = None  # router.job.Job, once the engines took the request
+
+    def response_id(self, prefix: str) -> str:
+        """`<prefix>-<request id>`, with a random tail when the id is the client's:
+        engine request ids stay unique even when a client reuses its ids."""
+        if self.client_gave_id:
+            return f"{prefix}-{self.request_id}-{uuid.uuid4().hex[:16]}"
+        return f"{prefix}-{self.request_id}"
 
     def tokens(self) -> tuple[int | None, int | None, float | None]:
         """(prompt tokens, output tokens, first token time) over every choice; Nones
         for a request that never reached the engines."""
-        runs = [r for job in self.jobs for r in job.runs]
-        if not runs:
+        if self.job is None or not self.job.runs:
             return None, None, None
-        prompt = sum(len(p.ids) for job in self.jobs for p in job.prompts)
-        output = sum(r.completion_tokens for r in runs)
+        runs = self.job.runs
         firsts = [r.first_token_at for r in runs if r.first_token_at is not None]
-        return prompt, output, min(firsts) if firsts else None
+        return (sum(len(p.ids) for p in self.job.prompts), sum(r.completion_tokens for r in runs),
+                min(firsts) if firsts else None)
 
 
-def request_id(scope: Scope) -> str:
-    return scope["state"]["access"].request_id
-
-
-def access_record(scope: Scope) -> AccessRecord | None:
-    return scope.get("state", {}).get("access")
+def access_record(scope: Scope) -> AccessRecord:
+    """The record AccessLogMiddleware (installed by create_app) put in the scope."""
+    return scope["state"]["access"]
 
 
 class AccessLogMiddleware:
@@ -74,7 +77,7 @@ class AccessLogMiddleware:
         t0 = time.monotonic()
         given = ""
         for k, v in scope.get("headers", ()):
-            if k == b"x-request-id":
+            if k == REQUEST_ID_HEADER:
                 given = v.decode("latin-1")
                 break
         sane = bool(_SANE_ID.match(given))
@@ -87,7 +90,7 @@ class AccessLogMiddleware:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"x-request-id", record.request_id.encode())]
+                message["headers"] = [*message["headers"], (REQUEST_ID_HEADER, record.request_id.encode())]
             await send(message)
 
         try:

@@ -296,7 +296,8 @@ def _members(pools: dict) -> dict[str, str]:
     return {w["worker_id"]: w["state"] for p in pools.values() for w in p["workers"]}
 
 
-def _print_table(columns: list[str], rows: list[tuple], title: str) -> None:
+def _print_table(columns: list[str], rows: list[tuple], title: str):
+    """Print a table (full width off a terminal); returns the rich Console used."""
     from rich.console import Console
     from rich.table import Table
 
@@ -305,7 +306,9 @@ def _print_table(columns: list[str], rows: list[tuple], title: str) -> None:
         table.add_column(c)
     for row in rows:
         table.add_row(*(str(v) for v in row))
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    console.print(table)
+    return console
 
 
 def _run_status(args) -> int:
@@ -313,39 +316,13 @@ def _run_status(args) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"tandem at {args.url}")
-    for col in (
-        "worker",
-        "role",
-        "state",
-        "address",
-        "running",
-        "waiting",
-        "awaiting KV",
-        "KV usage",
-        "queued prefill",
-        "in flight",
-    ):
-        table.add_column(col)
-    for role, pool in data["pools"].items():
-        for w in pool["workers"]:
-            table.add_row(
-                w["worker_id"],
-                role,
-                w["state"],
-                w["address"],
-                str(w.get("running", "")),
-                str(w.get("waiting", "")),
-                str(w.get("awaiting_kv", "")),
-                f"{w['kv_usage']:.1%}" if "kv_usage" in w else "",
-                str(w.get("queued_prefill_tokens", "")),
-                str(w["in_flight"]),
-            )
-    console = Console(width=None if sys.stdout.isatty() else 160)
-    console.print(table)
+    columns = ["worker", "role", "state", "address", "running", "waiting", "awaiting KV", "KV usage",
+               "queued prefill", "in flight"]
+    rows = [(w["worker_id"], role, w["state"], w["address"], w.get("running", ""), w.get("waiting", ""),
+             w.get("awaiting_kv", ""), f"{w['kv_usage']:.1%}" if "kv_usage" in w else "",
+             w.get("queued_prefill_tokens", ""), w["in_flight"])
+            for role, pool in data["pools"].items() for w in pool["workers"]]
+    console = _print_table(columns, rows, title=f"tandem at {args.url}")
     console.print(
         "targets: "
         + ", ".join(f"{r} {p['ready']}/{p['target']} ready" for r, p in data["pools"].items())

@@ -284,7 +284,7 @@ class _DropRayNoise(logging.Filter):
         # chart for KubeRay's); opting out is not advice to give
         "Token authentication is enabled for this Ray cluster",
     )
-    LOGGERS = ("ray", "ray._private.worker", "ray._private.authentication.authentication_token_setup")
+    LOGGERS = ("ray._private.worker", "ray._private.authentication.authentication_token_setup")
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import uuid
 
 import jinja2
 from starlette.requests import Request
@@ -58,7 +57,7 @@ class OpenAIServing:
         if req.echo:
             for p in prompts:
                 p.text = p.text if p.text is not None else self.tokenizer.decode(p.ids)
-        rid = _response_id("cmpl", request)
+        rid = access_record(request.scope).response_id("cmpl")
         return await self._serve(request, req, prompts, params, arrival, rid)
 
     async def chat(self, request: Request, req: ChatCompletionRequest, arrival: float) -> Response:
@@ -66,22 +65,18 @@ class OpenAIServing:
         prompts = [await self._chat_prompt(req)]
         self._check_counts(req, 1)
         params = [self._params(req, prompts[0], None, "messages")]
-        rid = _response_id("chatcmpl", request)
+        rid = access_record(request.scope).response_id("chatcmpl")
         return await self._serve(request, req, prompts, params, arrival, rid)
 
     async def _serve(self, request: Request, req: AnyRequest, prompts: list[PromptInput],
                      params: list[SamplingParams], arrival: float, rid: str) -> Response:
         record = access_record(request.scope)
         if req.stream:
-            job = await until_disconnect(request, self._open(req, prompts, params, arrival, rid))
-            if record is not None:
-                record.jobs.append(job)
+            job = record.job = await until_disconnect(request, self._open(req, prompts, params, arrival, rid))
             return SSEResponse(self.responder.stream(job, req, rid), job.close)
 
         async def answer() -> Response:
-            job = await self._open(req, prompts, params, arrival, rid)
-            if record is not None:
-                record.jobs.append(job)
+            job = record.job = await self._open(req, prompts, params, arrival, rid)
             try:
                 results = await all_or_nothing(run.collect() for run in job.runs)
             except BackendError as e:
@@ -210,14 +205,3 @@ class OpenAIServing:
             await job.close()
             raise
         return job
-
-
-def _response_id(prefix: str, request: Request) -> str:
-    """`<prefix>-<request id>` (router/access.py), with a random tail when the id is
-    the client's: engine request ids stay unique even when a client reuses its ids."""
-    record = access_record(request.scope)
-    if record is None:  # an app without the access middleware
-        return f"{prefix}-{uuid.uuid4().hex[:16]}"
-    if record.client_gave_id:
-        return f"{prefix}-{record.request_id}-{uuid.uuid4().hex[:16]}"
-    return f"{prefix}-{record.request_id}"

@@ -62,7 +62,10 @@ class ClusterView(AdminInterface):
     async def start(self) -> None:
         c = self.config
         t0 = time.monotonic()
-        log.info("starting a local Ray cluster" if c.ray_address is None else f"joining Ray at {c.ray_address}")
+        if c.ray_address is None:
+            log.info("starting a local Ray cluster")
+        else:
+            log.info("joining Ray at %s", c.ray_address)
         self._owns_ray = await ctl.connect(c.ray_address, c.join_timeout_s)
         log.info("Ray up in %.1f s", time.monotonic() - t0)
         handle = await asyncio.to_thread(ctl.find)
@@ -128,13 +131,14 @@ class ClusterView(AdminInterface):
         return self._with_local_load(data)
 
     def _with_local_load(self, data: dict) -> dict:
+        routable = {w.worker_id for role in ROLES for w in self.ready(role)}
         for pool in data["pools"].values():
             for w in pool["workers"]:
                 mine = self.workers.get(w["worker_id"])
                 w["in_flight"] = mine.load.in_flight if mine else 0  # this router's requests there
                 # whether this router sends requests there now (ready by the controller, its
                 # stats read here, not draining): a new router learns of workers a moment late
-                w["routable"] = bool(mine and mine in self.ready(mine.role))
+                w["routable"] = w["worker_id"] in routable
         return data
 
     async def _call(self, ref, timeout: float = 30.0):
