@@ -68,6 +68,8 @@ def build_run_parser(prog: str = "tandem bench") -> argparse.ArgumentParser:
     w.add_argument("--long-input-len", type=LengthDist.parse, default=LengthDist("fixed", 2048))
     w.add_argument("--long-output-len", type=LengthDist.parse, default=LengthDist("fixed", 32))
     w.add_argument("--long-fraction", type=float, default=0.1, help="mixed: share of long")
+    w.add_argument("--long-priority", type=int, default=None,
+                   help="mixed: send long documents with this `priority` (> 0: batch work) and chats with 0")
     w.add_argument("--trace-time-unit", choices=("s", "ms"), default="s")
     w.add_argument("--trace-speed", type=float, default=1.0)
     w.add_argument("--trace-block-size", type=int, default=512)
@@ -118,6 +120,7 @@ def _configs(args: argparse.Namespace) -> tuple[WorkloadConfig, PromptMaker, Cli
         num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
         long_input_len=args.long_input_len, long_output_len=args.long_output_len,
         long_fraction=args.long_fraction,
+        long_priority=args.long_priority,
         trace_time_scale=0.001 if args.trace_time_unit == "ms" else 1.0,
         trace_speed=args.trace_speed, trace_block_size=args.trace_block_size)
     fmt = args.prompt_format

@@ -217,6 +217,8 @@ class StreamClient:
             body["messages"] = _messages(spec)
         else:
             body["prompt"] = _joined_prompt(spec)
+        if spec.priority is not None:
+            body["priority"] = spec.priority
         body.update(cfg.extra_body)
         return body
 

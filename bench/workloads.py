@@ -77,6 +77,7 @@ class RequestSpec:
     system: str | list[int] | None = None
     category: str = "default"
     arrival: float | None = None
+    priority: int | None = None  # sent as the request's `priority` when set (the traffic class)
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class WorkloadConfig:
     long_input_len: LengthDist = LengthDist("fixed", 2048)  # mixed
     long_output_len: LengthDist = LengthDist("fixed", 32)
     long_fraction: float = 0.1
+    long_priority: int | None = None     # mixed: send long documents with this priority (short ones 0)
     trace_time_scale: float = 1.0        # seconds per trace timestamp unit
     trace_speed: float = 1.0             # >1 replays faster
     trace_block_size: int = 512          # tokens per hash_id block (Mooncake traces)
@@ -138,15 +140,19 @@ def _prefix(cfg: WorkloadConfig, maker: PromptMaker, seed: int) -> Iterator[Requ
 
 def _mixed(cfg: WorkloadConfig, maker: PromptMaker, seed: int) -> Iterator[RequestSpec]:
     """Interactive chats plus long documents: each request is long with probability
-    `long_fraction` (splitting a Poisson stream gives two independent Poisson streams)."""
+    `long_fraction` (splitting a Poisson stream gives two independent Poisson streams).
+    With `long_priority`, long documents are sent as that priority (batch work when > 0)
+    and the chats as priority 0 (interactive)."""
     r_in, r_out, r_content, r_choice = _rngs(seed)
     while True:
-        if r_choice.random() < cfg.long_fraction:
+        long = r_choice.random() < cfg.long_fraction
+        if long:
             dists, category = (cfg.long_input_len, cfg.long_output_len), "long"
         else:
             dists, category = (cfg.input_len, cfg.output_len), "interactive"
+        priority = None if cfg.long_priority is None else (cfg.long_priority if long else 0)
         prompt, n_in = maker.make(r_content, dists[0].sample(r_in))
-        yield RequestSpec(prompt, n_in, dists[1].sample(r_out), category=category)
+        yield RequestSpec(prompt, n_in, dists[1].sample(r_out), category=category, priority=priority)
 
 
 # vLLM's ShareGPT filter: drop very short pairs and ones too long for a 2k context.
@@ -201,7 +207,7 @@ def _trace(cfg: WorkloadConfig, maker: PromptMaker, seed: int) -> Iterator[Reque
     """JSONL, one request a line: "timestamp" (trace units; see trace_time_scale), then
     "prompt" text, or "input_length" (+ optional Mooncake-style "hash_ids": equal ids
     give equal blocks of trace_block_size tokens, i.e. shared prefixes), and
-    "output_length" (or "max_tokens"); optional "category"."""
+    "output_length" (or "max_tokens"); optional "category" and "priority"."""
     _, r_out, r_content, _ = _rngs(seed)
     blocks: dict[tuple[int, int], tuple[str | list[int], int]] = {}
     t0 = None
@@ -212,8 +218,9 @@ def _trace(cfg: WorkloadConfig, maker: PromptMaker, seed: int) -> Iterator[Reque
         prompt, n_in = _trace_prompt(row, cfg, maker, r_content, blocks, lineno, seed)
         n_out = row.get("output_length", row.get("output_len", row.get("max_tokens")))
         n_out = int(n_out) if n_out is not None else cfg.output_len.sample(r_out)
+        priority = row.get("priority")
         yield RequestSpec(prompt, n_in, n_out, category=str(row.get("category", "trace")),
-                          arrival=arrival)
+                          arrival=arrival, priority=None if priority is None else int(priority))
 
 
 def _read_jsonl(path: str | Path) -> Iterator[dict]:

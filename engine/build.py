@@ -48,4 +48,44 @@ def build_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
     log.info("engine: %s (%s) weights loaded in %.2f s; %d KV blocks of %d tokens (%.0f MiB) and the %s "
              "attention kernel in %.2f s", ckpt.path, ckpt.config.dtype, t1 - t0, pool.num_blocks, pool.block_size,
              kv_bytes / 2**20, runner.backend.name, t2 - t1)
+    budget = KVBudget(pool.num_blocks, pool.block_size, kv_bytes // max(1, pool.num_blocks), sched.max_num_seqs,
+                      sched.expected_context_len or sched.max_model_len)
+    if sched.expected_context_len is not None and not budget.fits:
+        log.warning("KV budget: %s. Expect preemptions at full load: lower --max-num-seqs to %d, or give the "
+                    "cache more memory (--kv-cache-memory-gb / --num-blocks)", budget, budget.seqs_that_fit)
+    else:
+        log.info("KV budget: %s", budget)
     return EngineParts(ckpt, runner, pool, sched, frozenset(ckpt.config.eos_token_ids))
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """How many sequences of `context_len` tokens the KV cache holds at once, against
+    max_num_seqs: KV bytes a token x max_num_seqs x context, against the cache's size.
+    A sequence holds whole blocks, so its context is rounded up to blocks."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    max_num_seqs: int
+    context_len: int
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return -(-self.context_len // self.block_size)
+
+    @property
+    def seqs_that_fit(self) -> int:
+        return self.num_blocks // self.blocks_per_seq
+
+    @property
+    def fits(self) -> bool:
+        return self.seqs_that_fit >= self.max_num_seqs
+
+    def __str__(self) -> str:
+        per_token = self.bytes_per_block / self.block_size
+        need = self.max_num_seqs * self.blocks_per_seq
+        return (f"{per_token / 1024:.1f} KiB of KV a token x max-num-seqs {self.max_num_seqs} x {self.context_len} "
+                f"tokens a sequence = {need * self.bytes_per_block / 2**30:.2f} GiB ({need} blocks) against a cache "
+                f"of {self.num_blocks} blocks ({self.num_blocks * self.bytes_per_block / 2**30:.2f} GiB): "
+                f"{self.seqs_that_fit} such sequences fit at once")

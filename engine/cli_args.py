@@ -37,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=2048)
+    g.add_argument("--expected-context-len", type=int, default=None, metavar="TOKENS",
+                   help="prompt + output tokens a sequence of your traffic reaches: a worker warns at start "
+                   "when --max-num-seqs such sequences cannot fit in its KV cache")
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--scheduler", default="continuous", choices=("continuous", "static"))
     g.add_argument("--seed", type=int, default=None)
@@ -50,7 +53,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                           enable_prefix_caching=not a.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                   max_model_len=a.max_model_len, enable_chunked_prefill=not a.no_chunked_prefill,
-                                  policy=a.scheduler),
+                                  policy=a.scheduler, expected_context_len=a.expected_context_len),
         device=DeviceConfig(device=a.device, num_threads=a.num_threads, cpu_affinity=parse_cores(a.cpu_affinity),
                             attention_backend=a.attention_backend,
                             serial_step_work=None if a.serial_step_work is None else int(a.serial_step_work)),

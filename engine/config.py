@@ -211,9 +211,15 @@ class SchedulerConfig:
     # Fraction of blocks kept free at admission so running sequences can grow.
     watermark: float = 0.01
     policy: str = "continuous"  # or "static", to measure what continuous batching buys
+    # The context (prompt + output tokens) a sequence of the traffic this engine was
+    # tuned for reaches; the start-up KV budget check warns when max_num_seqs of them do
+    # not fit in the cache. None: no expectation given (the check only reports).
+    expected_context_len: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _require(self.expected_context_len is None or self.expected_context_len >= 1,
+                 "expected_context_len must be >= 1")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         _require(self.max_model_len >= 1, "max_model_len must be >= 1")
         _require(0.0 <= self.watermark < 0.5, "watermark must be in [0, 0.5)")

@@ -92,7 +92,8 @@ def create_app(backend: Backend, tokenizer: Tokenizer, settings: RouterSettings,
         raise SettingsError("the admin key must differ from every API key (including the key file's)")
     auth = KeyChecker(keys, settings.admin_key)
     admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests,
-                          settings.queue_timeout_s, settings.retry_after_s)
+                          settings.queue_timeout_s, settings.retry_after_s,
+                          order=settings.admission_order, aging_s=settings.batch_aging_s)
     metrics = RouterMetrics(settings.served_model_name, settings.slo_ttft_s, settings.slo_tpot_s,
                             load=lambda: (admission.running, admission.waiting))
     for c in collectors:

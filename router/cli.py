@@ -114,6 +114,11 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-concurrent-requests", type=int, default=256)
     g.add_argument("--max-queued-requests", type=int, default=1024)
     g.add_argument("--queue-timeout-s", type=float, default=30.0)
+    g.add_argument("--admission-order", choices=("priority", "fifo"), default="priority",
+                   help="the router's queue: interactive first with aging (priority), or arrival order (fifo)")
+    g.add_argument("--batch-aging-s", type=float, default=10.0,
+                   help="in priority order, a batch request (priority > 0) waits at most this much longer "
+                        "than interactive requests that arrived after it")
     g.add_argument(
         "--max-request-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get 413"
     )

@@ -99,6 +99,8 @@ def build_app(args: argparse.Namespace, backend):
         max_concurrent_requests=args.max_concurrent_requests,
         max_queued_requests=args.max_queued_requests,
         queue_timeout_s=args.queue_timeout_s,
+        admission_order=args.admission_order,
+        batch_aging_s=args.batch_aging_s,
         slo_ttft_s=args.slo_ttft_ms / 1000,
         slo_tpot_s=args.slo_tpot_ms / 1000,
         shutdown_grace_s=args.shutdown_grace_s,

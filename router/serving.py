@@ -186,9 +186,9 @@ class OpenAIServing:
                     arrival: float, rid: str) -> Job:
         """Admit, then start one engine request per choice and wait for every first batch."""
         n = req.num_choices
-        weight = await self.admission.acquire(len(prompts) * n)
-        job = Job(self.admission, weight, prompts)
         priority = INTERACTIVE if (req.priority or 0) <= 0 else BATCH
+        weight = await self.admission.acquire(len(prompts) * n, priority)
+        job = Job(self.admission, weight, prompts)
         try:
             for pi, (prompt, base) in enumerate(zip(prompts, params)):
                 for j in range(n):

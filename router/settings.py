@@ -33,6 +33,11 @@ class RouterSettings:
     max_queued_requests: int = 1024
     queue_timeout_s: float = 30.0
     retry_after_s: float = 1.0
+    # Whom the queue serves first (router/admission.py): "priority" (interactive first;
+    # a batch request waits at most `batch_aging_s` longer than interactive ones that
+    # came after it) or "fifo" (arrival order).
+    admission_order: str = "priority"
+    batch_aging_s: float = 10.0
     # On SIGTERM/SIGINT (`tandem serve`): how long in-flight requests may run on while
     # /ready and new requests answer 503 (router/shutdown.py).
     shutdown_grace_s: float = 30.0
@@ -58,6 +63,8 @@ class RouterSettings:
         _require(self.max_queued_requests >= 0, "max_queued_requests must be >= 0 (0: no queue, 429 when busy)")
         _require(self.queue_timeout_s > 0, "queue_timeout_s must be > 0")
         _require(self.retry_after_s > 0, "retry_after_s must be > 0")
+        _require(self.admission_order in ("priority", "fifo"), "admission_order must be priority or fifo")
+        _require(self.batch_aging_s >= 0, "batch_aging_s must be >= 0")
         _require(self.shutdown_grace_s >= 0, "shutdown_grace_s must be >= 0")
         _require(self.max_request_body_bytes >= 1024, "max_request_body_bytes must be >= 1024")
         _require(self.max_n >= 1, "max_n must be >= 1")

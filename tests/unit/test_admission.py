@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from router.admission import Admission
+from router.admission import BATCH, INTERACTIVE, Admission
 from router.errors import ApiError
 
 pytestmark = pytest.mark.unit
@@ -62,3 +62,107 @@ async def test_503_after_the_queue_timeout_carries_the_estimate():
         await adm.acquire(2)  # nobody gives back: times out; 2 slots at 0.25/s
     assert late.value.status == 503 and late.value.headers["Retry-After"] == "8"
     assert (adm.running, adm.waiting) == (2, 0)
+
+
+# ---- traffic classes: interactive first, batch never starved -------------------------
+
+async def _queue(adm: Admission, names_classes: list[tuple[str, int]], clock: Clock, order: list[str]):
+    """Queue one waiter per (name, class), one second apart; each appends its name to
+    `order` when admitted and gives its slot back."""
+    async def one(name: str, cls: int) -> None:
+        await adm.acquire(1, cls)
+        order.append(name)
+
+    tasks = []
+    for name, cls in names_classes:
+        tasks.append(asyncio.ensure_future(one(name, cls)))
+        await asyncio.sleep(0)
+        clock.t += 1
+    return tasks
+
+
+async def _drain(adm: Admission, tasks, order: list[str]) -> None:
+    while not all(t.done() for t in tasks):
+        before = len(order)
+        adm.release(1)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert len(order) == before + 1  # exactly one admitted per slot given back
+    await asyncio.gather(*tasks)
+
+
+async def test_priority_order_serves_interactive_before_batch_that_came_first():
+    clock = Clock()
+    adm = Admission(max_running=1, max_waiting=10, timeout_s=30, retry_after_s=1, clock=clock, aging_s=10)
+    await adm.acquire(1)  # the one slot is taken: everyone below queues
+    order: list[str] = []
+    tasks = await _queue(adm, [("b1", BATCH), ("b2", BATCH), ("i1", INTERACTIVE), ("i2", INTERACTIVE)], clock, order)
+    assert adm.waiting_by_class == [2, 2] and adm.waiting == 4
+    await _drain(adm, tasks, order)
+    assert order == ["i1", "i2", "b1", "b2"]
+    assert adm.waiting_by_class == [0, 0] and adm.running == 1
+
+
+async def test_fifo_order_is_arrival_order_across_classes():
+    clock = Clock()
+    adm = Admission(max_running=1, max_waiting=10, timeout_s=30, retry_after_s=1, clock=clock, order="fifo")
+    await adm.acquire(1)
+    order: list[str] = []
+    tasks = await _queue(adm, [("b1", BATCH), ("i1", INTERACTIVE), ("b2", BATCH), ("i2", INTERACTIVE)], clock, order)
+    await _drain(adm, tasks, order)
+    assert order == ["b1", "i1", "b2", "i2"]
+
+
+async def test_a_batch_request_is_not_starved_by_a_stream_of_interactive_ones():
+    """With aging 3 s, b (queued at t=0) goes before every interactive request that
+    arrived after t=3, however many keep coming."""
+    clock = Clock()
+    adm = Admission(max_running=1, max_waiting=100, timeout_s=300, retry_after_s=1, clock=clock, aging_s=3)
+    await adm.acquire(1)
+    order: list[str] = []
+    tasks = await _queue(adm, [("b", BATCH)] + [(f"i{k}", INTERACTIVE) for k in range(1, 8)], clock, order)
+    await _drain(adm, tasks, order)
+    # i1 came at t=1, i2 at t=2 (before b's place, 0 + 3), i3 at t=3 (a tie: b first)
+    assert order == ["i1", "i2", "b", "i3", "i4", "i5", "i6", "i7"]
+
+
+async def test_an_interactive_request_is_admitted_at_once_past_queued_batch_work():
+    clock = Clock()
+    adm = Admission(max_running=2, max_waiting=10, timeout_s=30, retry_after_s=1, clock=clock, aging_s=10)
+    await adm.acquire(1)
+    big = asyncio.ensure_future(adm.acquire(2, BATCH))  # needs both slots: waits
+    await asyncio.sleep(0)
+    assert adm.waiting_by_class == [0, 2]
+    clock.t += 1
+    await asyncio.wait_for(adm.acquire(1, INTERACTIVE), 1)  # fits, and its place is ahead of the batch head
+    assert adm.running == 2
+    clock.t += 20  # now the batch head is due: a later interactive request queues behind it
+    late = asyncio.ensure_future(adm.acquire(1, INTERACTIVE))
+    await asyncio.sleep(0)
+    assert adm.waiting_by_class == [1, 2]
+    adm.release(1)
+    await asyncio.sleep(0)
+    assert not big.done()  # one slot free, the head needs two: nobody overtakes it
+    adm.release(1)
+    await asyncio.wait_for(big, 1)
+    assert not late.done()
+    adm.release(2)
+    await asyncio.wait_for(late, 1)
+    assert adm.waiting == 0 and adm.waiting_by_class == [0, 0]
+
+
+async def test_a_cancelled_waiter_leaves_its_class_queue_and_counts():
+    clock = Clock()
+    adm = Admission(max_running=1, max_waiting=10, timeout_s=30, retry_after_s=1, clock=clock)
+    await adm.acquire(1)
+    w = asyncio.ensure_future(adm.acquire(1, BATCH))
+    await asyncio.sleep(0)
+    assert adm.waiting_by_class == [0, 1]
+    w.cancel()
+    await asyncio.gather(w, return_exceptions=True)
+    assert adm.waiting == 0 and adm.waiting_by_class == [0, 0]
+
+
+def test_an_unknown_order_is_refused():
+    with pytest.raises(ValueError, match="priority, fifo"):
+        Admission(1, 1, 1, 1, order="lifo")
