@@ -40,6 +40,7 @@ from router.admin import AdminInterface
 from router.admission import Admission
 from router.auth import KeyChecker, read_key_file
 from router.backend import Backend
+from router.drift import DriftCollector, DriftMonitor
 from router.errors import ApiError, install_error_handlers
 from router.metrics import RouterMetrics
 from router.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, PoolsUpdate
@@ -94,8 +95,10 @@ def create_app(backend: Backend, tokenizer: Tokenizer, settings: RouterSettings,
     admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests,
                           settings.queue_timeout_s, settings.retry_after_s,
                           order=settings.admission_order, aging_s=settings.batch_aging_s)
-    metrics = RouterMetrics(settings.served_model_name, settings.slo_ttft_s, settings.slo_tpot_s,
-                            load=lambda: (admission.running, admission.waiting))
+    metrics = RouterMetrics(settings.served_model_name, settings.slos,
+                            load=lambda: (admission.running, admission.waiting_by_class))
+    metrics.drift = drift = DriftMonitor(settings.drift_reference, settings.drift_window_s, settings.drift_min_requests)
+    metrics.register(DriftCollector(settings.served_model_name, drift))
     for c in collectors:
         metrics.register(c)
     serving = OpenAIServing(backend, tokenizer, settings, metrics, admission)
@@ -183,7 +186,7 @@ def create_app(backend: Backend, tokenizer: Tokenizer, settings: RouterSettings,
 
     @app.get("/admin/pools")
     async def get_pools(request: Request) -> JSONResponse:
-        return JSONResponse(await admin_or_501(request).get_pools())
+        return JSONResponse({**await admin_or_501(request).get_pools(), "drift": drift.snapshot()})
 
     @app.post("/admin/pools")
     async def set_pools(request: Request) -> JSONResponse:

@@ -128,8 +128,14 @@ def _router_args(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="on SIGTERM/SIGINT: how long in-flight requests may finish while new ones get 503",
     )
-    g.add_argument("--slo-ttft-ms", type=float, default=1000.0)
-    g.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    g.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="interactive requests' TTFT SLO")
+    g.add_argument("--slo-tpot-ms", type=float, default=100.0, help="interactive requests' TPOT SLO")
+    g.add_argument("--batch-slo-ttft-ms", type=float, default=30000.0, help="batch requests' (priority > 0) TTFT SLO")
+    g.add_argument("--batch-slo-tpot-ms", type=float, default=500.0, help="batch requests' TPOT SLO")
+    g.add_argument("--drift-window-s", type=float, default=600.0,
+                   help="the drift monitor compares the requests of this last window with the profile's workload")
+    g.add_argument("--drift-min-requests", type=int, default=50,
+                   help="fewest requests in the window before the drift is judged")
     g.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING (env TANDEM_LOG_LEVEL)")
     g.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="this process's log lines, the access log's included: text, or one JSON object a line")
@@ -231,6 +237,23 @@ def apply_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser,
         import yaml
 
         data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise CommandError(f"{path}: expected a mapping of options")
+    data = dict(data)
+    data.pop("profile", None)  # what made the profile, and when: for people
+    if "workload" in data:  # the traffic the profile was tuned for: the drift monitor's reference
+        from router.drift import ProfileError, check_reference
+        try:
+            args.workload = check_reference(data.pop("workload"))
+        except ProfileError as e:
+            raise CommandError(f"{path}: {e}") from None
+    for cls, opts in (data.pop("classes", None) or {}).items():  # per traffic class settings
+        if cls not in ("interactive", "batch") or not isinstance(opts, dict):
+            raise CommandError(f"{path}: classes are 'interactive' and 'batch', each a mapping of its SLOs")
+        for key, value in opts.items():
+            if key not in ("slo-ttft-ms", "slo-tpot-ms"):
+                raise CommandError(f"{path}: classes.{cls}: unknown setting {key!r} (slo-ttft-ms, slo-tpot-ms)")
+            data[("batch-" if cls == "batch" else "") + key] = value
     dests = {a.dest: a for a in parser._actions}
     given = {
         a.dest
@@ -333,7 +356,22 @@ def _run_status(args) -> int:
         + ", ".join(f"{r} {p['ready']}/{p['target']} ready" for r, p in data["pools"].items())
         + f"; workers replaced: {data.get('replaced', 0)}"
     )
+    console.print(_drift_line(data.get("drift")))
     return 0
+
+
+def _drift_line(d: dict | None) -> str:
+    """One line on the traffic's drift from the profile (router/drift.py)."""
+    if not d:
+        return "traffic drift: not reported by this router"
+    if d["drift"] is None:
+        seen = (d["live"] or {}).get("requests", "fewer than %d" % d["min_requests"])
+        why = "no reference yet" if d["reference"] is None else f"{seen} requests in the last {d['window_s']:g} s"
+        return f"traffic drift: not judged yet ({why}; it needs {d['min_requests']})"
+    worst = max(d["drift"], key=d["drift"].get)
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in d["drift"].items())
+    verdict = "outside the profile" if d["drift"][worst] > 1 else "within the profile"
+    return f"traffic drift from the {d['reference_source']} (1.0 = outside it): {parts}; {verdict}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,36 +25,41 @@ TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort")
+CLASSES = ("interactive", "batch")  # traffic classes, indexed by engine lane (0, 1)
 PRESET_STATUSES = ("400", "401", "404", "429", "500", "503")
 OK_REASONS = ("stop", "length")
 
 
 class _LoadCollector(Collector):
-    """Running / waiting engine requests, read from admission when scraped."""
+    """Running engine requests, and those waiting per traffic class, read from
+    admission when scraped."""
 
-    def __init__(self, model: str, load: Callable[[], tuple[int, int]]) -> None:
+    def __init__(self, model: str, load: Callable[[], tuple[int, list[int]]]) -> None:
         self.model = model
         self.load = load
 
     def collect(self):
         running, waiting = self.load()
-        for name, value, doc in (
-            ("tandem:num_requests_running", running, "Engine requests admitted by the router and not finished."),
-            ("tandem:num_requests_waiting", waiting, "Engine requests queued in the router for admission."),
-        ):
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric([self.model], value)
-            yield g
+        g = GaugeMetricFamily("tandem:num_requests_running", "Engine requests admitted by the router and not "
+                              "finished.", labels=["model_name"])
+        g.add_metric([self.model], running)
+        yield g
+        g = GaugeMetricFamily("tandem:num_requests_waiting", "Engine requests queued in the router for admission, "
+                              "per traffic class.", labels=["model_name", "class"])
+        for cls, n in zip(CLASSES, waiting):
+            g.add_metric([self.model, cls], n)
+        yield g
 
 
 class RouterMetrics:
-    def __init__(self, model_name: str, slo_ttft_s: float, slo_tpot_s: float,
-                 load: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
+    def __init__(self, model_name: str, slos: dict[str, tuple[float, float]],
+                 load: Callable[[], tuple[int, list[int]]] = lambda: (0, [0, 0])) -> None:
+        """`slos`: per traffic class (CLASSES), its (TTFT, TPOT) targets in seconds."""
         self.model = model_name
-        self.slo_ttft_s = slo_ttft_s
-        self.slo_tpot_s = slo_tpot_s
+        self.slos = [slos[c] for c in CLASSES]
+        self.drift = None  # a router/drift.py DriftMonitor, fed with every successful engine request
         self.registry = CollectorRegistry()
-        reg, m = self.registry, ["model_name"]
+        reg, m, mc = self.registry, ["model_name"], ["model_name", "class"]
         self.registry.register(_LoadCollector(model_name, load))
         self.success = Counter("tandem:request_success", "Finished engine requests by finish reason.",
                                m + ["finish_reason"], registry=reg)
@@ -66,38 +71,44 @@ class RouterMetrics:
                                      m, registry=reg)
         self.cache_hits = Counter("tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                   m, registry=reg)
-        self.slo = Counter("tandem:slo_attainment", "Successful engine requests that met / missed the TTFT and "
-                           "TPOT SLOs.", m + ["met"], registry=reg)
-        self.ttft = Histogram("tandem:time_to_first_token_seconds", "Arrival to first token.", m,
+        self.slo = Counter("tandem:slo_attainment", "Successful engine requests that met / missed their traffic "
+                           "class's TTFT and TPOT SLOs.", mc + ["met"], registry=reg)
+        self.goodput_tokens = Counter("tandem:goodput_tokens", "Output tokens of engine requests that met their "
+                                      "class's SLOs.", mc, registry=reg)
+        self.ttft = Histogram("tandem:time_to_first_token_seconds", "Arrival to first token.", mc,
                               buckets=TTFT_BUCKETS, registry=reg)
-        self.itl = Histogram("tandem:inter_token_latency_seconds", "Time between consecutive tokens.", m,
+        self.itl = Histogram("tandem:inter_token_latency_seconds", "Time between consecutive tokens.", mc,
                              buckets=TOKEN_LATENCY_BUCKETS, registry=reg)
         self.tpot = Histogram("tandem:time_per_output_token_seconds",
-                              "Mean time per output token after the first, per request.", m,
+                              "Mean time per output token after the first, per request.", mc,
                               buckets=TOKEN_LATENCY_BUCKETS, registry=reg)
-        self.e2e = Histogram("tandem:e2e_request_latency_seconds", "Arrival to last token.", m,
+        self.e2e = Histogram("tandem:e2e_request_latency_seconds", "Arrival to last token.", mc,
                              buckets=E2E_BUCKETS, registry=reg)
         # the SLO targets themselves, so one alert rule serves every deployment's SLOs
-        # (deploy/monitoring: p99 TTFT / TPOT compared with these)
-        for name, value, what in (("tandem:slo_ttft_seconds", slo_ttft_s, "TTFT"),
-                                  ("tandem:slo_tpot_seconds", slo_tpot_s, "TPOT")):
-            Gauge(name, f"The router's {what} SLO target (--slo-{what.lower()}-ms).", m,
-                  registry=reg).labels(model_name).set(value)
+        # (deploy/monitoring: p99 TTFT / TPOT per class compared with these)
+        for name, i, what in (("tandem:slo_ttft_seconds", 0, "TTFT"), ("tandem:slo_tpot_seconds", 1, "TPOT")):
+            g = Gauge(name, f"The router's {what} SLO target per traffic class (--slo-{what.lower()}-ms, "
+                      f"--batch-slo-{what.lower()}-ms).", mc, registry=reg)
+            for cls, slo in zip(CLASSES, self.slos):
+                g.labels(model_name, cls).set(slo[i])
         for reason in FINISH_REASONS:  # series exist (at 0) before the first event
             self.success.labels(model_name, reason)
         for status in PRESET_STATUSES:
             self.errors.labels(model_name, status)
-        for met in ("true", "false"):
-            self.slo.labels(model_name, met)
-        # The model's children of the per-token series, looked up once (not per token).
+        for cls in CLASSES:
+            for met in ("true", "false"):
+                self.slo.labels(model_name, cls, met)
+            self.goodput_tokens.labels(model_name, cls)
+        # The model's children of the per-token series, looked up once (not per token);
+        # the latency ones per class (index: the engine lane).
         self.m_prompt_tokens = self.prompt_tokens.labels(model_name)
         self.m_generation_tokens = self.generation_tokens.labels(model_name)
         self.m_cache_queries = self.cache_queries.labels(model_name)
         self.m_cache_hits = self.cache_hits.labels(model_name)
-        self.m_ttft = self.ttft.labels(model_name)
-        self.m_itl = self.itl.labels(model_name)
-        self.m_tpot = self.tpot.labels(model_name)
-        self.m_e2e = self.e2e.labels(model_name)
+        self.c_ttft = [self.ttft.labels(model_name, c) for c in CLASSES]
+        self.c_itl = [self.itl.labels(model_name, c) for c in CLASSES]
+        self.c_tpot = [self.tpot.labels(model_name, c) for c in CLASSES]
+        self.c_e2e = [self.e2e.labels(model_name, c) for c in CLASSES]
 
     def register(self, collector: Collector) -> None:
         """Serve another collector's series (worker / cluster metrics) on /metrics too."""
@@ -109,20 +120,23 @@ class RouterMetrics:
     def count_error(self, status: int) -> None:
         self.errors.labels(self.model, str(status)).inc()
 
-    def timer(self, arrival: float) -> "ChoiceTimer":
-        return ChoiceTimer(self, arrival)
+    def timer(self, arrival: float, cls: int = 0) -> "ChoiceTimer":
+        """`cls`: the request's traffic class (0 interactive, 1 batch)."""
+        return ChoiceTimer(self, arrival, cls)
 
 
 class ChoiceTimer:
     """Timing of one engine request; reports to RouterMetrics as tokens arrive."""
 
-    def __init__(self, metrics: RouterMetrics, arrival: float) -> None:
+    def __init__(self, metrics: RouterMetrics, arrival: float, cls: int = 0) -> None:
         self.m = metrics
+        self.cls = cls
         self.arrival = arrival
         self.first: float | None = None
         self.last: float | None = None
         self.tokens = 0
         self.cached = 0  # prompt tokens counted as prefix cache hits so far
+        self.prompt_tokens = 0
         self.done = False
 
     def on_tokens(self, n: int, prompt_tokens: int, cached_tokens: int, now: float | None = None) -> None:
@@ -137,13 +151,15 @@ class ChoiceTimer:
         now = time.monotonic() if now is None else now
         if self.first is None:
             self.first = now
-            m.m_ttft.observe(now - self.arrival)
+            self.prompt_tokens = prompt_tokens
+            m.c_ttft[self.cls].observe(now - self.arrival)
             m.m_prompt_tokens.inc(prompt_tokens)
             m.m_cache_queries.inc(prompt_tokens)
         else:
             gap = (now - self.last) / n
+            itl = m.c_itl[self.cls]
             for _ in range(n):
-                m.m_itl.observe(gap)
+                itl.observe(gap)
         self.last = now
         self.tokens += n
         m.m_generation_tokens.inc(n)
@@ -158,11 +174,17 @@ class ChoiceTimer:
         if reason not in OK_REASONS:
             return
         now = time.monotonic() if now is None else now
-        m.m_e2e.observe(now - self.arrival)
+        cls = self.cls
+        m.c_e2e[cls].observe(now - self.arrival)
         tpot = None
         if self.first is not None and self.tokens > 1:
             tpot = (self.last - self.first) / (self.tokens - 1)
-            m.m_tpot.observe(tpot)
+            m.c_tpot[cls].observe(tpot)
         ttft = None if self.first is None else self.first - self.arrival
-        met = ttft is not None and ttft <= m.slo_ttft_s and (tpot is None or tpot <= m.slo_tpot_s)
-        m.slo.labels(label, "true" if met else "false").inc()
+        slo_ttft, slo_tpot = m.slos[cls]
+        met = ttft is not None and ttft <= slo_ttft and (tpot is None or tpot <= slo_tpot)
+        m.slo.labels(label, CLASSES[cls], "true" if met else "false").inc()
+        if met:
+            m.goodput_tokens.labels(label, CLASSES[cls]).inc(self.tokens)
+        if m.drift is not None:
+            m.drift.record(self.prompt_tokens, self.tokens, self.cached, cls == 1)

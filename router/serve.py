@@ -103,6 +103,11 @@ def build_app(args: argparse.Namespace, backend):
         batch_aging_s=args.batch_aging_s,
         slo_ttft_s=args.slo_ttft_ms / 1000,
         slo_tpot_s=args.slo_tpot_ms / 1000,
+        batch_slo_ttft_s=args.batch_slo_ttft_ms / 1000,
+        batch_slo_tpot_s=args.batch_slo_tpot_ms / 1000,
+        drift_reference=getattr(args, "workload", None),
+        drift_window_s=args.drift_window_s,
+        drift_min_requests=args.drift_min_requests,
         shutdown_grace_s=args.shutdown_grace_s,
         manage_backend=False,  # serve() starts and stops it around the HTTP server
         max_request_body_bytes=args.max_request_body_bytes,

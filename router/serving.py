@@ -196,7 +196,8 @@ class OpenAIServing:
                     index = pi * n + j
                     greq = GenerateRequest(f"{rid}-{index}", prompt.ids, p, priority)
                     job.runs.append(ChoiceRun(index, pi, self.backend, greq,
-                                              TextStream(self.tokenizer, p, prompt.ids), self.metrics.timer(arrival)))
+                                              TextStream(self.tokenizer, p, prompt.ids),
+                                              self.metrics.timer(arrival, priority)))
             await all_or_nothing(run.start() for run in job.runs)
         except BackendError as e:
             await job.close()

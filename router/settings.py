@@ -49,9 +49,18 @@ class RouterSettings:
     max_choices_per_request: int = 256
     # max_tokens of /v1/completions when the request gives none (OpenAI legacy).
     default_completion_max_tokens: int = 16
-    # SLO targets of tandem:slo_attainment_total.
+    # SLO targets of tandem:slo_attainment_total, per traffic class: interactive
+    # (priority <= 0) and batch (priority > 0).
     slo_ttft_s: float = 1.0
     slo_tpot_s: float = 0.1
+    batch_slo_ttft_s: float = 30.0
+    batch_slo_tpot_s: float = 0.5
+    # The drift monitor (router/drift.py): the reference workload (a profile's
+    # `workload` section; None: the first window of traffic), the window it looks at,
+    # and how many requests a window needs before it is judged.
+    drift_reference: dict | None = None
+    drift_window_s: float = 600.0
+    drift_min_requests: int = 50
     # The app's lifespan starts the backend on startup and stops it on shutdown.
     manage_backend: bool = True
 
@@ -71,9 +80,24 @@ class RouterSettings:
         _require(self.max_choices_per_request >= self.max_n,
                  "max_choices_per_request must be >= max_n")
         _require(self.default_completion_max_tokens >= 1, "default_completion_max_tokens must be >= 1")
-        _require(self.slo_ttft_s > 0 and self.slo_tpot_s > 0, "SLO targets must be > 0 seconds")
+        _require(min(self.slo_ttft_s, self.slo_tpot_s, self.batch_slo_ttft_s, self.batch_slo_tpot_s) > 0,
+                 "SLO targets must be > 0 seconds")
+        _require(self.drift_window_s > 0 and self.drift_min_requests >= 1,
+                 "drift_window_s must be > 0 and drift_min_requests >= 1")
+        if self.drift_reference is not None:
+            from router.drift import ProfileError, check_reference
+            try:
+                check_reference(self.drift_reference)
+            except ProfileError as e:
+                raise SettingsError(str(e)) from None
         _require(not self.admin_key or self.admin_key not in self.api_keys,
                  "the admin key must differ from every API key")
+
+    @property
+    def slos(self) -> dict[str, tuple[float, float]]:
+        """(TTFT, TPOT) targets in seconds, per traffic class."""
+        return {"interactive": (self.slo_ttft_s, self.slo_tpot_s),
+                "batch": (self.batch_slo_ttft_s, self.batch_slo_tpot_s)}
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -76,26 +76,34 @@ def build() -> dict:
     d = d.with_panel(panel("Requests", "reqps", [
         q(f"sum by (finish_reason) (rate(tandem:request_success_total{RATE}))", "finished: {{finish_reason}}"),
         q(f"sum by (status) (rate(tandem:request_errors_total{RATE}))", "error {{status}}"),
-    ], "Finished engine requests by finish reason, and HTTP errors by status.", width=12))
+    ], "Finished engine requests by finish reason, and HTTP errors by status.", width=6))
+    d = d.with_panel(panel("Goodput", "short", [
+        q(f"sum by (class) (rate(tandem:goodput_tokens_total{RATE}))", "{{class}}"),
+    ], "Output tokens per second of requests that met their traffic class's TTFT and TPOT SLOs.", width=6))
 
     d = d.with_row(gdash.Row("Latency"))
     d = d.with_panel(panel("Time to first token", "s", [
-        *quantiles("tandem:time_to_first_token_seconds"),
-        q("max(tandem:slo_ttft_seconds)", "SLO"),
-    ], "From the HTTP request's arrival: router queue, tokenization, prefill, KV transfer."))
+        *quantiles("tandem:time_to_first_token_seconds", (0.5, 0.99), by="class"),
+        q("max by (class) (tandem:slo_ttft_seconds)", "SLO {{class}}"),
+    ], "Per traffic class, from the HTTP request's arrival: router queue, tokenization, prefill, KV transfer."))
     d = d.with_panel(panel("Time per output token", "s", [
-        *quantiles("tandem:time_per_output_token_seconds"),
-        q("max(tandem:slo_tpot_seconds)", "SLO"),
-    ], "Per request: (last token - first token) / (tokens - 1)."))
+        *quantiles("tandem:time_per_output_token_seconds", (0.5, 0.99), by="class"),
+        q("max by (class) (tandem:slo_tpot_seconds)", "SLO {{class}}"),
+    ], "Per traffic class, per request: (last token - first token) / (tokens - 1)."))
     d = d.with_panel(panel("Inter-token latency", "s", quantiles("tandem:inter_token_latency_seconds"),
                            "Gap between consecutive tokens as the client sees them."))
     d = d.with_panel(panel("SLO attainment", "percentunit", [
-        q(f'sum(rate(tandem:slo_attainment_total{{met="true"}}{RATE})) / sum(rate(tandem:slo_attainment_total{RATE}))',
-          "met both SLOs"),
-    ], "Share of successful requests within both the TTFT and the TPOT SLO (alert under 90%).",
+        q(f'sum by (class) (rate(tandem:slo_attainment_total{{met="true"}}{RATE})) '
+          f'/ sum by (class) (rate(tandem:slo_attainment_total{RATE}))', "{{class}}"),
+    ], "Per traffic class, the share of successful requests within both its TTFT and TPOT SLOs "
+       "(alert under 90% over all classes).",
         threshold=0.9, max_val=1))
     d = d.with_panel(panel("End-to-end latency", "s", quantiles("tandem:e2e_request_latency_seconds", (0.5, 0.99)),
                            "Arrival to last token."))
+    d = d.with_panel(panel("Traffic drift from the profile", "short", [
+        q("max by (dimension) (tandem:profile_drift)", "{{dimension}}"),
+    ], "Distance of live traffic from the workload the profile was tuned for (router/drift.py); above the line "
+       "(1.0) a quantile doubled or halved, or a share moved 25 points: TandemProfileDrift.", threshold=1.0))
     d = d.with_panel(panel("Prefix cache hit rate", "percentunit", [
         q(f"sum(rate(tandem:prefix_cache_hits_total{RATE})) / sum(rate(tandem:prefix_cache_queries_total{RATE}))",
           "prompt tokens found cached"),
@@ -103,7 +111,7 @@ def build() -> dict:
 
     d = d.with_row(gdash.Row("Queues, batches, KV cache"))
     d = d.with_panel(panel("Router queue and running", "short", [
-        q("sum(tandem:num_requests_waiting)", "waiting for admission"),
+        q("sum by (class) (tandem:num_requests_waiting)", "waiting for admission: {{class}}"),
         q("sum(tandem:num_requests_running)", "running"),
     ], "Engine requests queued in the routers' admission, and admitted ones."))
     d = d.with_panel(panel("Running batch per worker", "short", [

@@ -253,7 +253,9 @@ def test_admin_key(server):
     check_error(httpx.get(url), 401)
     check_error(httpx.get(url, headers={"Authorization": f"Bearer {KEY}"}), 403)  # an API key is not enough
     admin = {"Authorization": f"Bearer {ADMIN}"}
-    assert httpx.get(url, headers=admin).json() == {"prefill": 1, "decode": 1}
+    got = httpx.get(url, headers=admin).json()
+    assert got.pop("drift")["drift"] is None  # the router adds its traffic drift; none judged yet
+    assert got == {"prefill": 1, "decode": 1}
     check_error(httpx.post(url, json={"decode": 3}, headers={"Authorization": f"Bearer {KEY}"}), 403)
     assert httpx.post(url, json={"decode": 3}, headers=admin).json() == {"prefill": 1, "decode": 3}
     check_error(httpx.post(url, json={}, headers=admin), 400)
@@ -372,22 +374,30 @@ async def test_overload_answers_429_or_503_then_recovers(server):
 
 
 def metric_samples(server) -> dict:
+    """Samples by name (labels beyond model_name: (name, labels)), summed over the
+    traffic classes; per class as (name, labels, class) too."""
     text = httpx.get(server.url + "/metrics").text
     out: dict = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            key = s.name if set(s.labels) == {"model_name"} else (s.name, tuple(sorted(s.labels.items())))
-            out[key] = s.value
+            labels = {k: v for k, v in s.labels.items() if k != "class"}
+            key = s.name if set(labels) == {"model_name"} else (s.name, tuple(sorted(labels.items())))
+            out[key] = out.get(key, 0) + s.value
+            if "class" in s.labels:
+                out[(s.name, tuple(sorted(labels.items())), s.labels["class"])] = s.value
     out["families"] = {f.name for f in text_string_to_metric_families(text)}
     return out
 
 
 def test_metrics_carry_every_series(http, server):
+    before = metric_samples(server)
     for _ in range(2):
         assert (
             http.post("/v1/completions", json={**COMPLETION, "prompt": "word " * 40, "max_tokens": 4}).status_code
             == 200
         )
+    batch = http.post("/v1/completions", json={**COMPLETION, "prompt": "word " * 40, "max_tokens": 4, "priority": 3})
+    assert batch.status_code == 200
     http.post("/v1/completions", json={**COMPLETION, "n": 99})  # one 400
     s = metric_samples(server)
     m = ("model_name", MODEL)
@@ -405,6 +415,9 @@ def test_metrics_carry_every_series(http, server):
         "tandem:e2e_request_latency_seconds",
         "tandem:request_errors",
         "tandem:slo_attainment",
+        "tandem:goodput_tokens",
+        "tandem:slo_ttft_seconds",
+        "tandem:slo_tpot_seconds",
     }
     assert s[("tandem:request_success_total", (("finish_reason", "length"), m))] >= 2
     assert s[("tandem:request_errors_total", (m, ("status", "400")))] >= 1
@@ -419,6 +432,14 @@ def test_metrics_carry_every_series(http, server):
         + s[("tandem:slo_attainment_total", (("met", "false"), m))]
     )
     assert met == s["tandem:e2e_request_latency_seconds_count"]
+    # the priority-3 request was judged as batch work, by the batch SLOs
+    for cls, new in (("batch", 1), ("interactive", 2)):
+        key = ("tandem:e2e_request_latency_seconds_count", (m,), cls)
+        assert s[key] - before.get(key, 0) == new, cls
+    assert s[("tandem:slo_ttft_seconds", (m,), "batch")] == 30.0
+    assert s[("tandem:slo_ttft_seconds", (m,), "interactive")] == 1.0
+    assert s[("tandem:goodput_tokens_total", (m,), "batch")] - before.get(
+        ("tandem:goodput_tokens_total", (m,), "batch"), 0) == 4
 
 
 async def test_megabyte_prompts_are_refused_before_tokenizing(builtin_dir, tok):

@@ -61,3 +61,54 @@ def test_status_and_scale_help_name_their_defaults_and_environment(capsys):
         main(["scale", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--wait" in text and "default: unchanged" in text and "default: 600" in text
+
+
+PROFILE = """
+profile: {made_by: tandem tune}
+max-num-seqs: 32
+classes:
+  interactive: {slo-ttft-ms: 800, slo-tpot-ms: 80}
+  batch: {slo-ttft-ms: 60000}
+workload:
+  prompt_tokens: {p50: 60, p90: 90}
+  output_tokens: {p50: 32, p90: 32}
+  arrival_rate: 4.0
+  prefix_hit_rate: 0.1
+  batch_share: 0.0
+"""
+
+
+def test_a_profile_carries_per_class_slos_and_the_workload_it_was_tuned_for(tmp_path):
+    cfg = tmp_path / "profile.yaml"
+    cfg.write_text(PROFILE)
+    args = parse(["serve", "--config", str(cfg), "--slo-tpot-ms", "70"])
+    assert (args.max_num_seqs, args.slo_ttft_ms, args.slo_tpot_ms, args.batch_slo_ttft_ms) == (32, 800, 70, 60000)
+    assert args.batch_slo_tpot_ms == 500.0  # not in the profile: the default
+    assert args.workload["prompt_tokens"] == {"p50": 60, "p90": 90}
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("classes: {urgent: {slo-ttft-ms: 1}}", "classes are 'interactive' and 'batch'"),
+    ("classes: {batch: {slo-e2e-ms: 1}}", "unknown setting 'slo-e2e-ms'"),
+    ("workload: {prompt_tokens: {p50: 1, p90: 2}}", "lacks output_tokens, arrival_rate"),
+    (PROFILE.replace("arrival_rate: 4.0", "arrival_rate: 0"), "arrival_rate must be > 0"),
+])
+def test_a_bad_profile_says_what_is_wrong(tmp_path, bad, message):
+    from router.checks import CommandError
+
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(bad)
+    with pytest.raises(CommandError, match=message):
+        parse(["serve", "--config", str(cfg)])
+
+
+def test_status_says_how_far_the_traffic_drifted():
+    from router.cli import _drift_line
+
+    assert _drift_line(None) == "traffic drift: not reported by this router"
+    waiting = {"drift": None, "reference": None, "live": None, "min_requests": 50, "window_s": 600}
+    assert _drift_line(waiting) == "traffic drift: not judged yet (no reference yet; it needs 50)"
+    judged = {"drift": {"prompt_tokens": 2.5, "batch_share": 0.2}, "reference_source": "profile",
+              "reference": {}, "live": {"requests": 80}, "min_requests": 50, "window_s": 600}
+    assert _drift_line(judged) == ("traffic drift from the profile (1.0 = outside it): prompt_tokens 2.50, "
+                                   "batch_share 0.20; outside the profile")
