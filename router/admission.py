@@ -87,6 +87,11 @@ class Admission:
     def _place(self, cls: int, now: float) -> float:
         return now + self.aging_s if cls == BATCH and self.order == "priority" else now
 
+    def oldest_wait_s(self) -> float:
+        """How long the longest-waiting request has been queued (0 when none is)."""
+        arrivals = [q[0].arrival for q in self._queues if q]
+        return self._clock() - min(arrivals) if arrivals else 0.0
+
     def _head(self) -> _Waiter | None:
         """The waiter served next: the earliest place among the classes' heads."""
         heads = [q[0] for q in self._queues if q]

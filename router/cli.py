@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -167,6 +168,19 @@ def _pool_args(p: argparse.ArgumentParser, c) -> None:
     c.add_argument("--prefill", type=int, default=1, help="prefill workers")
     c.add_argument("--decode", type=int, default=1, help="decode workers")
     c.add_argument("--colocated", action="store_true", help="no prefill pool: decode workers prefill locally")
+    c.add_argument("--autoscale", action="store_true",
+                   help="the controller sizes both pools by their load and SLOs, within the bounds below "
+                   "(router/autoscale.py)")
+    c.add_argument("--min-prefill", type=int, default=0, help="--autoscale: fewest prefill workers")
+    c.add_argument("--max-prefill", type=int, default=4, help="--autoscale: most prefill workers")
+    c.add_argument("--min-decode", type=int, default=1, help="--autoscale: fewest decode workers")
+    c.add_argument("--max-decode", type=int, default=4, help="--autoscale: most decode workers")
+    c.add_argument("--scale-up-after-s", type=float, default=10.0,
+                   help="--autoscale: a pool grows by one after it has been busy this long")
+    c.add_argument("--scale-down-after-s", type=float, default=60.0,
+                   help="--autoscale: a pool shrinks by one (draining the worker) after idle this long")
+    c.add_argument("--scale-cooldown-s", type=float, default=30.0,
+                   help="--autoscale: no second change to a pool within this long of the last")
     c.add_argument("--prefill-resources", default=None, metavar="JSON",
                    help='Ray custom resources each prefill worker needs, e.g. \'{"gpu_node": 1}\' (placement)')
     c.add_argument("--decode-resources", default=None, metavar="JSON",
@@ -356,8 +370,25 @@ def _run_status(args) -> int:
         + ", ".join(f"{r} {p['ready']}/{p['target']} ready" for r, p in data["pools"].items())
         + f"; workers replaced: {data.get('replaced', 0)}"
     )
+    for line in _autoscaler_lines(data.get("autoscaler")):
+        console.print(line)
     console.print(_drift_line(data.get("drift")))
     return 0
+
+
+def _autoscaler_lines(a: dict | None) -> list[str]:
+    if not a:
+        return ["autoscaler: off (tandem serve --autoscale)"]
+    lines = []
+    for role, (lo, hi) in a["bounds"].items():
+        if hi == 0:
+            continue
+        last = a["last"].get(role)
+        why = "no change yet" if not last else (
+            f"last {last['from']} -> {last['to']} at {time.strftime('%H:%M:%S', time.localtime(last['at']))}: "
+            f"{last['reason']}")
+        lines.append(f"autoscaler: {role} target {a['targets'][role]} within [{lo}, {hi}]; {why}")
+    return lines
 
 
 def _drift_line(d: dict | None) -> str:

@@ -87,6 +87,16 @@ class _WorkerCollector(Collector):
         yield from counters.values()
         yield pools
         yield ready
+        auto = getattr(self.pool, "autoscaler", None)
+        if auto:  # the controller's counts (every router shows the same: aggregate with max)
+            c = CounterMetricFamily("tandem:autoscaler_decisions", "Pool size changes the autoscaler made, by pool "
+                                    "and direction (its reasons are in the controller's log and /admin/pools).",
+                                    labels=["role", "direction"])
+            counts = {(d["role"], d["direction"]): d["count"] for d in auto.get("decisions", [])}
+            for role in ("prefill", "decode"):
+                for direction in ("up", "down"):
+                    c.add_metric([role, direction], counts.get((role, direction), 0))
+            yield c
 
 
 class ClusterMetrics:

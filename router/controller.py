@@ -24,7 +24,9 @@ import os
 import time
 
 from router import ray_join
+from router.autoscale import Autoscaler, RouterReport
 from router.pool import PoolConfig, PoolManager
+from worker_runtime.config import Role
 from worker_runtime.host import LOG_FORMAT
 
 log = logging.getLogger(__name__)
@@ -45,8 +47,15 @@ class Controller:
         # routers poll every 0.25 s for routing, so no need to wake every worker as often here
         self.pool = PoolManager(dataclasses.replace(config, stats_interval_s=max(config.stats_interval_s, 1.0)))
         self._info = {**info, "cluster_token": config.template.cluster_token,
-                      "lease_s": config.template.handoff.reservation_lease_s}
+                      "lease_s": config.template.handoff.reservation_lease_s,
+                      "autoscale": config.autoscale is not None}
         self._start: asyncio.Task | None = None
+        self._autoscale_task: asyncio.Task | None = None
+        self.autoscaler = Autoscaler(config.autoscale, colocated=bool(info.get("colocated"))) \
+            if config.autoscale else None
+        self._reports: dict[str, tuple[float, RouterReport]] = {}  # router id -> (when, its report)
+        self._decisions: dict[tuple[str, str], int] = {}  # (role, up|down) -> count
+        self._last: dict[str, dict] = {}  # role -> the last decision, with its reason
 
     def __repr__(self) -> str:  # Ray prefixes this actor's log lines with it: "(controller pid=...)"
         return "controller"
@@ -61,12 +70,55 @@ class Controller:
         if self._start is None:
             self._start = asyncio.create_task(self.pool.start())
         await asyncio.shield(self._start)
+        if self.autoscaler is not None and self._autoscale_task is None:
+            self._autoscale_task = asyncio.create_task(self._autoscale_loop())
 
     async def membership(self, since: int = -1, wait_s: float = 0.0) -> dict:
-        return await self.pool.membership(since, min(wait_s, 30.0))
+        return {**await self.pool.membership(since, min(wait_s, 30.0)), "autoscaler": self.autoscale_status()}
 
     async def get_pools(self) -> dict:
-        return await self.pool.get_pools()
+        return {**await self.pool.get_pools(), "autoscaler": self.autoscale_status()}
+
+    # ---- the autoscaler (router/autoscale.py) ----------------------------------------
+    async def report(self, router_id: str, report: dict) -> None:
+        """A router's own side of the load (its queue, its recent SLO attainment)."""
+        self._reports[router_id] = (time.monotonic(), RouterReport(**report))
+
+    def autoscale_status(self) -> dict | None:
+        if self.autoscaler is None:
+            return None
+        c = self.autoscaler.config
+        return {"bounds": {"prefill": [c.min_prefill, c.max_prefill], "decode": [c.min_decode, c.max_decode]},
+                "targets": {r.value: n for r, n in self.pool.targets.items()},
+                "last": self._last, "routers_reporting": len(self._fresh_reports()),
+                "decisions": [{"role": r, "direction": d, "count": n} for (r, d), n in sorted(self._decisions.items())]}
+
+    def _fresh_reports(self) -> list[RouterReport]:
+        now = time.monotonic()
+        stale = 5 * self.autoscaler.config.interval_s + 5.0
+        self._reports = {k: v for k, v in self._reports.items() if now - v[0] < stale}
+        return [r for _, r in self._reports.values()]
+
+    async def _autoscale_loop(self) -> None:
+        interval = self.autoscaler.config.interval_s
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                loads, starting = self.pool.loads()
+                decisions = self.autoscaler.step(time.monotonic(), dict(self.pool.targets), starting, loads,
+                                                 self._fresh_reports())
+                for d in decisions:
+                    log.info("autoscaler: %s %d -> %d: %s", d.role.value, d.before, d.after, d.reason)
+                    key = (d.role.value, d.direction)
+                    self._decisions[key] = self._decisions.get(key, 0) + 1
+                    self._last[d.role.value] = {"at": time.time(), "from": d.before, "to": d.after,
+                                                "reason": d.reason}
+                    await self.pool.set_pools(d.after if d.role is Role.PREFILL else None,
+                                              d.after if d.role is Role.DECODE else None)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one bad tick must not end autoscaling
+                log.exception("autoscaler: tick failed")
 
     async def set_pools(self, prefill: int | None, decode: int | None) -> dict:
         try:
@@ -79,8 +131,9 @@ class Controller:
 
     async def shutdown(self) -> None:
         """Stop every worker; the caller then ends this actor."""
-        if self._start is not None:
-            self._start.cancel()
+        for t in (self._start, self._autoscale_task):
+            if t is not None:
+                t.cancel()
         await self.pool.stop()
 
 

@@ -12,6 +12,7 @@ Worker or cluster metrics join the same endpoint through `RouterMetrics.register
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -58,6 +59,8 @@ class RouterMetrics:
         self.model = model_name
         self.slos = [slos[c] for c in CLASSES]
         self.drift = None  # a router/drift.py DriftMonitor, fed with every successful engine request
+        # (when, TTFT met, TPOT met or None) of recent successful requests: the autoscaler's SLO signal
+        self.recent: deque[tuple[float, bool, bool | None]] = deque(maxlen=20_000)
         self.registry = CollectorRegistry()
         reg, m, mc = self.registry, ["model_name"], ["model_name", "class"]
         self.registry.register(_LoadCollector(model_name, load))
@@ -119,6 +122,15 @@ class RouterMetrics:
 
     def count_error(self, status: int) -> None:
         self.errors.labels(self.model, str(status)).inc()
+
+    def recent_slo(self, window_s: float = 30.0, now: float | None = None) -> dict[str, int]:
+        """TTFT and TPOT SLOs met, out of the successful requests of the last `window_s`."""
+        now = time.monotonic() if now is None else now
+        while self.recent and self.recent[0][0] < now - window_s:
+            self.recent.popleft()
+        tpots = [t for _, _, t in self.recent if t is not None]
+        return {"ttft_met": sum(t for _, t, _ in self.recent), "ttft_total": len(self.recent),
+                "tpot_met": sum(tpots), "tpot_total": len(tpots)}
 
     def timer(self, arrival: float, cls: int = 0) -> "ChoiceTimer":
         """`cls`: the request's traffic class (0 interactive, 1 batch)."""
@@ -182,7 +194,10 @@ class ChoiceTimer:
             m.c_tpot[cls].observe(tpot)
         ttft = None if self.first is None else self.first - self.arrival
         slo_ttft, slo_tpot = m.slos[cls]
-        met = ttft is not None and ttft <= slo_ttft and (tpot is None or tpot <= slo_tpot)
+        ttft_met = ttft is not None and ttft <= slo_ttft
+        tpot_met = None if tpot is None else tpot <= slo_tpot
+        m.recent.append((now, ttft_met, tpot_met))
+        met = ttft_met and tpot_met is not False
         m.slo.labels(label, CLASSES[cls], "true" if met else "false").inc()
         if met:
             m.goodput_tokens.labels(label, CLASSES[cls]).inc(self.tokens)

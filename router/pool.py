@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from router.admin import AdminInterface
+from router.autoscale import AutoscaleConfig, WorkerLoad
 from worker_runtime.client import RPC_ERRORS, WorkerClient, wait_ready
 from worker_runtime.config import Role, WorkerConfig
 from worker_runtime.rpc import epoch_str
@@ -106,6 +107,7 @@ class PoolConfig:
     join_timeout_s: float = 60.0  # joining a running Ray cluster (--address)
     drain_timeout_s: float = 120.0
     max_workers: int = 64
+    autoscale: AutoscaleConfig | None = None  # the controller's autoscaler (router/autoscale.py); None: off
 
     def __post_init__(self) -> None:  # accept role names as keys; hold Role members
         object.__setattr__(self, "sizes", {Role(r): n for r, n in self.sizes.items()})
@@ -379,6 +381,19 @@ class PoolManager(AdminInterface):
         self.version += 1
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def loads(self) -> tuple[dict[Role, list[WorkerLoad]], dict[Role, int]]:
+        """What the autoscaler reads: each ready worker's load, and the workers starting."""
+        loads: dict[Role, list[WorkerLoad]] = {r: [] for r in ROLES}
+        starting = {r: 0 for r in ROLES}
+        for w in self.workers.values():
+            if w.state is WorkerState.STARTING:
+                starting[w.role] += 1
+            elif w.state is WorkerState.READY and w.stats is not None:
+                s = w.stats
+                loads[w.role].append(WorkerLoad(s.kv_usage, s.num_running, s.num_waiting,
+                                                s.max_num_seqs, s.queued_prefill_tokens))
+        return loads, starting
 
     def members(self) -> list[dict]:
         """What a router needs to reach each worker and to know whether to route to it."""

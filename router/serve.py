@@ -78,7 +78,24 @@ def pool_config(args: argparse.Namespace, model_path: str):
     elif args.pin_cores not in ("auto", "none"):
         cores = parse_cores(args.pin_cores)
     sizes = {"prefill": 0 if args.colocated else args.prefill, "decode": args.decode}
-    return PoolConfig(template, sizes=sizes, resources=resources, cores=cores)
+    return PoolConfig(template, sizes=sizes, resources=resources, cores=cores, autoscale=autoscale_config(args))
+
+
+def autoscale_config(args: argparse.Namespace):
+    """--autoscale and its bounds, or None. The pools start at their --prefill / --decode
+    sizes, brought within the bounds by the first decision."""
+    from router.autoscale import AutoscaleConfig
+
+    if not args.autoscale:
+        return None
+    try:
+        return AutoscaleConfig(
+            min_prefill=0 if args.colocated else args.min_prefill,
+            max_prefill=0 if args.colocated else args.max_prefill,
+            min_decode=args.min_decode, max_decode=args.max_decode, up_after_s=args.scale_up_after_s,
+            down_after_s=args.scale_down_after_s, cooldown_s=args.scale_cooldown_s)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
 
 
 def build_app(args: argparse.Namespace, backend):
@@ -112,8 +129,13 @@ def build_app(args: argparse.Namespace, backend):
         manage_backend=False,  # serve() starts and stops it around the HTTP server
         max_request_body_bytes=args.max_request_body_bytes,
     )
-    return create_app(backend, Tokenizer.from_dir(model_path), settings, admin=backend.pool,
-                      collectors=[backend.metrics.registry])
+    app = create_app(backend, Tokenizer.from_dir(model_path), settings, admin=backend.pool,
+                     collectors=[backend.metrics.registry])
+    adm, metrics = app.state.admission, app.state.metrics
+    # what the controller's autoscaler hears from this router (router/view.py _report_loop)
+    backend.pool.report_source = lambda: {"waiting": adm.waiting, "oldest_wait_s": adm.oldest_wait_s(),
+                                          **metrics.recent_slo()}
+    return app
 
 
 def announce(args, backend, settings) -> None:

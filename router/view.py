@@ -17,8 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from protos import tandem_pb2 as pb
 from router import controller as ctl
@@ -57,6 +60,10 @@ class ClusterView(AdminInterface):
         self._version = -1
         self._said: dict[str, WorkerState] = {}  # each worker's state as the controller last gave it
         self._bg: list[asyncio.Task] = []
+        self.autoscaler: dict | None = None  # the controller's autoscaler status, when it runs one
+        # this router's side of the load, for the autoscaler (set by the app: router/serve.py)
+        self.report_source: Callable[[], dict] | None = None
+        self.router_id = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -91,6 +98,8 @@ class ClusterView(AdminInterface):
             raise RuntimeError(f"the controller did not start its pools: {ctl.remote_cause(e)}") from None
         await self._sync(await ctl.result(handle.membership.remote(-1, 0)))
         self._bg = [asyncio.create_task(self._follow_membership()), asyncio.create_task(self._stats_loop())]
+        if self.info.get("autoscale"):
+            self._bg.append(asyncio.create_task(self._report_loop()))
         log.info("pools up %.1f s after the start", time.monotonic() - t0)
 
     async def stop(self) -> None:
@@ -163,8 +172,23 @@ class ClusterView(AdminInterface):
                 continue
             await self._sync(m)
 
+    async def _report_loop(self, interval_s: float = 2.0) -> None:
+        """Tell the controller's autoscaler what only a router sees: its queue, its SLOs."""
+        while True:
+            await asyncio.sleep(interval_s)
+            if self.report_source is None:
+                continue
+            try:
+                await asyncio.wait_for(ctl.result(self.controller.report.remote(self.router_id,
+                                                                                self.report_source())), 10)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("report to the controller failed: %s", ctl.remote_cause(e))
+
     async def _sync(self, m: dict) -> None:
         self._version = m["version"]
+        self.autoscaler = m.get("autoscaler")
         self.targets = {Role(r): n for r, n in m["targets"].items()}
         seen = set()
         for entry in m["workers"]:

@@ -159,6 +159,17 @@ def test_the_large_values_turn_on_every_monitoring_object_and_the_ingress():
     init = groups["decode"]["template"]["spec"]["initContainers"][0]
     assert init["name"] == "fetch-model"
     assert {e["name"] for e in init["env"]} >= {"HF_REPO", "HF_TOKEN"}
+    # tandem's autoscaler sizes the pools within the groups' bounds; every key is a controller option
+    config = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-config"))
+    controller = yaml.safe_load(config["data"]["controller.yaml"])
+    assert controller["autoscale"] is True
+    assert [controller[k] for k in ("min-prefill", "max-prefill", "min-decode", "max-decode")] == [2, 8, 4, 32]
+    from router.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices["controller"]
+    known = {o.lstrip("-") for a in sub._actions for o in a.option_strings}
+    assert set(controller) <= known, set(controller) - known
 
 
 def test_the_cpu_values_run_colocated_on_the_built_in_model_without_gpus():
