@@ -16,6 +16,10 @@ the budget is not started; each running trial is bounded by what is left of it.
 
 Knobs are `tandem serve` options given as `--knob NAME=V1,V2,...`; `pools=P:D,...`
 sets the prefill:decode split (`--prefill P --decode D`; P = 0 runs colocated).
+Pointed at a running cluster (`--url`, with `--admin-key`), tune starts nothing: the
+defaults are the cluster as it is, the only knob is `pools` (set through the admin
+API; the pools are put back at the end), and the profile holds the split and the
+workload.
 
 Output: the profile (YAML) that `tandem serve --config` takes as it is: the winning
 options, the SLOs as the interactive class's, and the `workload` the trials measured
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -122,11 +127,12 @@ def _workload(run: dict, before: dict, after: dict) -> dict[str, Any]:
     hits, queries = delta.get(("tandem:prefix_cache_hits_total", ""), 0), \
         delta.get(("tandem:prefix_cache_queries_total", ""), 0)
     done = {c: delta.get(("tandem:e2e_request_latency_seconds_count", c), 0) for c in ("interactive", "batch")}
-    duration = run["summary"]["duration_s"]
+    sent = sorted(r["scheduled"] for r in run["requests"])
+    span = sent[-1] - sent[0] if len(sent) > 1 else 0.0
     return {
         "prompt_tokens": {"p50": percentile(prompts, 50), "p90": percentile(prompts, 90)},
         "output_tokens": {"p50": percentile(outputs, 50), "p90": percentile(outputs, 90)},
-        "arrival_rate": round(len(run["requests"]) / duration, 3) if duration else 0.0,
+        "arrival_rate": round((len(sent) - 1) / span, 3) if span > 0 else 1.0,  # requests/s, as sent
         "prefix_hit_rate": round(hits / queries, 4) if queries else 0.0,
         "batch_share": round(done["batch"] / sum(done.values()), 4) if sum(done.values()) else 0.0,
     }
@@ -135,11 +141,14 @@ def _workload(run: dict, before: dict, after: dict) -> dict[str, Any]:
 def run_trial(trial: Trial, a: argparse.Namespace, slos: dict[str, float], tmp: Path, timeout_s: float,
               n: int) -> None:
     t0 = time.monotonic()
-    serve = [*shlex.split(a.serve_args), *knob_args(trial.knobs)]
-    if a.model:
-        serve += ["--model", a.model]
     try:
-        server = ServeProcess(serve, Path(a.log_dir) / f"tune-{n}.log", timeout_s=max(30.0, timeout_s))
+        if a.url:
+            server = RunningCluster(a.url, a.admin_key, trial.knobs, timeout_s)
+        else:
+            serve = [*shlex.split(a.serve_args), *knob_args(trial.knobs)]
+            if a.model:
+                serve += ["--model", a.model]
+            server = ServeProcess(serve, Path(a.log_dir) / f"tune-{n}.log", timeout_s=max(30.0, timeout_s))
     except RuntimeError as e:
         trial.error = str(e)
         trial.seconds = time.monotonic() - t0
@@ -168,6 +177,38 @@ def run_trial(trial: Trial, a: argparse.Namespace, slos: dict[str, float], tmp: 
     finally:
         server.stop()
         trial.seconds = time.monotonic() - t0
+
+
+class RunningCluster:
+    """A cluster tune is pointed at (--url): only the prefill:decode split can change
+    there (engine options are fixed when workers start), through the admin API; a
+    trial waits until the pools are at their new sizes."""
+
+    def __init__(self, url: str, admin_key: str | None, knobs: dict[str, str], timeout_s: float) -> None:
+        self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        if "pools" not in knobs:
+            return
+        p, d = (int(x) for x in knobs["pools"].split(":"))
+        r = httpx.post(self.url + "/admin/pools", json={"prefill": p, "decode": d}, headers=self.headers, timeout=30)
+        if r.status_code != 200:
+            raise RuntimeError(f"cannot resize the pools at {self.url}: {r.status_code} {r.text[:200]}")
+        deadline = time.monotonic() + timeout_s
+        while not self.settled():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the pools at {self.url} did not reach {p}:{d} in time")
+            time.sleep(1.0)
+
+    def pools(self) -> dict:
+        r = httpx.get(self.url + "/admin/pools", headers=self.headers, timeout=30)
+        r.raise_for_status()
+        return r.json()["pools"]
+
+    def settled(self) -> bool:
+        return all(p["ready"] == p["target"] == len(p["workers"]) for p in self.pools().values())
+
+    def stop(self) -> None:
+        pass
 
 
 def _serve_options(serve_args: list[str], knobs: dict[str, str]) -> dict[str, Any]:
@@ -303,6 +344,11 @@ def build_parser(prog: str = "tandem tune") -> argparse.ArgumentParser:
     p.add_argument("--knob", action="append", type=parse_knob, default=[], metavar="NAME=V1,V2",
                    help="a `tandem serve` option and the values to try (repeatable); pools=P:D,... for the split")
     p.add_argument("--serve-args", default="", help="`tandem serve` options every trial shares (quoted)")
+    p.add_argument("--url", default=None,
+                   help="tune a running cluster at this router instead of starting one per trial: only the "
+                   "pools=P:D knob applies there (put back to its sizes at the end)")
+    p.add_argument("--admin-key", default=os.environ.get("TANDEM_ADMIN_KEY"),
+                   help="with --url: the router's admin key (default: env TANDEM_ADMIN_KEY)")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in model)")
     p.add_argument("--budget-s", type=float, default=600.0, help="stop starting trials past this many seconds")
     p.add_argument("-o", "--output", default="tandem-profile.yaml", help="where the profile goes")
@@ -318,15 +364,25 @@ def main(argv: list[str] | None = None) -> int:
     if a.budget_s <= 0:
         raise SystemExit("tandem tune: --budget-s must be > 0")
     for name, values in a.knob:  # every knob value must be a `tandem serve` option (argparse says which not)
+        if a.url and name != "pools":
+            raise SystemExit(f"tandem tune: --knob {name} needs new workers; against a running cluster (--url) only "
+                             "pools=P:D can be tuned")
         for v in values:
             _serve_options(shlex.split(a.serve_args), {name: v})
-    trials, best, defaults = search(a, slos)
+    restore = RunningCluster(a.url, a.admin_key, {}, 0).pools() if a.url else None
+    try:
+        trials, best, defaults = search(a, slos)
+    finally:
+        if restore is not None and any(k == "pools" for k, _ in a.knob):
+            sizes = f"{restore['prefill']['target']}:{restore['decode']['target']}"
+            say(f"putting the pools at {a.url} back to {sizes}")
+            RunningCluster(a.url, a.admin_key, {"pools": sizes}, 600)
     print_table(trials, best, slos)
     out = Path(a.output)
     write_profile(out, a, slos, best, defaults, trials)
-    gain = best.goodput_rps / defaults.goodput_rps if defaults.goodput_rps else float("inf")
+    gain = f"{best.goodput_rps / defaults.goodput_rps:.2f}x" if defaults.goodput_rps else "the defaults met no SLO"
     print(f"best: {best.label()}: goodput {best.goodput_rps:.3f} req/s against {defaults.goodput_rps:.3f} with the "
-          f"defaults ({gain:.2f}x); profile written to {out}")
+          f"defaults ({gain}); profile written to {out}")
     if a.json:
         Path(a.json).write_text(json.dumps([t.__dict__ for t in trials], indent=2, default=str))
     if a.plot:
