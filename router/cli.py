@@ -176,7 +176,7 @@ def _pool_args(p: argparse.ArgumentParser, c) -> None:
     c.add_argument("--min-decode", type=int, default=1, help="--autoscale: fewest decode workers")
     c.add_argument("--max-decode", type=int, default=4, help="--autoscale: most decode workers")
     c.add_argument("--scale-up-after-s", type=float, default=10.0,
-                   help="--autoscale: a pool grows by one after it has been busy this long")
+                   help="--autoscale: a pool grows by one once busy on at least half the ticks of this long")
     c.add_argument("--scale-down-after-s", type=float, default=60.0,
                    help="--autoscale: a pool shrinks by one (draining the worker) after idle this long")
     c.add_argument("--scale-cooldown-s", type=float, default=30.0,

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.cluster
 
 GROW_WITHIN_S = 60.0  # 3 s busy + a worker's start (5-10 s here), with room for a loaded 2-core machine
 SHRINK_WITHIN_S = 90.0  # 8 s idle, the 5 s cooldown, then the drain
+SLO_TTFT_MS = 250
 
 
 async def _user(url: str, i: int, stop: asyncio.Event, out: list, t0: float) -> None:
@@ -45,7 +46,7 @@ async def _user(url: str, i: int, stop: asyncio.Event, out: list, t0: float) -> 
 def test_a_surge_grows_the_decode_pool_and_its_end_shrinks_it_back(tmp_path):
     srv = Serve(["--colocated", "--decode", "1", "--autoscale", "--min-decode", "1", "--max-decode", "2",
                  "--max-num-seqs", "4", "--scale-up-after-s", "3", "--scale-down-after-s", "8",
-                 "--scale-cooldown-s", "5"], tmp_path / "serve.log")
+                 "--scale-cooldown-s", "5", "--slo-ttft-ms", str(SLO_TTFT_MS)], tmp_path / "serve.log")
     try:
         def decode() -> dict:
             return srv.pools()["decode"]
@@ -72,11 +73,12 @@ def test_a_surge_grows_the_decode_pool_and_its_end_shrinks_it_back(tmp_path):
         after = [ttft for t, ttft, _ in results if t > grown + 2]  # two workers: a slot for everyone
         mean_before, mean_after = statistics.mean(before), statistics.mean(after)
         p90 = [statistics.quantiles(x, n=10)[-1] * 1e3 for x in (before, after)]
+        within = [sum(t * 1e3 <= SLO_TTFT_MS for t in x) / len(x) for x in (before, after)]
         print(f"autoscale: decode 1 -> 2 ready {grown:.1f} s into the surge; TTFT mean {mean_before * 1e3:.0f} ms "
-              f"(p90 {p90[0]:.0f}) before ({len(before)} requests), {mean_after * 1e3:.0f} ms (p90 {p90[1]:.0f}) "
-              f"after ({len(after)}); back to 1 worker {shrunk:.1f} s after the surge ended; {len(results)} "
-              "requests, none failed")
-        assert mean_after < mean_before, (mean_before, mean_after)
+              f"(p90 {p90[0]:.0f}, {within[0]:.0%} within {SLO_TTFT_MS} ms) before ({len(before)} requests), "
+              f"{mean_after * 1e3:.0f} ms (p90 {p90[1]:.0f}, {within[1]:.0%} within) after ({len(after)}); back to "
+              f"1 worker {shrunk:.1f} s after the surge ended; {len(results)} requests, none failed")
+        assert mean_after < mean_before and within[1] > within[0], (mean_before, mean_after, within)
         auto = httpx.get(srv.url + "/admin/pools", headers={"Authorization": "Bearer test-admin-key"},
                          timeout=10).json()["autoscaler"]
         assert auto["bounds"]["decode"] == [1, 2] and auto["last"]["decode"]["to"] == 1

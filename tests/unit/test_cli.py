@@ -112,3 +112,13 @@ def test_status_says_how_far_the_traffic_drifted():
               "reference": {}, "live": {"requests": 80}, "min_requests": 50, "window_s": 600}
     assert _drift_line(judged) == ("traffic drift from the profile (1.0 = outside it): prompt_tokens 2.50, "
                                    "batch_share 0.20; outside the profile")
+
+
+def test_test_file_names_are_unique_across_the_test_folders():
+    """tests/ has no __init__.py: pytest imports test files by basename, and two with one
+    name stop the whole run at collection."""
+    from collections import Counter
+    from pathlib import Path
+
+    names = Counter(p.name for p in (Path(__file__).parents[1]).rglob("test_*.py"))
+    assert [n for n, k in names.items() if k > 1] == []
