@@ -34,7 +34,6 @@ from typing import Callable
 from engine.sequence import BATCH, INTERACTIVE  # the traffic classes are the engine's lanes
 from router.errors import ApiError
 
-CLASS_NAMES = ("interactive", "batch")
 ORDERS = ("priority", "fifo")
 
 
