@@ -286,45 +286,39 @@ def plot(trials: list[Trial], best: Trial, out_dir: Path) -> Path:
     return path
 
 
+def _candidates(knobs: list[tuple[str, list[str]]], trials: list[Trial]):
+    """The coordinate search: the defaults, then each knob's values around the best
+    configuration measured by the time that knob's turn comes (the caller runs each
+    candidate before asking for the next), skipping configurations already tried."""
+    yield {}
+    for name, values in knobs:
+        base = max(trials, key=lambda t: t.score).knobs
+        for v in values:
+            cand = {**base, name: v}
+            if all(t.knobs != cand for t in trials):
+                yield cand
+
+
 def search(a: argparse.Namespace, slos: dict[str, float]) -> tuple[list[Trial], Trial, Trial]:
-    knobs: list[tuple[str, list[str]]] = a.knob
-    planned = 1 + sum(len(vals) for _, vals in knobs)
+    planned = 1 + sum(len(vals) for _, vals in a.knob)
     deadline = time.monotonic() + a.budget_s
     trials: list[Trial] = []
-    current: dict[str, str] = {}
-    queue: list[dict[str, str]] = [{}]
-    k = 0  # the knob being varied next
     with tempfile.TemporaryDirectory() as tmp:
-        while queue:
-            knob_set = queue.pop(0)
-            done = [t.seconds for t in trials]
-            mean = sum(done) / len(done) if done else None
+        for knobs in _candidates(a.knob, trials):
             left = deadline - time.monotonic()
+            mean = sum(t.seconds for t in trials) / len(trials) if trials else None
             if mean is not None and mean > left:
                 say(f"stopping: {left:.0f} s of the budget left, a trial takes about {mean:.0f} s")
                 break
-            trial = Trial(dict(knob_set))
-            n = len(trials)
+            trial, n = Trial(knobs), len(trials)
             say(f"[{n + 1}/{planned}] {trial.label()} ...")
             run_trial(trial, a, slos, Path(tmp), left, n)
             trials.append(trial)
             mean = sum(t.seconds for t in trials) / len(trials)
-            remaining = max(0, planned - len(trials))
-            eta = min(remaining * mean, max(0.0, deadline - time.monotonic()))
+            eta = min(max(0, planned - len(trials)) * mean, max(0.0, deadline - time.monotonic()))
             result = trial.error or (f"goodput {trial.goodput_rps:.3f} req/s ({trial.attainment:.0%} within SLOs), "
                                      f"{trial.output_tok_s:.1f} out tok/s")
             say(f"[{n + 1}/{planned}] {trial.label()}: {result}; {trial.seconds:.0f} s; about {eta:.0f} s left")
-            if not queue:  # the values of the next knob, around the best configuration so far
-                best_so_far = max(trials, key=lambda t: t.score)
-                current = dict(best_so_far.knobs)
-                while k < len(knobs) and not queue:
-                    name, values = knobs[k]
-                    k += 1
-                    tried = {json.dumps(t.knobs, sort_keys=True) for t in trials}
-                    for v in values:
-                        cand = {**current, name: v}
-                        if json.dumps(cand, sort_keys=True) not in tried:
-                            queue.append(cand)
     if not trials or trials[0].error:
         raise SystemExit(f"tandem tune: the default configuration failed: {trials[0].error if trials else 'no time'}")
     best = max(trials, key=lambda t: t.score)

@@ -26,6 +26,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from engine.cli_args import add_engine_args
+from router.admission import ORDERS
 from router.checks import CommandError
 from worker_runtime.args import add_worker_args
 
@@ -115,7 +116,7 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-concurrent-requests", type=int, default=256)
     g.add_argument("--max-queued-requests", type=int, default=1024)
     g.add_argument("--queue-timeout-s", type=float, default=30.0)
-    g.add_argument("--admission-order", choices=("priority", "fifo"), default="priority",
+    g.add_argument("--admission-order", choices=ORDERS, default="priority",
                    help="the router's queue: interactive first with aging (priority), or arrival order (fifo)")
     g.add_argument("--batch-aging-s", type=float, default=10.0,
                    help="in priority order, a batch request (priority > 0) waits at most this much longer "
@@ -370,13 +371,13 @@ def _run_status(args) -> int:
         + ", ".join(f"{r} {p['ready']}/{p['target']} ready" for r, p in data["pools"].items())
         + f"; workers replaced: {data.get('replaced', 0)}"
     )
-    for line in _autoscaler_lines(data.get("autoscaler")):
+    for line in _autoscaler_lines(data.get("autoscaler"), {r: p["target"] for r, p in data["pools"].items()}):
         console.print(line)
     console.print(_drift_line(data.get("drift")))
     return 0
 
 
-def _autoscaler_lines(a: dict | None) -> list[str]:
+def _autoscaler_lines(a: dict | None, targets: dict[str, int]) -> list[str]:
     if not a:
         return ["autoscaler: off (tandem serve --autoscale)"]
     lines = []
@@ -387,7 +388,7 @@ def _autoscaler_lines(a: dict | None) -> list[str]:
         why = "no change yet" if not last else (
             f"last {last['from']} -> {last['to']} at {time.strftime('%H:%M:%S', time.localtime(last['at']))}: "
             f"{last['reason']}")
-        lines.append(f"autoscaler: {role} target {a['targets'][role]} within [{lo}, {hi}]; {why}")
+        lines.append(f"autoscaler: {role} target {targets[role]} within [{lo}, {hi}]; {why}")
     return lines
 
 

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from router.pool import WorkerState
+from router.pool import ROLES, WorkerState
 
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -93,9 +93,9 @@ class _WorkerCollector(Collector):
                                     "and direction (its reasons are in the controller's log and /admin/pools).",
                                     labels=["role", "direction"])
             counts = {(d["role"], d["direction"]): d["count"] for d in auto.get("decisions", [])}
-            for role in ("prefill", "decode"):
+            for role in ROLES:
                 for direction in ("up", "down"):
-                    c.add_metric([role, direction], counts.get((role, direction), 0))
+                    c.add_metric([role.value, direction], counts.get((role.value, direction), 0))
             yield c
 
 

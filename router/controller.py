@@ -82,22 +82,24 @@ class Controller:
     # ---- the autoscaler (router/autoscale.py) ----------------------------------------
     async def report(self, router_id: str, report: dict) -> None:
         """A router's own side of the load (its queue, its recent SLO attainment)."""
-        self._reports[router_id] = (time.monotonic(), RouterReport(**report))
+        now = time.monotonic()
+        self._reports = {k: v for k, v in self._reports.items() if now - v[0] < self._stale_s()}  # routers gone
+        self._reports[router_id] = (now, RouterReport(**report))
 
     def autoscale_status(self) -> dict | None:
         if self.autoscaler is None:
             return None
         c = self.autoscaler.config
         return {"bounds": {"prefill": [c.min_prefill, c.max_prefill], "decode": [c.min_decode, c.max_decode]},
-                "targets": {r.value: n for r, n in self.pool.targets.items()},
                 "last": self._last, "routers_reporting": len(self._fresh_reports()),
                 "decisions": [{"role": r, "direction": d, "count": n} for (r, d), n in sorted(self._decisions.items())]}
 
+    def _stale_s(self) -> float:
+        return 5 * self.autoscaler.config.interval_s + 5.0
+
     def _fresh_reports(self) -> list[RouterReport]:
         now = time.monotonic()
-        stale = 5 * self.autoscaler.config.interval_s + 5.0
-        self._reports = {k: v for k, v in self._reports.items() if now - v[0] < stale}
-        return [r for _, r in self._reports.values()]
+        return [r for at, r in self._reports.values() if now - at < self._stale_s()]
 
     async def _autoscale_loop(self) -> None:
         interval = self.autoscaler.config.interval_s

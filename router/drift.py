@@ -1,6 +1,7 @@
 """The drift monitor: is live traffic still the traffic the cluster was tuned for?
 
 Each router keeps the engine requests that finished within the last `window_s` seconds
+(at most the latest MAX_SAMPLES of them)
 (prompt and output tokens, prompt tokens found cached, traffic class, arrival) and
 compares that picture with a reference: the `workload` section of the profile the
 cluster was started with (`tandem serve --config PROFILE`, as `tandem tune` writes it),
@@ -113,6 +114,10 @@ def distances(live: dict, ref: dict) -> dict[str, float]:
 
 
 class DriftMonitor:
+    # Requests kept at most: the quantiles are sorted on every scrape, on the router's
+    # event loop, so a busy router judges its latest MAX_SAMPLES requests of the window.
+    MAX_SAMPLES = 20_000
+
     def __init__(self, reference: dict | None = None, window_s: float = 600.0, min_requests: int = 50,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.reference = None if reference is None else check_reference(reference)
@@ -121,7 +126,7 @@ class DriftMonitor:
         self.min_requests = max(1, min_requests)
         self._clock = clock
         self._born = clock()
-        self._done: deque[_Done] = deque()
+        self._done: deque[_Done] = deque(maxlen=self.MAX_SAMPLES)
 
     def record(self, prompt_tokens: int, output_tokens: int, cached_tokens: int, batch: bool) -> None:
         """One finished engine request."""
@@ -140,6 +145,8 @@ class DriftMonitor:
 
     def _live(self, now: float) -> dict:
         span = min(self.window_s, now - self._born)
+        if len(self._done) == self.MAX_SAMPLES:  # the window is longer than what is kept: the kept span
+            span = now - self._done[0].at
         return summarize(list(self._done), span)
 
     def snapshot(self) -> dict:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.admission import ORDERS
+
 
 class SettingsError(ValueError):
     pass
@@ -72,7 +74,7 @@ class RouterSettings:
         _require(self.max_queued_requests >= 0, "max_queued_requests must be >= 0 (0: no queue, 429 when busy)")
         _require(self.queue_timeout_s > 0, "queue_timeout_s must be > 0")
         _require(self.retry_after_s > 0, "retry_after_s must be > 0")
-        _require(self.admission_order in ("priority", "fifo"), "admission_order must be priority or fifo")
+        _require(self.admission_order in ORDERS, f"admission_order must be one of {', '.join(ORDERS)}")
         _require(self.batch_aging_s >= 0, "batch_aging_s must be >= 0")
         _require(self.shutdown_grace_s >= 0, "shutdown_grace_s must be >= 0")
         _require(self.max_request_body_bytes >= 1024, "max_request_body_bytes must be >= 1024")
@@ -84,12 +86,6 @@ class RouterSettings:
                  "SLO targets must be > 0 seconds")
         _require(self.drift_window_s > 0 and self.drift_min_requests >= 1,
                  "drift_window_s must be > 0 and drift_min_requests >= 1")
-        if self.drift_reference is not None:
-            from router.drift import ProfileError, check_reference
-            try:
-                check_reference(self.drift_reference)
-            except ProfileError as e:
-                raise SettingsError(str(e)) from None
         _require(not self.admin_key or self.admin_key not in self.api_keys,
                  "the admin key must differ from every API key")
 

@@ -83,3 +83,12 @@ def test_a_malformed_workload_is_refused():
         check_reference({**CHAT, "prompt_tokens": 60})
     with pytest.raises(ProfileError, match="within"):
         check_reference({**CHAT, "batch_share": 2})
+
+
+def test_a_busy_window_keeps_the_latest_requests_and_their_rate(monkeypatch):
+    monkeypatch.setattr(DriftMonitor, "MAX_SAMPLES", 50)
+    clock = Clock()
+    mon = DriftMonitor(CHAT, window_s=600, min_requests=10, clock=clock)
+    feed(mon, clock, 200, prompt=60, every_s=0.1)  # 10 requests/s, more than the 50 kept
+    live = mon.snapshot()["live"]
+    assert live["requests"] == 50 and live["arrival_rate"] == pytest.approx(10, rel=0.05)
