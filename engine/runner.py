@@ -116,7 +116,7 @@ class ModelRunner:
 
     def _prepare(self, plan: StepPlan) -> _Batch:
         """Every tensor of the step, built here and nowhere else."""
-        bs, dev = self.block_size, self.device
+        bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -142,24 +142,64 @@ class ModelRunner:
                 sample_ids.append(w.seq_id)
                 rows.append(w.sample)
         decode_lens = [w.start_pos + 1 for w in plan.decodes]
+        q_lens = [len(w.token_ids) for w in plan.prefills]
+        p_lens = [w.start_pos + len(w.token_ids) for w in plan.prefills]
+        starts = None
+        if self.backend.prefill_tensors and plan.prefills:
+            starts = [0]
+            for n in q_lens:
+                starts.append(starts[-1] + n)
+        dec_tables = _pad_rows([w.block_table for w in plan.decodes])
+        pre_tables = _pad_rows([w.block_table for w in plan.prefills])
+        (input_ids, pos_t, slot_t, logits_t), (dec_t, dec_lens_t, pre_t, starts_t, p_lens_t) = self._to_device(
+            [ids, positions, slots, logits_index],
+            [dec_tables, decode_lens, pre_tables, starts, p_lens if starts is not None else None],
+        )
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            slot_mapping=slot_t,
             num_decode_tokens=len(plan.decodes),
-            decode_block_tables=_pad_tables([w.block_table for w in plan.decodes], dev),
-            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
+            decode_block_tables=dec_t.view(len(dec_tables), len(dec_tables[0]) if dec_tables else 0),
+            decode_seq_lens=dec_lens_t,
             decode_max_seq_len=max(decode_lens, default=0),
-            prefill_block_tables=_pad_tables([w.block_table for w in plan.prefills], dev),
-            prefill_query_lens=[len(w.token_ids) for w in plan.prefills],
-            prefill_seq_lens=[w.start_pos + len(w.token_ids) for w in plan.prefills],
+            prefill_block_tables=pre_t.view(len(pre_tables), len(pre_tables[0]) if pre_tables else 0),
+            prefill_query_lens=q_lens,
+            prefill_seq_lens=p_lens,
+            prefill_query_start_loc=starts_t,
+            prefill_seq_lens_tensor=p_lens_t,
         )
         return _Batch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            input_ids=input_ids,
+            positions=pos_t,
             meta=meta,
-            logits_index=torch.tensor(logits_index, dtype=torch.int64, device=dev),
+            logits_index=logits_t,
             sample_ids=sample_ids,
             sample_rows=rows,
         )
+
+    def _to_device(self, int64s: list[list[int]], int32s: list):
+        """Lists of ints (int32 ones may be rows of equal length, or None) as device tensors,
+        rows flattened. On CPU one tensor each. On CUDA all of them in one pinned host buffer and
+        one non-blocking copy (a copy from pageable memory would wait for the GPU to finish
+        the step before), cut into views on the device."""
+        if self.device.type != "cuda":
+            return ([torch.tensor(x, dtype=torch.int64) for x in int64s],
+                    [None if x is None else torch.tensor(x, dtype=torch.int32) for x in int32s])
+        parts = [*int64s, *int32s]
+        flat: list[int] = []
+        for x in parts:
+            for v in x or ():
+                flat.extend(v) if isinstance(v, list) else flat.append(v)
+        dev = torch.tensor(flat, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
+        out, at = [], 0
+        for i, x in enumerate(parts):
+            if x is None:
+                out.append(None)
+                continue
+            n = len(x) * len(x[0]) if x and isinstance(x[0], list) else len(x)
+            view = dev[at : at + n]
+            out.append(view.to(torch.int32) if i >= len(int64s) else view)
+            at += n
+        return out[: len(int64s)], out[len(int64s):]
 
 
 def fused_cpu_ops():
@@ -168,9 +208,8 @@ def fused_cpu_ops():
     return build.load_or_none() if envs.cpu_fused_ops() else None
 
 
-def _pad_tables(tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    """[B, max_len] int32, padded with block 0 (padding is masked by sequence length)."""
+def _pad_rows(tables: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Block tables as rows of one width, padded with block 0 (padding is masked by
+    sequence length)."""
     width = max((len(t) for t in tables), default=0)
-    return torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device).reshape(
-        len(tables), width
-    )
+    return [list(t) + [0] * (width - len(t)) for t in tables]

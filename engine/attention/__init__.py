@@ -1,9 +1,9 @@
 """Attention backends behind one small ABC, chosen by name with lazy imports.
 
 `torch` (engine/attention/reference.py) runs anywhere; `triton` (engine/attention/triton/)
-runs the paged-decode and KV-store kernels on CUDA and falls back to the reference
-for prefill; `cpu` (engine/attention/cpu/) runs paged decode as a C++ kernel compiled
-on first use. `auto` picks triton on CUDA and cpu on CPU when they import (and build),
+runs the KV store, paged decode and ragged (varlen) paged prefill as Triton kernels on
+CUDA; `cpu` (engine/attention/cpu/) runs paged decode as a C++ kernel compiled on first
+use and prefill on the reference. `auto` picks triton on CUDA and cpu on CPU when they import (and build),
 else torch, and says so once.
 """
 
@@ -35,10 +35,16 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [Bp, M] int32
     prefill_query_lens: list[int]
     prefill_seq_lens: list[int]
+    # the same prefill lengths on the device, for kernels (None: not built; the reference needs none)
+    prefill_query_start_loc: torch.Tensor | None = None  # [Bp + 1] int32, cumulative new tokens
+    prefill_seq_lens_tensor: torch.Tensor | None = None  # [Bp] int32
 
 
 class AttentionBackend(abc.ABC):
     name: str = ""
+    # whether `prefill` reads the metadata's device-side prefill lengths (ModelRunner
+    # builds them only then)
+    prefill_tensors: bool = False
 
     @abc.abstractmethod
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -64,10 +70,7 @@ class AttentionBackend(abc.ABC):
             return self.decode(
                 query, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, meta.decode_max_seq_len
             )
-        prefill = reference.varlen_attention(
-            query[nd:], key[nd:], value[nd:], k_cache, v_cache,
-            meta.prefill_block_tables, meta.prefill_query_lens, meta.prefill_seq_lens, scale,
-        )
+        prefill = self.prefill(query[nd:], key[nd:], value[nd:], k_cache, v_cache, meta, scale)
         if nd == 0:
             return prefill
         out = torch.empty_like(query)
@@ -76,6 +79,13 @@ class AttentionBackend(abc.ABC):
         )
         out[nd:] = prefill
         return out
+
+    def prefill(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Ragged causal attention of the step's prefill chunks, their K/V already stored."""
+        return reference.varlen_attention(
+            query, key, value, k_cache, v_cache,
+            meta.prefill_block_tables, meta.prefill_query_lens, meta.prefill_seq_lens, scale,
+        )
 
 
 class TorchAttention(AttentionBackend):

@@ -304,3 +304,143 @@ def paged_decode_attention(
             NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
         )
     return out
+
+
+# --------------------------------------------------------------------------- prefill
+
+
+@triton.jit
+def _varlen_prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr, out_ptr,
+    qk_scale,  # softmax scale * log2(e): scores are kept in base 2
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    stride_cn, stride_cb, stride_ch,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if tile * BLOCK_M < q_len:  # ragged batch: most sequences have fewer tiles than the grid
+        seq_len = tl.load(seq_lens_ptr + seq)
+        cached = seq_len - q_len  # the prefix already in the cache before this chunk
+        m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = m < q_len
+        qpos = cached + m  # each query token's position in its sequence
+        d = tl.arange(0, DIM_P)
+        d_mask = d < HEAD_DIM
+        q_rows = (q_start + m).to(tl.int64)
+        q_mask = m_mask[:, None] & d_mask[None, :]
+        q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=q_mask, other=0.0)
+        if not USE_DOT:
+            q = q.to(tl.float32)
+        kv_off = (head // GROUP) * stride_ch
+        n = tl.arange(0, BLOCK_N)
+        # causal: this tile's last query sees keys up to its own position, no further
+        hi = tl.minimum(seq_len, cached + (tile + 1) * BLOCK_M)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 scores)
+        l_i = tl.full([BLOCK_M], 0.0, tl.float32)  # running sum of exp2(s - m_i)
+        acc = tl.full([BLOCK_M, DIM_P], 0.0, tl.float32)
+        for start in range(0, hi, BLOCK_N):
+            kpos = start + n
+            k_valid = kpos < hi
+            # a key tile may span pages: each key finds its own block (never past the context)
+            block = tl.load(block_tables_ptr + seq * stride_bt + kpos // BLOCK_SIZE, mask=k_valid, other=0)
+            off = (block.to(tl.int64) * stride_cn + (kpos % BLOCK_SIZE) * stride_cb)[:, None] + kv_off + d[None, :]
+            kv_mask = k_valid[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + off, mask=kv_mask, other=0.0)  # [BLOCK_N, DIM_P]
+            v = tl.load(v_cache_ptr + off, mask=kv_mask, other=0.0)
+            if USE_DOT:
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+            else:
+                s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+            visible = (kpos[None, :] <= qpos[:, None]) & k_valid[None, :]
+            s = tl.where(visible, s * qk_scale, float("-inf"))
+            # key 0 is visible to every row, so after the first tile m_new is finite
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if USE_DOT:
+                pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            else:
+                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _prefill_tiles(head_dim: int, block_size: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): query rows and keys a program handles at once. On CUDA tiles
+    that fill the tensor cores and fit shared memory up to head_dim 256; under the
+    interpreter small ones (numpy runs every program in turn)."""
+    if device.type != "cuda":
+        return 16, block_size
+    return 64, 64 if head_dim <= 128 else 32
+
+
+def varlen_prefill_attention(
+    query: torch.Tensor,  # [T, H, D], the new tokens of B sequences back to back, head_dim contiguous
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D] contiguous, the new tokens' K/V already stored
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, M] int32, last dim contiguous
+    query_start_loc: torch.Tensor,  # [B + 1] int32: sequence b's tokens are rows start[b] .. start[b+1]-1
+    seq_lens: torch.Tensor,  # [B] int32: cached prefix + new tokens
+    scale: float,
+    max_query_len: int,  # >= every sequence's new-token count (sizes the grid)
+    block_m: int | None = None,
+    block_n: int | None = None,
+    use_dot: bool | None = None,  # None: tl.dot, except for bf16 under the interpreter (see tests)
+) -> torch.Tensor:  # [T, H, D], query dtype
+    """Ragged causal attention over the paged cache (= reference.varlen_attention).
+
+    Query j of sequence b sits at position seq_len - q_len + j and attends to keys
+    0 .. that position, which it reads from the cache (the cached prefix and the
+    chunk's own keys alike). Program (tile, b, head) computes BLOCK_M query rows of
+    one head, walking the keys in BLOCK_N tiles with an fp32 online softmax.
+    """
+    _check_cache(k_cache, v_cache)
+    t, h, d = query.shape
+    _, bs, hkv, cache_d = k_cache.shape
+    b = seq_lens.shape[0]
+    assert d == cache_d, f"query head_dim {d} != cache head_dim {cache_d}"
+    assert h % hkv == 0, f"num_heads {h} must be a multiple of num_kv_heads {hkv}"
+    assert query.dtype == k_cache.dtype, f"query dtype {query.dtype} != cache dtype {k_cache.dtype}"
+    assert query.stride(2) == 1, "query head_dim must have stride 1"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == b, (
+        f"block_tables must be [B={b}, M], got {tuple(block_tables.shape)}"
+    )
+    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1, (
+        f"block_tables must be int32 with contiguous rows, got {block_tables.dtype}"
+    )
+    assert seq_lens.dtype == torch.int32 and seq_lens.dim() == 1, f"seq_lens must be [B] int32, got {seq_lens.dtype}"
+    assert query_start_loc.shape == (b + 1,) and query_start_loc.dtype == torch.int32, (
+        f"query_start_loc must be [B+1={b + 1}] int32, got {tuple(query_start_loc.shape)} {query_start_loc.dtype}"
+    )
+    _check_device(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if t == 0 or b == 0:
+        return out
+    tile_m, tile_n = _prefill_tiles(d, bs, query.device)
+    block_m, block_n = block_m or tile_m, block_n or tile_n
+    if use_dot is None:
+        use_dot = query.is_cuda or query.dtype != torch.bfloat16
+    if use_dot:
+        assert block_m >= 16 and block_n >= 16 and d >= 16, "tl.dot needs tiles and head_dim of at least 16"
+    grid = (triton.cdiv(max(max_query_len, 1), block_m), b, h)
+    _varlen_prefill_kernel[grid](
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        scale * _LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        GROUP=h // hkv, HEAD_DIM=d, DIM_P=triton.next_power_of_2(d),
+        BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=block_n, USE_DOT=use_dot,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    )
+    return out

@@ -1,0 +1,66 @@
+"""The whole engine on the Triton attention backend (KV store, paged decode and the
+varlen paged prefill kernel), greedy tokens equal to transformers': a paged batch of
+ragged prompts, chunked prefill (chunks after a cached part of the prompt), and prefix
+hits. Without CUDA the kernels run on CPU under the Triton interpreter (slow: small
+sizes), so this is the CPU check of the path a GPU worker takes by default."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from decode_worker.engine import EngineConfig, LLMEngine  # noqa: E402
+from engine.config import CacheConfig, DeviceConfig, SchedulerConfig  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from tests.model.test_exactness import run  # noqa: E402
+from tests.oracle import hf_greedy, random_prompts  # noqa: E402
+
+pytestmark = pytest.mark.model
+
+pytest.importorskip("triton", reason="triton is not installed; the triton backend is optional")
+from engine.attention.triton import kernels  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and not kernels.interpreter_ready():
+    pytest.skip("triton was imported without TRITON_INTERPRET=1 and there is no GPU", allow_module_level=True)
+
+NEW = 6
+
+
+def make_engine(path, **sched):
+    sched = {"max_num_batched_tokens": 4096, "max_model_len": 512, **sched}
+    engine = LLMEngine.from_config(EngineConfig(
+        model=str(path), cache=CacheConfig(num_blocks=64),
+        device=DeviceConfig(device=DEVICE, attention_backend="triton"), scheduler=SchedulerConfig(**sched)))
+    assert engine.runner.backend.name == "triton"
+    return engine
+
+
+@pytest.fixture(params=["builtin", "llama"])
+def triton_model(request):
+    return request.getfixturevalue(f"{request.param}_dir")
+
+
+def test_triton_backend_matches_transformers(triton_model):
+    prompts = random_prompts([1, 15, 17, 33], seed=11)
+    got = run(make_engine(triton_model), prompts, SamplingParams(max_tokens=NEW, temperature=0))
+    for p, g in zip(prompts, got):
+        assert g == hf_greedy(triton_model, p, NEW)
+
+
+def test_triton_chunked_prefill_and_prefix_hits_match_transformers(llama_dir):
+    [prefix] = random_prompts([35], seed=12)
+    prompts = [prefix + s for s in random_prompts([3, 14], seed=13)]
+    engine = make_engine(llama_dir, max_num_batched_tokens=20)  # chunks of 20 after a cached part
+    first = run(engine, prompts[:1], SamplingParams(max_tokens=NEW, temperature=0))
+    rest = run(engine, prompts[1:], SamplingParams(max_tokens=NEW, temperature=0))
+    assert engine.pool.hits >= 32  # the second prompt took the prefix's two full blocks from the cache
+    for p, g in zip(prompts, first + rest):
+        assert g == hf_greedy(llama_dir, p, NEW)
