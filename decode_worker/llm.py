@@ -50,13 +50,15 @@ class _Pending:
 class LLM:
     def __init__(self, model: str | None = None, *, dtype: str | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, max_model_len: int = 2048, block_size: int = 16,
-                 kv_cache_memory_gb: float = 1.0, num_blocks: int | None = None, enable_prefix_caching: bool = True,
+                 kv_cache_memory_gb: float | None = None, num_blocks: int | None = None,
+                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, scheduler: str = "continuous", device: str = "cpu",
                  num_threads: int | None = None, attention_backend: str = "auto", seed: int | None = None) -> None:
         config = EngineConfig(
             model=model,
             dtype=dtype,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
+                              gpu_memory_utilization=gpu_memory_utilization,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,

@@ -8,8 +8,11 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
+
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, SchedulerConfig
+from engine.memory import MemorySnapshot
 from engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -29,11 +32,11 @@ def build_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
     from engine.models.loader import build_model, load_checkpoint
 
     t0 = time.monotonic()
+    device = torch.device(config.device.device)
+    snapshot = MemorySnapshot.take(device) if device.type == "cuda" else None  # before the weights
     ckpt = checkpoint or load_checkpoint(config.model or builtin_model_path(), dtype=config.dtype)
     model = build_model(ckpt, config.device.device)
     t1 = time.monotonic()
-    runner = ModelRunner(model, ckpt.config, config.cache, config.device, sampler_seed=config.seed)
-    t2 = time.monotonic()
     max_len = min(config.scheduler.max_model_len, ckpt.config.max_position_embeddings)
     window = ckpt.config.sliding_window
     if window is not None and window < max_len:
@@ -43,6 +46,9 @@ def build_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
     sched = dataclasses.replace(config.scheduler, max_model_len=max_len)
     if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_len:
         sched = dataclasses.replace(sched, max_num_batched_tokens=max_len)
+    runner = ModelRunner(model, ckpt.config, config.cache, config.device, sampler_seed=config.seed,
+                         profile_step=(sched.max_num_batched_tokens, sched.max_num_seqs, max_len), snapshot=snapshot)
+    t2 = time.monotonic()
     pool = BlockPool(runner.kv_cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
     kv_bytes = runner.kv_cache.kv.numel() * runner.kv_cache.kv.element_size()
     log.info("engine: %s (%s) weights loaded in %.2f s; %d KV blocks of %d tokens (%.0f MiB) and the %s "

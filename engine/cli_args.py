@@ -32,7 +32,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory-gb)")
-    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    g.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                   help="KV cache size per worker (default: 1 on CPU; on CUDA sized by --gpu-memory-utilization)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
+                   help="CUDA: the share of the device's memory this worker may fill (weights, peak activations "
+                   "of the largest step, KV cache), when the cache size is not given (vLLM's meaning)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -50,6 +54,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         model=a.model,
         dtype=None if a.dtype == "auto" else a.dtype,
         cache=CacheConfig(block_size=a.block_size, num_blocks=a.num_blocks, kv_cache_memory_gb=a.kv_cache_memory_gb,
+                          gpu_memory_utilization=a.gpu_memory_utilization,
                           enable_prefix_caching=not a.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                   max_model_len=a.max_model_len, enable_chunked_prefill=not a.no_chunked_prefill,

@@ -173,30 +173,38 @@ def _sliding_window(d: dict[str, Any]) -> int | None:
     return int(window)
 
 
+DEFAULT_CPU_KV_GB = 1.0
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache sizing.
 
-    `num_blocks` wins when given; otherwise the pool takes `kv_cache_memory_gb`.
+    `num_blocks` wins when given, then `kv_cache_memory_gb`. Without either a CUDA
+    worker sizes the cache from the device (`gpu_memory_utilization`, engine/memory.py)
+    and a CPU worker takes DEFAULT_CPU_KV_GB.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
-    kv_cache_memory_gb: float = 1.0
+    kv_cache_memory_gb: float | None = None
     enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         _require(
             self.block_size in (8, 16, 32, 64, 128), f"block_size={self.block_size}: use one of 8, 16, 32, 64, 128"
         )
         _require(self.num_blocks is None or self.num_blocks >= 2, "num_blocks must be at least 2")
-        _require(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb must be > 0")
+        _require(self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0, "kv_cache_memory_gb must be > 0")
+        _require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
 
     def resolve_num_blocks(self, bytes_per_block: int) -> int:
         if self.num_blocks is not None:
             return self.num_blocks
-        n = int(self.kv_cache_memory_gb * (1 << 30)) // bytes_per_block
-        _require(n >= 2, f"kv_cache_memory_gb={self.kv_cache_memory_gb} holds fewer than 2 blocks; raise it")
+        gb = DEFAULT_CPU_KV_GB if self.kv_cache_memory_gb is None else self.kv_cache_memory_gb
+        n = int(gb * (1 << 30)) // bytes_per_block
+        _require(n >= 2, f"kv_cache_memory_gb={gb} holds fewer than 2 blocks; raise it")
         return n
 
 

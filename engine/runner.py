@@ -10,6 +10,7 @@ one place where it becomes tensors. A step mixes decode tokens and prefill chunk
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -23,7 +24,8 @@ from engine.attention import AttentionBackend, AttentionMetadata, get_backend
 from engine.config import CacheConfig, DeviceConfig, ModelConfig
 from engine.cpu_kernels import build
 from engine.events import TokenLogprobs
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, layout_for
+from engine.memory import KVSizing, MemorySnapshot, profile_plan
 from engine.models.packed import can_pack, pack_linears
 from engine.plan import SampleRow, SeqWork, StepPlan  # noqa: F401 (re-exported)
 from engine.sampler import Sampler, SamplerOutput
@@ -59,7 +61,13 @@ class ModelRunner:
         cache_config: CacheConfig,
         device_config: DeviceConfig,
         sampler_seed: int | None = None,
+        profile_step: tuple[int, int, int] = (2048, 256, 2048),
+        snapshot: MemorySnapshot | None = None,
     ) -> None:
+        """`profile_step` (max_num_batched_tokens, max_num_seqs, max_model_len): the largest
+        step the scheduler may plan, run once to size the KV cache from the device's memory
+        (CUDA, when the cache size is not given). `snapshot`: the device's memory before the
+        weights were loaded (engine/memory.py)."""
         self.device = torch.device(device_config.device)
         self.model = model
         # weights a step reads (the embedding: one row a token, unless it is also the head),
@@ -72,7 +80,6 @@ class ModelRunner:
         if self.device.type == "cpu" and hasattr(model, "cpu_ops"):
             model.cpu_ops = fused_cpu_ops()
         self.model_config = model_config
-        self.kv_cache = KVCache(model_config, cache_config, self.device)
         self.block_size = cache_config.block_size
         self.backend: AttentionBackend = get_backend(device_config.attention_backend, self.device)
         self.sampler = Sampler(self.device, sampler_seed)
@@ -83,6 +90,45 @@ class ModelRunner:
         cores = device_config.cpu_affinity if self.device.type == "cpu" and envs.cpu_bind_threads() else None
         self.bind_cores = list(cores[: self.max_threads]) if cores and len(cores) >= self.max_threads > 1 else None
         self.bound_thread: int | None = None
+        self.kv_sizing: KVSizing | None = None
+        if self.device.type == "cuda" and cache_config.num_blocks is None and cache_config.kv_cache_memory_gb is None:
+            blocks = self._blocks_from_device(cache_config.gpu_memory_utilization, profile_step, snapshot)
+            cache_config = dataclasses.replace(cache_config, num_blocks=blocks)
+        self.kv_cache = KVCache(model_config, cache_config, self.device)
+
+    def _blocks_from_device(self, utilization: float, profile_step: tuple[int, int, int],
+                            snapshot: MemorySnapshot | None) -> int:
+        dev = self.device
+        snapshot = snapshot or MemorySnapshot.take(dev)
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        weights = torch.cuda.memory_allocated(dev)
+        scratch = self.profile_run(*profile_step)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - weights - scratch
+        torch.cuda.empty_cache()
+        growth = max(0, MemorySnapshot.take(dev).non_torch - snapshot.non_torch)
+        self.kv_sizing = KVSizing(utilization, snapshot.total, snapshot.free, weights, peak, growth)
+        n = self.kv_sizing.num_blocks(layout_for(self.model_config, self.block_size).block_bytes)
+        max_len = profile_step[2]
+        log.info("KV cache from --gpu-memory-utilization %s: %d blocks of %d tokens, room for %.1f sequences of "
+                 "max-model-len %d at once", self.kv_sizing, n, self.block_size, n * self.block_size / max_len,
+                 max_len)
+        return n
+
+    def profile_run(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
+        """One step of the largest shape the scheduler may plan (engine/memory.py), on a
+        scratch KV cache just big enough; returns the scratch cache's bytes."""
+        plan, blocks = profile_plan(num_tokens, max_num_seqs, max_model_len, self.block_size)
+        scratch = KVCache(self.model_config, CacheConfig(block_size=self.block_size, num_blocks=max(blocks, 2)),
+                          self.device)
+        kept, self.kv_cache = getattr(self, "kv_cache", None), scratch
+        try:
+            self.execute(plan)
+        finally:
+            self.kv_cache = kept
+        return scratch.kv.numel() * scratch.kv.element_size()
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, on_layer_done: Callable[[int], None] | None = None) -> StepResult:

@@ -7,6 +7,10 @@ generator seeded with mix(seed, k), so a prefill worker sampling token 0 and a d
 worker sampling tokens 1.. agree with a single process. Sampling uses the
 exponential race (argmax p_i / q_i with q_i ~ Exp(1)), which draws from p exactly.
 
+On CUDA the step's only wait for the GPU is the final copy of the chosen tokens (and
+their logprobs) to the host: per-row values go up from pinned memory without blocking
+(`_on`), and nothing in between reads a device value.
+
 Logprobs are those of the model's distribution (log-softmax of the raw logits,
 before penalties, temperature and truncation), as vLLM reports by default.
 """
@@ -31,6 +35,14 @@ def mix_seed(seed: int, index: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) >> 1
+
+
+def _on(device: torch.device, values, dtype=None) -> torch.Tensor:
+    """A small host list as a tensor on `device`; on CUDA through pinned memory and a
+    non-blocking copy (a pageable one would wait for the GPU's queued work)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 @dataclass
@@ -65,18 +77,16 @@ class Sampler:
         for i, r in enumerate(rows):
             p = r.params
             if p.needs_penalties:
-                out = torch.tensor(list(r.output_ids), dtype=torch.long, device=logits.device)
+                out = _on(logits.device, list(r.output_ids), torch.long)
                 if p.repetition_penalty != 1.0:
-                    seen = torch.cat(
-                        [torch.tensor(list(r.prompt_ids), dtype=torch.long, device=logits.device), out]
-                    ).unique()
+                    seen = torch.cat([_on(logits.device, list(r.prompt_ids), torch.long), out]).unique()
                     vals = logits[i, seen]
                     logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
                 if out.numel() and (p.presence_penalty or p.frequency_penalty):
                     counts = torch.bincount(out, minlength=vocab).to(logits.dtype)
                     logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
             if r.banned_ids:
-                logits[i, list(r.banned_ids)] = float("-inf")
+                logits[i, _on(logits.device, list(r.banned_ids), torch.long)] = float("-inf")
         return logits
 
     def _choose(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[int]:
@@ -84,9 +94,9 @@ class Sampler:
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not random_rows:
             return greedy_tok.tolist()
-        idx = torch.tensor(random_rows, device=logits.device)
+        idx = _on(logits.device, random_rows, torch.long)
         sub = logits[idx]
-        temps = torch.tensor([rows[i].params.temperature for i in random_rows], device=logits.device)
+        temps = _on(logits.device, [rows[i].params.temperature for i in random_rows], torch.float32)
         sub = sub / temps[:, None]
         sub = self._truncate(sub, [rows[i].params for i in random_rows])
         probs = sub.softmax(dim=-1)
@@ -113,13 +123,13 @@ class Sampler:
             return logits
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(logits.shape[1], device=dev)[None, :]
-        drop = ranks >= torch.tensor(top_k, device=dev)[:, None]
+        drop = ranks >= _on(dev, top_k)[:, None]
         probs = sorted_logits.softmax(dim=-1)
         # top-p: keep the smallest prefix whose mass reaches p (always keep the best token)
         cum_before = probs.cumsum(dim=-1) - probs
-        drop |= cum_before >= torch.tensor(top_p, device=dev, dtype=probs.dtype)[:, None]
+        drop |= cum_before >= _on(dev, top_p, probs.dtype)[:, None]
         # min-p: drop tokens below min_p * p(best)
-        drop |= probs < torch.tensor(min_p, device=dev, dtype=probs.dtype)[:, None] * probs[:, :1]
+        drop |= probs < _on(dev, min_p, probs.dtype)[:, None] * probs[:, :1]
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)
@@ -130,11 +140,12 @@ class Sampler:
         out: list[TokenLogprobs | None] = [None] * len(rows)
         if not want:
             return out
-        lp = raw[torch.tensor(want, device=raw.device)].log_softmax(dim=-1)
+        lp = raw[_on(raw.device, want, torch.long)].log_softmax(dim=-1)
         n = max(rows[i].params.logprobs for i in want)
         top_v, top_i = lp.topk(max(n, 1), dim=-1)
-        top_v, top_i = top_v.tolist(), top_i.tolist()
+        chosen = lp.gather(1, _on(raw.device, [tokens[i] for i in want], torch.long)[:, None])[:, 0]
+        top_v, top_i, chosen = top_v.tolist(), top_i.tolist(), chosen.tolist()  # one wait for all rows
         for j, i in enumerate(want):
             k = rows[i].params.logprobs
-            out[i] = TokenLogprobs(tokens[i], float(lp[j, tokens[i]]), list(zip(top_i[j][:k], top_v[j][:k])))
+            out[i] = TokenLogprobs(tokens[i], chosen[j], list(zip(top_i[j][:k], top_v[j][:k])))
         return out

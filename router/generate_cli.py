@@ -62,7 +62,8 @@ def run_generate(args) -> int:
     llm = LLM(cfg.model, dtype=cfg.dtype, max_num_seqs=cfg.scheduler.max_num_seqs,
               max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens, max_model_len=cfg.scheduler.max_model_len,
               block_size=cfg.cache.block_size, kv_cache_memory_gb=cfg.cache.kv_cache_memory_gb,
-              num_blocks=cfg.cache.num_blocks, enable_prefix_caching=cfg.cache.enable_prefix_caching,
+              num_blocks=cfg.cache.num_blocks, gpu_memory_utilization=cfg.cache.gpu_memory_utilization,
+              enable_prefix_caching=cfg.cache.enable_prefix_caching,
               enable_chunked_prefill=cfg.scheduler.enable_chunked_prefill, scheduler=cfg.scheduler.policy,
               device=cfg.device.device, num_threads=cfg.device.num_threads,
               attention_backend=cfg.device.attention_backend, seed=cfg.seed)

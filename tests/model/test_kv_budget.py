@@ -48,3 +48,51 @@ def test_without_an_expectation_the_budget_is_reported_at_max_model_len(builtin_
 def test_a_budget_that_fits_is_not_a_warning(builtin_dir, caplog):
     line = _build(builtin_dir, caplog, max_num_seqs=4, expected_context_len=256)
     assert line.startswith("INFO KV budget:") and "4 such sequences fit" in line
+
+
+GiB = 1 << 30
+
+
+def test_the_device_sizing_arithmetic_and_its_refusals():
+    from engine.config import ConfigError
+    from engine.memory import KVSizing
+
+    s = KVSizing(0.9, total=80 * GiB, free_at_start=79 * GiB, weights=16 * GiB, peak_activations=2 * GiB,
+                 non_torch_growth=GiB)
+    assert s.requested == int(72 * GiB) and s.kv_bytes == 53 * GiB
+    assert s.num_blocks(2 * 1024 * 1024) == 53 * 512
+    assert "0.90 of 80.00 GiB = 72.00 GiB" in str(s) and "KV cache 53.00 GiB" in str(s)
+    # another process holds half the device: 0.9 of it was never free
+    with pytest.raises(ConfigError, match="only 40.00 GiB was free"):
+        KVSizing(0.9, 80 * GiB, 40 * GiB, 16 * GiB, 2 * GiB, 0).num_blocks(1 << 20)
+    # weights and activations leave nothing for the cache
+    with pytest.raises(ConfigError, match="fewer than 2 blocks"):
+        KVSizing(0.3, 80 * GiB, 79 * GiB, 22 * GiB, 2 * GiB, 0).num_blocks(1 << 20)
+
+
+@pytest.mark.parametrize("tokens,seqs,max_len", [(2048, 256, 2048), (4096, 1, 1024), (100, 256, 2048), (17, 4, 8)])
+def test_the_profile_step_is_the_largest_the_scheduler_can_plan(tokens, seqs, max_len):
+    from engine.memory import profile_plan
+
+    plan, blocks = profile_plan(tokens, seqs, max_len, 16)
+    works = plan.works()
+    assert plan.num_tokens == tokens
+    assert all(len(w.token_ids) <= max_len and w.sample is not None for w in works)
+    assert len(works) <= max(seqs, -(-tokens // max_len))
+    used = [b for w in works for b in w.block_table]
+    assert sorted(used) == list(range(blocks))  # every block once
+    assert all(len(w.block_table) == -(-len(w.token_ids) // 16) for w in works)
+
+
+def test_the_profile_run_leaves_the_worker_cache_alone(builtin_dir):
+    """The sizing step runs on a scratch cache (on CPU here, where nothing else of the
+    sizing applies): the worker's own cache keeps its tensor and its contents."""
+    parts = build_parts(EngineConfig(model=str(builtin_dir), cache=CacheConfig(num_blocks=8),
+                                     scheduler=SchedulerConfig(max_model_len=512)))
+    runner = parts.runner
+    kv = runner.kv_cache.kv
+    kv.fill_(0.5)
+    scratch = runner.profile_run(600, 8, 512)
+    assert runner.kv_cache.kv is kv and bool((kv == 0.5).all())
+    per_block = runner.kv_cache.layout.block_bytes
+    assert scratch == per_block * (8 * 5)  # 8 sequences of 75 tokens, 5 blocks each

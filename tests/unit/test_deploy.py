@@ -122,6 +122,7 @@ def test_the_gpu_default_places_each_pool_on_gpu_nodes_with_the_autoscaler_on():
     controller = yaml.safe_load(config["data"]["controller.yaml"])
     assert controller["prefill-resources"] == '{"tandem_prefill": 1}'
     assert controller["decode-resources"] == '{"tandem_decode": 1}' and controller["num-gpus-per-worker"] == 1
+    assert controller["device"] == "cuda" and controller["gpu-memory-utilization"] == 0.9
     head = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
     assert [c["name"] for c in head] == ["ray-head", "router"]
     router = head[1]
@@ -180,6 +181,7 @@ def test_the_cpu_values_run_colocated_on_the_built_in_model_without_gpus():
     config = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "tdm-tandem-config")
     controller = yaml.safe_load(config["data"]["controller.yaml"])
     assert controller["colocated"] is True and "model" not in controller
+    assert controller["device"] == "cpu" and "gpu-memory-utilization" not in controller
 
 
 def test_the_network_policy_opens_only_the_http_and_metrics_ports_beyond_the_release():
@@ -201,6 +203,7 @@ def test_the_network_policy_opens_only_the_http_and_metrics_ports_beyond_the_rel
     ({"pools": {"decodee": {}}}, "decodee"),
     ({"router": {"service": {"type": "ExternalName", "port": 80}}}, "/router/service/type"),
     ({"engine": {"transport": "rdma"}}, "/engine/transport"),
+    ({"engine": {"gpuMemoryUtilization": 1.5}}, "/engine/gpuMemoryUtilization"),
     ({"monitoring": {"podMonitor": {"enabled": True, "interval": "fast"}}}, "/monitoring/podMonitor/interval"),
 ])
 def test_a_bad_value_is_refused_with_a_message_naming_it(bad, message):
