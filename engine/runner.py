@@ -151,6 +151,16 @@ class ModelRunner:
             plan.num_tokens,
         )
 
+    def compute_marker(self):
+        """Something a KV transport can poll (`query()`) to know that the kernels launched
+        so far have run: a CUDA event recorded now on the current stream. None on CPU,
+        where a layer's KV is in memory when its call returns."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
     def _bind_threads(self) -> None:
         self.bound_thread = threading.get_ident()
         ops = build.load_or_none()

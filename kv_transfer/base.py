@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 from kv_transfer.handles import (  # noqa: F401  (re-exported)
     DONE,
@@ -24,6 +24,7 @@ from kv_transfer.handles import (  # noqa: F401  (re-exported)
     TransferHandle,
     TransferStatus,
     XferState,
+    await_ready,
     resolve_write,
 )
 from kv_transfer.layout import (  # noqa: F401  (re-exported)
@@ -61,6 +62,8 @@ class TransportConfig:
     connect_timeout_s / io_timeout_s: bounds on connecting and on any single socket read/write.
     xfer_timeout_s: a write still pending after this long is FAILED.
     nixl_progress_delay_us: NIXL progress thread wait (0 makes it busy-spin a core).
+    wait_for_ready: honour `write_blocks(ready=...)`. False only to show, in a stress
+      test, the race that the wait prevents (a layer's KV sent before it is computed).
     """
 
     worker_name: str
@@ -73,6 +76,7 @@ class TransportConfig:
     io_timeout_s: float = 30.0
     xfer_timeout_s: float = 60.0
     nixl_progress_delay_us: int = 1000
+    wait_for_ready: bool = True
 
     def __post_init__(self) -> None:
         if not self.worker_name or "@" in self.worker_name:
@@ -123,8 +127,14 @@ class Transport(abc.ABC):
         layers: range | None = None,
         notify: bytes | None = None,
         after: Sequence[TransferHandle] = (),
+        ready: Any = None,
     ) -> TransferHandle:
         """Start writing local blocks into the peer's blocks (pairwise); never blocks.
+
+        `ready`: something with `query() -> bool`, true once the blocks' KV has been
+        computed (a CUDA event recorded after the kernels that write it); the
+        transport's thread reads the blocks only after that, within the write's
+        deadline (`await_ready`). None: the KV is already in memory (CPU).
 
         `layers` restricts the write to a contiguous layer range (layer-by-layer
         push); None writes all layers. `notify` reaches the peer's

@@ -17,8 +17,9 @@ class FaultyTransport(Transport):
         self.name = inner.name
         self._started: dict[int, float] = {}
 
-    def write_blocks(self, peer, local_block_ids, remote_block_ids, layers=None, notify=None, after=()):
-        h = self.inner.write_blocks(peer, local_block_ids, remote_block_ids, layers=layers, notify=notify, after=after)
+    def write_blocks(self, peer, local_block_ids, remote_block_ids, layers=None, notify=None, after=(), ready=None):
+        h = self.inner.write_blocks(peer, local_block_ids, remote_block_ids, layers=layers, notify=notify, after=after,
+                                    ready=ready)
         self._started[h.id] = time.monotonic()
         return h
 

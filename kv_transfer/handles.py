@@ -97,6 +97,26 @@ class PendingWrite:
     deadline: float
     after: tuple[int, ...] = ()
     extra: Any = None
+    ready: Any = None  # see await_ready
+
+
+def await_ready(write: PendingWrite) -> TransferStatus | None:
+    """Wait until the KV a write reads has been computed: `write.ready.query()` is true
+    (a CUDA event recorded after the kernels that produce it; None: nothing to wait
+    for). Bounded by the write's deadline. Returns None when ready, else FAILED.
+
+    A device runs kernels after the call that launched them returns, so without this
+    a transport's thread could read (and send) a layer's KV before it is written."""
+    ready = write.ready
+    if ready is None:
+        return None
+    pause = 10e-6
+    while not ready.query():
+        if time.monotonic() > write.deadline:
+            return TransferStatus.failed("timed out waiting for the KV it carries to be computed")
+        time.sleep(pause)
+        pause = min(pause * 2, 200e-6)
+    return None
 
 
 class HandleBook:
@@ -113,7 +133,7 @@ class HandleBook:
         self._live: dict[int, PendingWrite] = {}
         self._done: OrderedDict[int, TransferStatus] = OrderedDict()
 
-    def open(self, peer: PeerId, nbytes: int, after: Sequence[TransferHandle] = ()) -> PendingWrite:
+    def open(self, peer: PeerId, nbytes: int, after: Sequence[TransferHandle] = (), ready: Any = None) -> PendingWrite:
         for h in after:
             if h.peer != peer:
                 raise TransferError(f"write to {peer}: `after` handle {h.id} targets {h.peer}")
@@ -121,7 +141,7 @@ class HandleBook:
             self._next_id += 1
             handle = TransferHandle(self._next_id, peer, nbytes)
             write = PendingWrite(
-                handle, time.monotonic() + self._timeout_s, tuple(h.id for h in after)
+                handle, time.monotonic() + self._timeout_s, tuple(h.id for h in after), ready=ready
             )
             self._live[handle.id] = write
             return write

@@ -44,6 +44,7 @@ from kv_transfer.base import (
     Transport,
     TransportConfig,
     XferState,
+    await_ready,
     resolve_write,
 )
 from kv_transfer.nixl_agent import (
@@ -195,6 +196,7 @@ class NixlTransport(Transport):
         layers: range | None = None,
         notify: bytes | None = None,
         after: Sequence[TransferHandle] = (),
+        ready: Any = None,
     ) -> TransferHandle:
         ours = self._require_registered()
         target = self._peers.get(peer.name)
@@ -202,7 +204,8 @@ class NixlTransport(Transport):
         local, remote, layers = resolve_write(
             ours, theirs, peer, local_block_ids, remote_block_ids, layers
         )
-        write = self._book.open(peer, len(local) * len(layers) * 2 * ours.region_bytes, after)
+        write = self._book.open(peer, len(local) * len(layers) * 2 * ours.region_bytes, after,
+                                ready if self.config.wait_for_ready else None)
         if target is None or target.id != peer:
             reason = f"peer {peer} is not connected (never added, removed or replaced)"
             self._book.finish(write.handle.id, TransferStatus.failed(reason))
@@ -242,8 +245,12 @@ class NixlTransport(Transport):
                 write = _IDLE
             if write is None:
                 return
+            # the KV must be computed before NIXL reads it; waited for outside the lock
+            not_ready = None if write is _IDLE else await_ready(write)
             with self._lock:
-                if write is not _IDLE:
+                if not_ready is not None:
+                    self._fail(write, not_ready.reason)
+                elif write is not _IDLE:
                     self._post(write)
                 self._inflight = [w for w in self._inflight if not self._progress(w)]
 

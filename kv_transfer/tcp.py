@@ -22,7 +22,7 @@ import queue
 import socket
 import threading
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -41,6 +41,7 @@ from kv_transfer.base import (
     Transport,
     TransportConfig,
     XferState,
+    await_ready,
     resolve_write,
 )
 from kv_transfer.tcp_server import (
@@ -136,6 +137,9 @@ class _PeerLink:
             return TransferStatus.failed(
                 f"an earlier write it must follow failed: {failed[0].reason}"
             )
+        not_ready = await_ready(job.write)
+        if not_ready is not None:
+            return not_ready
         try:
             if self.sock is None:
                 self.connect()
@@ -252,6 +256,7 @@ class TcpTransport(Transport):
         layers: range | None = None,
         notify: bytes | None = None,
         after: Sequence[TransferHandle] = (),
+        ready: Any = None,
     ) -> TransferHandle:
         ours = self.layout
         link = self._links.get(peer.name)
@@ -259,7 +264,8 @@ class TcpTransport(Transport):
         local, remote, layers = resolve_write(
             ours, theirs, peer, local_block_ids, remote_block_ids, layers
         )
-        write = self._book.open(peer, len(local) * len(layers) * 2 * ours.region_bytes, after)
+        write = self._book.open(peer, len(local) * len(layers) * 2 * ours.region_bytes, after,
+                                ready if self.config.wait_for_ready else None)
         if link is None or link.id != peer:
             reason = f"peer {peer} is not connected (never added, removed or replaced)"
             self._book.finish(write.handle.id, TransferStatus.failed(reason))

@@ -168,12 +168,12 @@ class PrefillEngine:
         def on_layer_done(layer: int) -> None:
             if layer == self.num_layers - 1:
                 return  # the last layer goes with the notification, after sampling
+            ready = self.runner.compute_marker()  # the layer's kernels may still be queued (CUDA)
             for job in jobs:
                 local, remote = self._block_pairs(job)
                 if local:
-                    job.handles.append(
-                        self.transport.write_blocks(job.peer, local, remote, layers=range(layer, layer + 1))
-                    )
+                    job.handles.append(self.transport.write_blocks(
+                        job.peer, local, remote, layers=range(layer, layer + 1), ready=ready))
 
         return on_layer_done
 
@@ -197,6 +197,7 @@ class PrefillEngine:
             layers=layers,
             notify=landed_message(seq.seq_id, first, job.logprobs),
             after=job.handles,
+            ready=self.runner.compute_marker(),
         )
 
     def _poll_transfers(self) -> None:
