@@ -35,6 +35,10 @@ def build_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
     device = torch.device(config.device.device)
     snapshot = MemorySnapshot.take(device) if device.type == "cuda" else None  # before the weights
     ckpt = checkpoint or load_checkpoint(config.model or builtin_model_path(), dtype=config.dtype)
+    if config.dtype is None and (dtype := auto_dtype(ckpt.config.dtype, device)) != ckpt.config.dtype:
+        log.info("dtype auto on %s: the %s checkpoint runs in %s (--dtype float32 keeps it)", device,
+                 ckpt.config.dtype, dtype)
+        ckpt = dataclasses.replace(ckpt, config=dataclasses.replace(ckpt.config, dtype=dtype))
     model = build_model(ckpt, config.device.device)
     t1 = time.monotonic()
     max_len = min(config.scheduler.max_model_len, ckpt.config.max_position_embeddings)
@@ -47,7 +51,7 @@ def build_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
     if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_len:
         sched = dataclasses.replace(sched, max_num_batched_tokens=max_len)
     runner = ModelRunner(model, ckpt.config, config.cache, config.device, sampler_seed=config.seed,
-                         profile_step=(sched.max_num_batched_tokens, sched.max_num_seqs, max_len), snapshot=snapshot)
+                         step_limits=(sched.max_num_batched_tokens, sched.max_num_seqs, max_len), snapshot=snapshot)
     t2 = time.monotonic()
     pool = BlockPool(runner.kv_cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
     kv_bytes = runner.kv_cache.kv.numel() * runner.kv_cache.kv.element_size()
@@ -62,6 +66,14 @@ def build_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
     else:
         log.info("KV budget: %s", budget)
     return EngineParts(ckpt, runner, pool, sched, frozenset(ckpt.config.eos_token_ids))
+
+
+def auto_dtype(checkpoint_dtype: str, device: torch.device) -> str:
+    """`--dtype auto`: the checkpoint's, except fp32 on CUDA, which runs in bf16 (half
+    the bytes a token reads, tensor cores; the same exponent range as fp32)."""
+    if device.type == "cuda" and checkpoint_dtype == "float32":
+        return "bfloat16"
+    return checkpoint_dtype
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU: a step whose tokens x weight parameters are at most N runs on one torch thread "
                    "(0: never; default: 32e6 when `tandem serve` runs workers on the router's own cores, else 0)")
     g.add_argument("--attention-backend", default="auto")
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="CUDA: replay decode steps from graphs captured per batch size at start (off by default "
+                   "until verified on a GPU; see engine/graphs.py)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory-gb)")
     g.add_argument("--kv-cache-memory-gb", type=float, default=None,
@@ -60,7 +63,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                                   max_model_len=a.max_model_len, enable_chunked_prefill=not a.no_chunked_prefill,
                                   policy=a.scheduler, expected_context_len=a.expected_context_len),
         device=DeviceConfig(device=a.device, num_threads=a.num_threads, cpu_affinity=parse_cores(a.cpu_affinity),
-                            attention_backend=a.attention_backend,
+                            attention_backend=a.attention_backend, cuda_graphs=a.cuda_graphs,
                             serial_step_work=None if a.serial_step_work is None else int(a.serial_step_work)),
         seed=a.seed,
     )

@@ -259,6 +259,8 @@ class DeviceConfig:
     # a row-major copy of the weights (engine/models/packed.py). Prefill workers, whose steps
     # are whole prompts, turn it off and keep only oneDNN's packed copy.
     small_batch_linear: bool = True
+    # CUDA: replay decode steps from graphs captured per batch-size bucket (engine/graphs.py)
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         _require(

@@ -21,9 +21,10 @@ import torch
 
 from engine import envs
 from engine.attention import AttentionBackend, AttentionMetadata, get_backend
-from engine.config import CacheConfig, DeviceConfig, ModelConfig
+from engine.config import CacheConfig, ConfigError, DeviceConfig, ModelConfig
 from engine.cpu_kernels import build
 from engine.events import TokenLogprobs
+from engine.graphs import DecodeGraphs
 from engine.kv_cache import KVCache, layout_for
 from engine.memory import KVSizing, MemorySnapshot, profile_plan
 from engine.models.packed import can_pack, pack_linears
@@ -61,13 +62,13 @@ class ModelRunner:
         cache_config: CacheConfig,
         device_config: DeviceConfig,
         sampler_seed: int | None = None,
-        profile_step: tuple[int, int, int] = (2048, 256, 2048),
+        step_limits: tuple[int, int, int] = (2048, 256, 2048),
         snapshot: MemorySnapshot | None = None,
     ) -> None:
-        """`profile_step` (max_num_batched_tokens, max_num_seqs, max_model_len): the largest
+        """`step_limits` (max_num_batched_tokens, max_num_seqs, max_model_len): the largest
         step the scheduler may plan, run once to size the KV cache from the device's memory
-        (CUDA, when the cache size is not given). `snapshot`: the device's memory before the
-        weights were loaded (engine/memory.py)."""
+        (CUDA, when the cache size is not given), and the decode graphs' bounds.
+        `snapshot`: the device's memory before the weights were loaded (engine/memory.py)."""
         self.device = torch.device(device_config.device)
         self.model = model
         # weights a step reads (the embedding: one row a token, unless it is also the head),
@@ -92,11 +93,18 @@ class ModelRunner:
         self.bound_thread: int | None = None
         self.kv_sizing: KVSizing | None = None
         if self.device.type == "cuda" and cache_config.num_blocks is None and cache_config.kv_cache_memory_gb is None:
-            blocks = self._blocks_from_device(cache_config.gpu_memory_utilization, profile_step, snapshot)
+            blocks = self._blocks_from_device(cache_config.gpu_memory_utilization, step_limits, snapshot)
             cache_config = dataclasses.replace(cache_config, num_blocks=blocks)
         self.kv_cache = KVCache(model_config, cache_config, self.device)
+        self.graphs: DecodeGraphs | None = None
+        if device_config.cuda_graphs:
+            if self.device.type != "cuda" or self.backend.name != "triton":
+                raise ConfigError(f"--cuda-graphs needs a CUDA device and the triton attention backend (here: "
+                                  f"{self.device}, {self.backend.name})")
+            self.graphs = DecodeGraphs(model, self.kv_cache.layers, self.backend, max_num_seqs=step_limits[1],
+                                       max_model_len=step_limits[2], block_size=self.block_size, device=self.device)
 
-    def _blocks_from_device(self, utilization: float, profile_step: tuple[int, int, int],
+    def _blocks_from_device(self, utilization: float, step_limits: tuple[int, int, int],
                             snapshot: MemorySnapshot | None) -> int:
         dev = self.device
         snapshot = snapshot or MemorySnapshot.take(dev)
@@ -104,14 +112,14 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
         weights = torch.cuda.memory_allocated(dev)
-        scratch = self.profile_run(*profile_step)
+        scratch = self.profile_run(*step_limits)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - weights - scratch
         torch.cuda.empty_cache()
         growth = max(0, MemorySnapshot.take(dev).non_torch - snapshot.non_torch)
         self.kv_sizing = KVSizing(utilization, snapshot.total, snapshot.free, weights, peak, growth)
         n = self.kv_sizing.num_blocks(layout_for(self.model_config, self.block_size).block_bytes)
-        max_len = profile_step[2]
+        max_len = step_limits[2]
         log.info("KV cache from --gpu-memory-utilization %s: %d blocks of %d tokens, room for %.1f sequences of "
                  "max-model-len %d at once", self.kv_sizing, n, self.block_size, n * self.block_size / max_len,
                  max_len)
@@ -139,7 +147,11 @@ class ModelRunner:
             small = plan.num_tokens * self.weight_params <= self.serial_step_work
             torch.set_num_threads(1 if small else self.max_threads)
         b = self._prepare(plan)
-        hidden = self.model(b.input_ids, b.positions, self.kv_cache.layers, b.meta, self.backend, on_layer_done)
+        if (self.graphs is not None and not plan.prefills and on_layer_done is None
+                and self.graphs.bucket(len(plan.decodes)) is not None):
+            hidden = self.graphs.run(b.input_ids, b.positions, b.meta)
+        else:
+            hidden = self.model(b.input_ids, b.positions, self.kv_cache.layers, b.meta, self.backend, on_layer_done)
         if not b.sample_ids:
             return StepResult({}, {}, time.perf_counter() - t0, plan.num_tokens)
         logits = self.model.compute_logits(hidden[b.logits_index])

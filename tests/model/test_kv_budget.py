@@ -96,3 +96,14 @@ def test_the_profile_run_leaves_the_worker_cache_alone(builtin_dir):
     assert runner.kv_cache.kv is kv and bool((kv == 0.5).all())
     per_block = runner.kv_cache.layout.block_bytes
     assert scratch == per_block * (8 * 5)  # 8 sequences of 75 tokens, 5 blocks each
+
+
+def test_dtype_auto_is_bf16_for_an_fp32_checkpoint_on_cuda_only():
+    import torch
+
+    from engine.build import auto_dtype
+
+    assert auto_dtype("float32", torch.device("cuda")) == "bfloat16"
+    assert auto_dtype("float16", torch.device("cuda:1")) == "float16"
+    assert auto_dtype("bfloat16", torch.device("cuda")) == "bfloat16"
+    assert auto_dtype("float32", torch.device("cpu")) == "float32"
