@@ -1,0 +1,97 @@
+"""The engine on CUDA (skipped without a GPU): greedy tokens equal transformers' with
+the Triton kernels, eager and with decode graphs; the KV cache sized from the device;
+and the layer-wise push stress-tested with the ready-event wait on and off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("triton", reason="triton is not installed")
+
+from decode_worker.engine import EngineConfig, LLMEngine  # noqa: E402
+from engine.config import CacheConfig, DeviceConfig, SchedulerConfig  # noqa: E402
+from engine.models.builtin import builtin_model_path  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from tests.model.conftest import _write_hf  # noqa: E402
+from tests.model.test_exactness import LENGTHS, run  # noqa: E402
+from tests.oracle import hf_greedy, random_prompts  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=["builtin", "llama"])
+def model_dir(request, tmp_path_factory):
+    if request.param == "builtin":
+        return builtin_model_path()
+    return _write_hf("llama", tmp_path_factory.mktemp("gpu-llama"), builtin_model_path())
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_greedy_tokens_equal_transformers_on_cuda(model_dir, graphs):
+    engine = LLMEngine.from_config(EngineConfig(
+        model=str(model_dir), dtype="float32", cache=CacheConfig(num_blocks=512),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_model_len=1024, max_num_seqs=16),
+        device=DeviceConfig(device="cuda", cuda_graphs=graphs)))
+    assert engine.runner.backend.name == "triton" and (engine.runner.graphs is not None) == graphs
+    prompts = random_prompts(LENGTHS, seed=31)
+    got = run(engine, prompts, SamplingParams(max_tokens=12, temperature=0))
+    for p, g in zip(prompts, got):
+        assert g == hf_greedy(model_dir, p, 12)
+
+
+def test_the_kv_cache_is_sized_from_the_device(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="engine.runner"):
+        engine = LLMEngine.from_config(EngineConfig(
+            cache=CacheConfig(gpu_memory_utilization=0.5), device=DeviceConfig(device="cuda")))
+    sizing = engine.runner.kv_sizing
+    assert sizing is not None and engine.pool.num_blocks == sizing.num_blocks(engine.runner.kv_cache.layout.block_bytes)
+    free, total = torch.cuda.mem_get_info()
+    assert torch.cuda.memory_reserved() <= 0.5 * total + (1 << 30)
+    assert any("KV cache from --gpu-memory-utilization" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("kind", ["tcp", "nixl"])
+def test_layerwise_push_waits_for_the_layer_on_the_gpu(kind):
+    """A slow kernel, then the write of a layer's blocks, are queued; the transfer is
+    posted at once with the event recorded after them. With the wait every transfer
+    carries the new values; without it, this prints how many carried stale ones (the
+    TCP sender copies on the same CUDA stream, so it cannot race; NIXL reads the memory
+    directly and can)."""
+    from kv_transfer.base import TransportConfig, XferState
+    from kv_transfer.registry import create_transport
+
+    shape = (4, 2, 64, 16, 8, 128)
+    stale = {}
+    for wait in (True, False):
+        try:
+            send = create_transport(kind, TransportConfig(worker_name="p", wait_for_ready=wait))
+            recv = create_transport(kind, TransportConfig(worker_name="d"))
+        except Exception as e:  # noqa: BLE001
+            pytest.skip(f"{kind}: {e}")
+        src = torch.zeros(shape, device="cuda", dtype=torch.bfloat16)
+        dst = torch.zeros(shape, device="cuda", dtype=torch.bfloat16)
+        send.register(src)
+        recv.register(dst)
+        peer = send.add_peer(recv.local_descriptor())
+        a = torch.randn(4096, 4096, device="cuda")
+        bad = 0
+        for i in range(1, 21):
+            for _ in range(8):
+                a = a @ a * 1e-3  # keep the stream busy for a while
+            src[1, :, :32].fill_(float(i))
+            ev = torch.cuda.Event()
+            ev.record()
+            h = send.write_blocks(peer, list(range(32)), list(range(32)), layers=range(1, 2), ready=ev)
+            assert send.wait(h, 10.0).state is XferState.DONE
+            torch.cuda.synchronize()
+            bad += int(not bool((dst[1, :, :32] == float(i)).all()))
+        stale[wait] = bad
+        send.close()
+        recv.close()
+    print(f"{kind}: stale transfers out of 20 with the wait {stale[True]}, without {stale[False]}")
+    assert stale[True] == 0
