@@ -48,6 +48,30 @@ class MemorySnapshot:
         return cls(free, total, torch.cuda.memory_reserved(device))
 
 
+class CudaMemory:
+    """The device's memory counters the sizing reads (torch.cuda's)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def settle(self) -> None:
+        """Wait for queued work and give cached blocks back to the device."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def snapshot(self) -> MemorySnapshot:
+        return MemorySnapshot.take(self.device)
+
+
 @dataclass(frozen=True)
 class KVSizing:
     """The arithmetic of one sizing, kept for the start-up log."""

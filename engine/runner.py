@@ -26,7 +26,7 @@ from engine.cpu_kernels import build
 from engine.events import TokenLogprobs
 from engine.graphs import DecodeGraphs
 from engine.kv_cache import KVCache, layout_for
-from engine.memory import KVSizing, MemorySnapshot, profile_plan
+from engine.memory import CudaMemory, KVSizing, MemorySnapshot, profile_plan
 from engine.models.packed import can_pack, pack_linears
 from engine.plan import SampleRow, SeqWork, StepPlan  # noqa: F401 (re-exported)
 from engine.sampler import Sampler, SamplerOutput
@@ -64,11 +64,13 @@ class ModelRunner:
         sampler_seed: int | None = None,
         step_limits: tuple[int, int, int] = (2048, 256, 2048),
         snapshot: MemorySnapshot | None = None,
+        memory: CudaMemory | None = None,
     ) -> None:
         """`step_limits` (max_num_batched_tokens, max_num_seqs, max_model_len): the largest
         step the scheduler may plan, run once to size the KV cache from the device's memory
         (CUDA, when the cache size is not given), and the decode graphs' bounds.
-        `snapshot`: the device's memory before the weights were loaded (engine/memory.py)."""
+        `snapshot`: the device's memory before the weights were loaded (engine/memory.py).
+        `memory`: the counters it is read from (default: torch.cuda's on CUDA, none on CPU)."""
         self.device = torch.device(device_config.device)
         self.model = model
         # weights a step reads (the embedding: one row a token, unless it is also the head),
@@ -92,11 +94,13 @@ class ModelRunner:
         self.bind_cores = list(cores[: self.max_threads]) if cores and len(cores) >= self.max_threads > 1 else None
         self.bound_thread: int | None = None
         self.kv_sizing: KVSizing | None = None
-        if self.device.type == "cuda" and cache_config.num_blocks is None and cache_config.kv_cache_memory_gb is None:
-            blocks = self._blocks_from_device(cache_config.gpu_memory_utilization, step_limits, snapshot)
+        self.graphs: DecodeGraphs | None = None  # made last: the sizing step below runs eagerly
+        if memory is None and self.device.type == "cuda":
+            memory = CudaMemory(self.device)
+        if memory is not None and cache_config.num_blocks is None and cache_config.kv_cache_memory_gb is None:
+            blocks = self._blocks_from_device(memory, cache_config.gpu_memory_utilization, step_limits, snapshot)
             cache_config = dataclasses.replace(cache_config, num_blocks=blocks)
         self.kv_cache = KVCache(model_config, cache_config, self.device)
-        self.graphs: DecodeGraphs | None = None
         if device_config.cuda_graphs:
             if self.device.type != "cuda" or self.backend.name != "triton":
                 raise ConfigError(f"--cuda-graphs needs a CUDA device and the triton attention backend (here: "
@@ -104,19 +108,16 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, self.kv_cache.layers, self.backend, max_num_seqs=step_limits[1],
                                        max_model_len=step_limits[2], block_size=self.block_size, device=self.device)
 
-    def _blocks_from_device(self, utilization: float, step_limits: tuple[int, int, int],
+    def _blocks_from_device(self, memory: CudaMemory, utilization: float, step_limits: tuple[int, int, int],
                             snapshot: MemorySnapshot | None) -> int:
-        dev = self.device
-        snapshot = snapshot or MemorySnapshot.take(dev)
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-        weights = torch.cuda.memory_allocated(dev)
+        snapshot = snapshot or memory.snapshot()
+        memory.settle()
+        memory.reset_peak()
+        weights = memory.allocated()
         scratch = self.profile_run(*step_limits)
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev) - weights - scratch
-        torch.cuda.empty_cache()
-        growth = max(0, MemorySnapshot.take(dev).non_torch - snapshot.non_torch)
+        memory.settle()
+        peak = memory.peak() - weights - scratch
+        growth = max(0, memory.snapshot().non_torch - snapshot.non_torch)
         self.kv_sizing = KVSizing(utilization, snapshot.total, snapshot.free, weights, peak, growth)
         n = self.kv_sizing.num_blocks(layout_for(self.model_config, self.block_size).block_bytes)
         max_len = step_limits[2]

@@ -107,3 +107,52 @@ def test_dtype_auto_is_bf16_for_an_fp32_checkpoint_on_cuda_only():
     assert auto_dtype("float16", torch.device("cuda:1")) == "float16"
     assert auto_dtype("bfloat16", torch.device("cuda")) == "bfloat16"
     assert auto_dtype("float32", torch.device("cpu")) == "float32"
+
+
+def test_a_worker_sized_from_device_memory_runs_the_profile_step_first(builtin_dir, caplog, monkeypatch):
+    """ModelRunner's start-up path for a CUDA worker without a cache size, on CPU: the
+    device's memory counters are stood in for (there is no device here), everything
+    else is the real path: the profile step runs before the cache exists, then the
+    cache gets what the arithmetic leaves, and the log line says so."""
+    from engine.config import DeviceConfig
+    from engine.memory import MemorySnapshot
+    from engine.models.loader import build_model, load_checkpoint
+    from engine.runner import ModelRunner
+
+    class Counters:  # an 8 GiB device: 1 GiB used before we came, weights 0.5 GiB
+        runs = 0
+
+        def settle(self):
+            pass
+
+        def reset_peak(self):
+            pass
+
+        def allocated(self):
+            return GiB // 2
+
+        def peak(self):
+            Counters.runs += 1
+            return GiB // 2 + scratch_bytes[0] + 256 * (1 << 20)
+
+        def snapshot(self):
+            return MemorySnapshot(free=7 * GiB, total=8 * GiB, torch_reserved=0)
+
+    scratch_bytes = [0]
+    ckpt = load_checkpoint(builtin_dir)
+    real_profile = ModelRunner.profile_run
+
+    def profile_run(self, *limits):
+        scratch_bytes[0] = real_profile(self, *limits)
+        return scratch_bytes[0]
+
+    monkeypatch.setattr(ModelRunner, "profile_run", profile_run)  # to learn the scratch cache's size
+    with caplog.at_level(logging.INFO, logger="engine.runner"):
+        runner = ModelRunner(build_model(ckpt), ckpt.config, CacheConfig(gpu_memory_utilization=0.5),
+                             DeviceConfig(), step_limits=(512, 16, 256), memory=Counters())
+    assert Counters.runs == 1 and scratch_bytes[0] > 0
+    # 0.5 x 8 GiB - 0.5 GiB weights - 0.25 GiB activations = 3.25 GiB of KV
+    block = runner.kv_cache.layout.block_bytes
+    assert runner.kv_cache.num_blocks == int(3.25 * GiB) // block
+    assert "KV cache from --gpu-memory-utilization 0.50 of 8.00 GiB" in caplog.text
+    assert f"{runner.kv_cache.num_blocks} blocks of 16 tokens" in caplog.text
