@@ -98,7 +98,8 @@ class DecodeGraphs:
             def forward(b=b, meta=meta) -> torch.Tensor:
                 return model(self.input_ids[:b], self.positions[:b], kv_layers, meta, backend, None)
 
-            self.graphs[b] = capture(forward, pool)
+            with torch.inference_mode():  # as the steps run: no autograd records in the graph
+                self.graphs[b] = capture(forward, pool)
         log.info("decode graphs captured for batch sizes %s", ",".join(map(str, self.buckets)))
 
     def bucket(self, batch: int) -> int | None:
