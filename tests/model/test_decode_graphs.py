@@ -15,6 +15,7 @@ from decode_worker.engine import EngineConfig, LLMEngine
 from engine.config import CacheConfig, ConfigError, DeviceConfig, SchedulerConfig
 from engine.graphs import DecodeGraphs, buckets_for, eager_capture
 from engine.sampling_params import SamplingParams
+from tests.model.test_exactness import run
 from tests.oracle import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.model
@@ -37,28 +38,19 @@ def test_graph_decode_steps_match_transformers(model, request):
     graphs = DecodeGraphs(runner.model, runner.kv_cache.layers, runner.backend, max_num_seqs=6, max_model_len=256,
                           block_size=runner.block_size, device=runner.device, capture=eager_capture)
     used: Counter[tuple[int, int]] = Counter()  # (batch, bucket)
-    run = graphs.run
+    graph_run = graphs.run
 
     def counted(input_ids, positions, meta):
         used[(input_ids.shape[0], graphs.bucket(input_ids.shape[0]))] += 1
-        return run(input_ids, positions, meta)
+        return graph_run(input_ids, positions, meta)
 
     graphs.run = counted
     runner.graphs = graphs
     prompts = random_prompts([3, 16, 17, 30, 41], seed=21)
     lengths = [4, 10, 6, 12, 8]  # the batch shrinks 5 -> 4 -> 3 -> 2 -> 1 as requests finish
+    got = run(engine, prompts, [SamplingParams(max_tokens=n, temperature=0) for n in lengths])
     for i, (p, n) in enumerate(zip(prompts, lengths)):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0))
-    out = {str(i): [] for i in range(len(prompts))}
-    for _ in range(1000):
-        if not engine.has_work():
-            break
-        for ev in engine.step():
-            if ev.token_id is not None:
-                out[ev.seq_id].append(ev.token_id)
-    engine.check_integrity()
-    for i, (p, n) in enumerate(zip(prompts, lengths)):
-        assert out[str(i)] == hf_greedy(path, p, n), i
+        assert got[i] == hf_greedy(path, p, n), i
     assert {b for b, _ in used} == {1, 2, 3, 4, 5}
     assert used[(5, 6)] and used[(3, 4)]  # padded buckets ran
 

@@ -18,8 +18,10 @@ NEW = 12
 
 
 def run(engine: LLMEngine, prompts, params):
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
+    """Greedy-decode every prompt to the end; `params` is one SamplingParams or one each."""
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (p, sp) in enumerate(zip(prompts, each)):
+        engine.add_request(str(i), p, sp)
     out = {str(i): [] for i in range(len(prompts))}
     for _ in range(10_000):
         if not engine.has_work():

@@ -6,30 +6,19 @@ sizes), so this is the CPU check of the path a GPU worker takes by default."""
 
 from __future__ import annotations
 
-import os
-import sys
+import pytest
 
-import torch
-
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from decode_worker.engine import EngineConfig, LLMEngine  # noqa: E402
-from engine.config import CacheConfig, DeviceConfig, SchedulerConfig  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from tests.model.test_exactness import run  # noqa: E402
-from tests.oracle import hf_greedy, random_prompts  # noqa: E402
+from decode_worker.engine import EngineConfig, LLMEngine
+from engine.config import CacheConfig, DeviceConfig, SchedulerConfig
+from engine.sampling_params import SamplingParams
+from tests import triton_env
+from tests.model.test_exactness import run
+from tests.oracle import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.model
 
-pytest.importorskip("triton", reason="triton is not installed; the triton backend is optional")
-from engine.attention.triton import kernels  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not kernels.interpreter_ready():
-    pytest.skip("triton was imported without TRITON_INTERPRET=1 and there is no GPU", allow_module_level=True)
+_, DEVICE = triton_env.kernels_or_skip()
+DEVICE = DEVICE.type
 
 NEW = 6
 

@@ -1,44 +1,20 @@
-"""Triton KV-store and paged-decode kernels vs the torch reference.
-
-Without CUDA the kernels run on CPU tensors under the Triton interpreter (correctness
-only, slow, so sizes are small). TRITON_INTERPRET is read when `@triton.jit` builds a
-function, including triton's own library (tl.sum, ...) at `import triton`, so it is set
-here before anything imports triton. With CUDA the same checks run compiled on the GPU
-and the environment is left alone (tests/gpu/test_triton_gpu.py covers bigger sizes).
-"""
+"""Triton KV-store and paged-decode kernels vs the torch reference, on CUDA or on CPU
+under the Triton interpreter (tests/conftest.py); tests/gpu/test_triton_gpu.py covers
+bigger sizes on a GPU."""
 
 from __future__ import annotations
 
-import os
-import sys
-
+import pytest
 import torch
 
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
+from engine.attention import reference
+from tests import triton_env
 
 pytestmark = pytest.mark.unit
 
-pytest.importorskip("triton", reason="triton is not installed; the triton backend is optional")
+kernels, DEVICE = triton_env.kernels_or_skip()
 
-from engine.attention import reference  # noqa: E402
-from engine.attention.triton import kernels  # noqa: E402
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEVICE.type == "cpu" and not kernels.interpreter_ready():
-    pytest.skip(
-        "triton was imported without TRITON_INTERPRET=1 and there is no GPU; run "
-        "`TRITON_INTERPRET=1 pytest tests/unit/test_triton_kernels.py`",
-        allow_module_level=True,
-    )
-
-TOL = {
-    torch.float32: dict(atol=1e-5, rtol=1e-5),
-    torch.float16: dict(atol=2e-3, rtol=2e-3),
-    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
-}
+TOL = triton_env.TOL
 
 
 def make_decode_case(group, head_dim, block_size, dtype, lens=None, num_kv_heads=2, seed=0):

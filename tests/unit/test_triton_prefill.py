@@ -1,37 +1,21 @@
 """The Triton varlen paged prefill kernel vs the torch reference, across ragged batches:
 whole prompts, chunks after a cached prefix, single tokens, block boundaries, GQA, head
 dims 64/128/256 and block sizes 16/32. Without CUDA the kernel runs on CPU tensors under
-the Triton interpreter (see test_triton_kernels.py for why the variable is set here)."""
+the Triton interpreter (tests/conftest.py)."""
 
 from __future__ import annotations
 
-import os
-import sys
-
+import pytest
 import torch
 
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
+from engine.attention import reference
+from tests import triton_env
 
 pytestmark = pytest.mark.unit
 
-pytest.importorskip("triton", reason="triton is not installed; the triton backend is optional")
+kernels, DEVICE = triton_env.kernels_or_skip()
 
-from engine.attention import reference  # noqa: E402
-from engine.attention.triton import kernels  # noqa: E402
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEVICE.type == "cpu" and not kernels.interpreter_ready():
-    pytest.skip("triton was imported without TRITON_INTERPRET=1 and there is no GPU; run "
-                "`TRITON_INTERPRET=1 pytest tests/unit/test_triton_prefill.py`", allow_module_level=True)
-
-TOL = {
-    torch.float32: dict(atol=1e-5, rtol=1e-5),
-    torch.float16: dict(atol=2e-3, rtol=2e-3),
-    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
-}
+TOL = triton_env.TOL
 
 
 def ragged(bs: int) -> list[tuple[int, int]]:

@@ -117,6 +117,30 @@ def store_kv(
 
 
 @triton.jit
+def _softmax_step(q, k, v, visible, m, denom, acc, qk_scale, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One key tile of an fp32 online softmax, base 2 (flash attention's update).
+
+    q [R, D] (fp32 unless USE_DOT), k and v [N, D], visible [R, N] or [1, N]; running
+    max m [R], denominator denom [R] (sum of exp2(s - m)) and acc [R, D] (the same
+    weights times v). Returns the updated (m, denom, acc)."""
+    if USE_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [R, N]
+    else:
+        s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+    s = tl.where(visible, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    denom = denom * alpha + tl.sum(p, axis=1)
+    if USE_DOT:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    else:
+        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+    return m_new, denom, acc * alpha[:, None] + pv
+
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
@@ -159,22 +183,8 @@ def _paged_decode_kernel(
         off = block * stride_cn + t[:, None] * stride_cb + kv_head_off + d[None, :]
         k = tl.load(k_cache_ptr + off, mask=kv_mask, other=0.0)  # [BLOCK_SIZE, DIM_P]
         v = tl.load(v_cache_ptr + off, mask=kv_mask, other=0.0)
-        if USE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [GROUP_P, BLOCK_SIZE]
-        else:
-            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-        s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))
-        # every visited block has >= 1 valid token, so m_new is finite
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
-        if USE_DOT:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        else:
-            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+        # every visited block has >= 1 valid token, so the running max stays finite
+        m, denom, acc = _softmax_step(q, k, v, t_mask[None, :], m, denom, acc, qk_scale, USE_DOT, DOT_PRECISION)
 
     safe_denom = tl.where(denom > 0.0, denom, 1.0)  # empty split (or seq_len == 0): output 0
     out = acc / safe_denom[:, None]
@@ -354,23 +364,9 @@ def _varlen_prefill_kernel(
             kv_mask = k_valid[:, None] & d_mask[None, :]
             k = tl.load(k_cache_ptr + off, mask=kv_mask, other=0.0)  # [BLOCK_N, DIM_P]
             v = tl.load(v_cache_ptr + off, mask=kv_mask, other=0.0)
-            if USE_DOT:
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-            else:
-                s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
             visible = (kpos[None, :] <= qpos[:, None]) & k_valid[None, :]
-            s = tl.where(visible, s * qk_scale, float("-inf"))
-            # key 0 is visible to every row, so after the first tile m_new is finite
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if USE_DOT:
-                pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            else:
-                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            # key 0 is visible to every row, so after the first tile the running max is finite
+            m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, USE_DOT, DOT_PRECISION)
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
