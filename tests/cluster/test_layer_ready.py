@@ -11,6 +11,7 @@ made deterministic. Real transports, a sender and a receiver in this process.
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -44,9 +45,13 @@ class LateKernel:
 
 
 @pytest.fixture(params=["tcp", "nixl"])
-def pair(request):
+def pair(request, monkeypatch):
     kind = request.param
     made = []
+    # NIXL's transport sets UCX's defaults in this process's environment; put them back
+    # afterwards, or the processes later tests start inherit them (loopback-only UCX)
+    for var, default in (("UCX_NET_DEVICES", "lo"), ("NIXL_LOG_LEVEL", "WARN")):
+        monkeypatch.setenv(var, os.environ.get(var, default))
 
     def make(name: str, wait: bool):
         t = create_transport(kind, TransportConfig(worker_name=name, xfer_timeout_s=2.0, wait_for_ready=wait))
