@@ -12,10 +12,12 @@ from dataclasses import dataclass
 from engine.build import build_parts
 from engine.config import EngineConfig
 from engine.events import TokenEvent, TokenLogprobs
+from engine.plan import DEAD_END
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Reservation, Scheduler, SchedulerOutput
 from engine.sequence import INTERACTIVE, FinishReason, Sequence
+from engine.structured import StructuredOutputs, attach_grammar
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +31,10 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, eos_ids: frozenset[int]) -> None:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, eos_ids: frozenset[int],
+                 structured: StructuredOutputs | None = None) -> None:
         self.runner = runner
+        self.structured = structured
         self.scheduler = scheduler
         self.pool = scheduler.pool
         self.eos_ids = eos_ids
@@ -41,7 +45,7 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, checkpoint=None) -> "LLMEngine":
         parts = build_parts(config, checkpoint)
-        engine = cls(parts.runner, Scheduler(parts.scheduler_config, parts.pool), parts.eos_ids)
+        engine = cls(parts.runner, Scheduler(parts.scheduler_config, parts.pool), parts.eos_ids, parts.structured)
         engine.checkpoint = parts.checkpoint
         return engine
 
@@ -56,8 +60,10 @@ class LLMEngine:
             raise ValueError(f"request id {seq_id!r} is already in use")
         if len(output_ids) >= params.max_tokens:
             raise ValueError(f"{len(output_ids)} tokens already generated; max_tokens is {params.max_tokens}")
-        return Sequence(seq_id, list(prompt_ids), params, self.eos_ids, priority,
-                        time.monotonic() if arrival is None else arrival, output_ids=list(output_ids))
+        seq = Sequence(seq_id, list(prompt_ids), params, self.eos_ids, priority,
+                       time.monotonic() if arrival is None else arrival, output_ids=list(output_ids))
+        attach_grammar(self.structured, seq)
+        return seq
 
     def add_request(self, seq_id: str, prompt_ids: list[int], params: SamplingParams,
                     priority: int = INTERACTIVE, arrival: float | None = None, output_ids=()) -> Sequence:
@@ -79,7 +85,7 @@ class LLMEngine:
 
     def mark_landed(self, seq_id: str, first_token: int, logprobs: TokenLogprobs | None = None) -> TokenEvent:
         seq = self.scheduler.mark_landed(seq_id, first_token)
-        ev = self._event(seq, first_token, logprobs)
+        ev = self._event(seq, None if first_token == DEAD_END else first_token, logprobs)
         self._forget_if_done(seq)
         return ev
 
@@ -118,7 +124,8 @@ class LLMEngine:
         if self.on_forward is not None:
             self.on_forward(result.num_tokens, result.forward_s)
         for seq in self.scheduler.update(out, result.token_ids):
-            events.append(self._event(seq, seq.output_ids[-1], result.logprobs.get(seq.seq_id)))
+            tok = result.token_ids[seq.seq_id]
+            events.append(self._event(seq, None if tok == DEAD_END else tok, result.logprobs.get(seq.seq_id)))
             self._forget_if_done(seq)
         return events
 

@@ -14,6 +14,7 @@ from engine.block_pool import BlockPool
 from engine.config import EngineConfig, SchedulerConfig
 from engine.memory import MemorySnapshot
 from engine.runner import ModelRunner
+from engine.structured import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ class EngineParts:
     pool: BlockPool
     scheduler_config: SchedulerConfig
     eos_ids: frozenset[int]
+    structured: object | None = None  # engine.structured.StructuredOutputs, None without tokenizer.json
 
 
 def build_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
@@ -65,7 +67,9 @@ def build_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
                     "cache more memory (--kv-cache-memory-gb / --num-blocks)", budget, budget.seqs_that_fit)
     else:
         log.info("KV budget: %s", budget)
-    return EngineParts(ckpt, runner, pool, sched, frozenset(ckpt.config.eos_token_ids))
+    eos = frozenset(ckpt.config.eos_token_ids)
+    return EngineParts(ckpt, runner, pool, sched, eos,
+                       StructuredOutputs.for_checkpoint(ckpt.path, eos, ckpt.config.vocab_size))
 
 
 def auto_dtype(checkpoint_dtype: str, device: torch.device) -> str:

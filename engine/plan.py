@@ -7,6 +7,8 @@ from typing import Sequence
 
 from engine.sampling_params import SamplingParams
 
+DEAD_END = -1  # the sampler's token for a row whose grammar leaves it no token to choose
+
 
 @dataclass
 class SampleRow:
@@ -16,6 +18,7 @@ class SampleRow:
     output_ids: Sequence[int]  # generated so far (its length is the index of this token)
     prompt_ids: Sequence[int] = ()  # only read for repetition_penalty
     banned_ids: Sequence[int] = ()  # e.g. EOS / stop ids before min_tokens is reached
+    grammar: object | None = None  # structured output: its matcher gives this step's allowed tokens
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""Batched sampling: penalties, greedy / temperature / top-k / top-p / min-p, seeds,
-logprobs.
+"""Batched sampling: penalties, logit_bias, grammar masks (structured outputs),
+greedy / temperature / top-k / top-p / min-p, seeds, logprobs.
 
 Seeded requests are reproducible independent of batch composition, worker and
 preemption: the random draw for the k-th generated token of a request comes from a
@@ -23,8 +23,9 @@ from typing import Sequence
 import torch
 
 from engine.events import TokenLogprobs
-from engine.plan import SampleRow
+from engine.plan import DEAD_END, SampleRow
 from engine.sampling_params import SamplingParams
+from engine.structured import apply_bitmask, fill_bitmask
 
 _MASK64 = (1 << 64) - 1
 
@@ -63,14 +64,50 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
         """logits: [B, V] float32, one row per entry of `rows`."""
         if all(
-            r.params.greedy and not r.params.needs_penalties and not r.banned_ids and r.params.logprobs is None
-            for r in rows
+            r.params.greedy and not r.params.needs_logit_work and not r.banned_ids and r.params.logprobs is None
+            and r.grammar is None for r in rows
         ):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
         raw = logits
         logits = self._apply_penalties(logits.clone(), rows)
+        self._apply_logit_bias(logits, rows)
+        dead = self._apply_grammars(logits, rows)
         tokens = self._choose(logits, rows)
+        for i in dead:
+            tokens[i] = DEAD_END
         return SamplerOutput(tokens, self._logprobs(raw, tokens, rows))
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
+        """OpenAI's logit_bias, added to the logits after penalties
+        (ids past the model's vocabulary are ignored)."""
+        idx_r, idx_t, vals = [], [], []
+        vocab = logits.shape[1]
+        for i, r in enumerate(rows):
+            for t, b in r.params.logit_bias:
+                if t < vocab:
+                    idx_r.append(i)
+                    idx_t.append(t)
+                    vals.append(b)
+        if vals:
+            dev = logits.device
+            logits.index_put_((_on(dev, idx_r, torch.long), _on(dev, idx_t, torch.long)),
+                              _on(dev, vals, logits.dtype), accumulate=True)
+
+    @staticmethod
+    def _apply_grammars(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[int]:
+        """Mask every constrained row at once (engine/structured.py); returns the rows
+        left with no allowed token (their logits are zeroed so sampling stays finite)."""
+        guided = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if not guided:
+            return []
+        idx = _on(logits.device, guided, torch.long)
+        apply_bitmask(logits, idx, fill_bitmask([rows[i].grammar for i in guided], logits.shape[1]))
+        alive = torch.isfinite(logits[idx]).any(dim=-1)
+        dead = [guided[j] for j, ok in enumerate(alive.tolist()) if not ok]
+        if dead:
+            logits[_on(logits.device, dead, torch.long)] = 0.0
+        return dead
 
     def _apply_penalties(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
         vocab = logits.shape[1]

@@ -4,9 +4,12 @@ workers all carry them); validated at construction with messages a client can ac
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
+GUIDED_KINDS = ("json", "regex", "choice", "grammar")
 
 
 class SamplingParamsError(ValueError):
@@ -15,6 +18,33 @@ class SamplingParamsError(ValueError):
     def __init__(self, param: str, msg: str) -> None:
         super().__init__(msg)
         self.param = param
+
+
+class GrammarError(ValueError):
+    """A structured-output spec the grammar engine cannot compile (its message)."""
+
+
+@dataclass(frozen=True)
+class GuidedSpec:
+    """What a request's output must match (engine/structured.py enforces it). `value`:
+    a JSON Schema as JSON text, a regex, a JSON list of strings (choice), or a Lark /
+    GBNF grammar."""
+
+    kind: str
+    value: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in GUIDED_KINDS:
+            raise SamplingParamsError("response_format", f"unknown structured output kind {self.kind!r} "
+                                      f"(one of {', '.join(GUIDED_KINDS)})")
+
+    @classmethod
+    def json_schema(cls, schema: dict | bool) -> "GuidedSpec":
+        return cls("json", json.dumps(schema, separators=(",", ":")))
+
+    @classmethod
+    def choice(cls, options: list[str]) -> "GuidedSpec":
+        return cls("choice", json.dumps(list(options)))
 
 
 @dataclass(frozen=True)
@@ -35,6 +65,8 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    guided: GuidedSpec | None = None  # structured output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -62,11 +94,19 @@ class SamplingParams:
         need(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "min_tokens must be between 0 and max_tokens")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")
         need(len(self.stop) <= 16, "stop", "at most 16 stop strings")
+        need(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} logit_bias entries")
+        need(all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias), "logit_bias",
+             "logit_bias maps token ids (>= 0) to biases in [-100, 100]")
         need(self.seed is None or 0 <= self.seed < 2**63, "seed", "seed must be in [0, 2**63)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_logit_work(self) -> bool:
+        """Anything the sampler must do to the logits before choosing (fast path: none)."""
+        return self.needs_penalties or bool(self.logit_bias) or self.guided is not None
 
     @property
     def needs_penalties(self) -> bool:

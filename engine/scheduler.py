@@ -235,7 +235,7 @@ class Scheduler:
     def _schedule(self, seq: Sequence, n: int, scheduled: set[int], out: SchedulerOutput) -> None:
         start = seq.num_computed
         last = start + n == seq.num_tokens
-        sample = SampleRow(seq.params, seq.output_ids, seq.prompt_ids, seq.banned_ids()) if last else None
+        sample = SampleRow(seq.params, seq.output_ids, seq.prompt_ids, seq.banned_ids(), seq.grammar) if last else None
         out.plan.add(SeqWork(seq.seq_id, seq.token_slice(start, start + n), start,
                              self.cache.block_table(seq.seq_id), sample))
         out.scheduled.append((seq, n))
@@ -285,8 +285,7 @@ class Scheduler:
         return got
 
     def _append_token(self, seq: Sequence, tok: int) -> None:
-        seq.output_ids.append(tok)
-        reason = seq.stop_reason_for(tok)
+        reason = seq.append_token(tok)
         if reason is None and seq.num_tokens >= self.config.max_model_len:
             reason = FinishReason.LENGTH
         if reason is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.plan import DEAD_END
 from engine.sampling_params import SamplingParams
 
 INTERACTIVE, BATCH = 0, 1  # priority lanes, served in this order
@@ -24,6 +25,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     ABORT = "abort"
     ERROR = "error"
+    GRAMMAR_DEAD_END = "grammar_dead_end"  # the structured output allows no token (engine/structured.py)
 
 
 @dataclass(eq=False)
@@ -49,6 +51,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    grammar: object | None = None  # structured output: an llguidance matcher fed every appended token
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +76,19 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    def append_token(self, token: int) -> FinishReason | None:
+        """Append a sampled token (feeding the grammar); the reason to stop now, if any.
+        DEAD_END (the sampler found no allowed token) appends nothing."""
+        if token == DEAD_END:
+            return FinishReason.GRAMMAR_DEAD_END
+        self.output_ids.append(token)
+        if self.grammar is not None:
+            if not self.grammar.consume_token(token):
+                return FinishReason.GRAMMAR_DEAD_END
+            if self.grammar.is_stopped():  # a complete output: nothing more is allowed
+                return self.stop_reason_for(token) or FinishReason.STOP
+        return self.stop_reason_for(token)
 
     def stop_reason_for(self, token: int) -> FinishReason | None:
         """Token-level stop check after `token` was appended (stop strings live elsewhere)."""

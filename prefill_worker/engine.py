@@ -25,6 +25,7 @@ from engine.events import TokenLogprobs
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, Sequence
+from engine.structured import StructuredOutputs, attach_grammar
 from kv_transfer.base import PeerId, TransferHandle, Transport, XferState
 from kv_transfer.ledger import Entry, Ledger
 from prefill_worker.scheduler import PrefillScheduler
@@ -81,8 +82,10 @@ class PrefillEngine:
         eos_ids: frozenset[int],
         layerwise: bool = True,
         transfer_timeout_s: float = 15.0,
+        structured: StructuredOutputs | None = None,
     ) -> None:
         self.runner = runner
+        self.structured = structured
         self.scheduler = scheduler
         self.transport = transport
         self.eos_ids = eos_ids
@@ -119,6 +122,7 @@ class PrefillEngine:
         # original params: the first token is sampled exactly as a single process would
         # (seed index 0, EOS banned under min_tokens); PrefillScheduler ends it after one token
         seq = Sequence(request_id, list(prompt_ids), params, self.eos_ids, priority)
+        attach_grammar(self.structured, seq)  # the first token is masked as the decode side would
         self.scheduler.add(seq)
         job = Job(seq, peer, list(target_blocks), num_cached_tokens // bs, cf.Future())
         self.jobs[request_id] = job

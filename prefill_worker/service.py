@@ -66,6 +66,7 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
             parts.eos_ids,
             layerwise=cfg.layerwise_transfer,
             transfer_timeout_s=cfg.handoff.transfer_s,
+            structured=parts.structured,
         )
         self.max_model_len = parts.scheduler_config.max_model_len
         loop = asyncio.get_running_loop()

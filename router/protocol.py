@@ -26,11 +26,12 @@ Decisions where OpenAI and vLLM differ or are silent:
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from engine.sampling_params import MAX_LOGPROBS, GuidedSpec, SamplingParams, SamplingParamsError
 from router.errors import ApiError
 
 
@@ -42,6 +43,28 @@ class _Request(BaseModel):
 class StreamOptions(_Request):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
+
+
+class JsonSchemaFormat(_Request):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Request):
+    """vLLM's `structured_outputs` extra: exactly one of these."""
+
+    json_: dict[str, Any] | str | bool | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Common(_Request):
@@ -72,6 +95,14 @@ class _Common(_Request):
     priority: int | None = 0
     return_token_ids: bool | None = False
     prompt_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    metadata: dict[str, str] | None = None
+    # structured outputs, vLLM's extras (the newer object, then the older fields)
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -94,10 +125,54 @@ class _Common(_Request):
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
+    def guided_spec(self) -> GuidedSpec | None:
+        """The one structured-output constraint asked for (400 when several are)."""
+        found: list[tuple[str, GuidedSpec]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", _ANY_OBJECT))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise ApiError.invalid("response_format json_schema needs a `json_schema` object", "response_format")
+            found.append(("response_format", GuidedSpec.json_schema(rf.json_schema.schema_)))
+        so = self.structured_outputs or StructuredOutputsParams()
+        candidates = (
+            ("structured_outputs.json", so.json_, _json_spec),
+            ("structured_outputs.regex", so.regex, lambda v: GuidedSpec("regex", v)),
+            ("structured_outputs.choice", so.choice, GuidedSpec.choice),
+            ("structured_outputs.grammar", so.grammar, lambda v: GuidedSpec("grammar", v)),
+            ("structured_outputs.json_object", so.json_object or None, lambda _: _ANY_OBJECT),
+            ("guided_json", self.guided_json, _json_spec),
+            ("guided_regex", self.guided_regex, lambda v: GuidedSpec("regex", v)),
+            ("guided_choice", self.guided_choice, GuidedSpec.choice),
+            ("guided_grammar", self.guided_grammar, lambda v: GuidedSpec("grammar", v)),
+        )
+        found += [(key, make(value)) for key, value, make in candidates if value is not None]
+        if len(found) > 1:
+            raise ApiError.invalid("only one structured output constraint per request; got "
+                                   + ", ".join(k for k, _ in found), found[1][0])
+        return found[0][1] if found else None
+
+    def logit_bias_pairs(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """OpenAI's {"token id": bias} as pairs; 400 for keys that are not ids in the
+        vocabulary or biases outside [-100, 100]."""
+        out = []
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                tok = int(key)
+            except ValueError:
+                raise ApiError.invalid(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            if not 0 <= tok < vocab_size:
+                raise ApiError.invalid(f"logit_bias: token id {tok} is outside the vocabulary [0, {vocab_size})",
+                                       "logit_bias")
+            if not -100 <= bias <= 100:
+                raise ApiError.invalid(f"logit_bias: bias {bias} for token {tok} is outside [-100, 100]",
+                                       "logit_bias")
+            out.append((tok, float(bias)))
+        return tuple(out)
+
     def check_supported(self) -> None:
         """400 for parameters accepted by the schema but not honoured by this server."""
-        if self.logit_bias:
-            raise ApiError.invalid("logit_bias is not supported", "logit_bias")
         if self.prompt_logprobs is not None:
             raise ApiError.invalid("prompt_logprobs is not supported", "prompt_logprobs")
         if self.stream_options is not None and not self.stream:
@@ -179,16 +254,11 @@ class ChatMessage(_Request):
         return msg
 
 
-class ResponseFormat(_Request):
-    type: str
-
-
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     # vLLM extras
@@ -204,8 +274,6 @@ class ChatCompletionRequest(_Common):
             raise ApiError.invalid("top_logprobs needs logprobs=true", "top_logprobs")
         if self.tools:
             raise ApiError.invalid("tools are not supported by this server", "tools")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ApiError.invalid("only response_format type 'text' is supported", "response_format")
 
     def requested_max_tokens(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:
@@ -219,7 +287,20 @@ class ChatCompletionRequest(_Common):
 AnyRequest = CompletionRequest | ChatCompletionRequest
 
 
-def to_sampling_params(req: AnyRequest, max_tokens: int) -> SamplingParams:
+_ANY_OBJECT = GuidedSpec.json_schema({"type": "object"})
+
+
+def _json_spec(value: dict | str | bool) -> GuidedSpec:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ApiError.invalid(f"the JSON schema is not JSON: {e}", "guided_json") from None
+    return GuidedSpec.json_schema(value)
+
+
+def to_sampling_params(req: AnyRequest, max_tokens: int, guided: GuidedSpec | None = None,
+                       logit_bias: tuple[tuple[int, float], ...] = ()) -> SamplingParams:
     """The engine's parameters for `req` (max_tokens already resolved against the
     context); an invalid value is a 400 naming the parameter."""
     opt = {k: v for k, v in dict(
@@ -234,7 +315,8 @@ def to_sampling_params(req: AnyRequest, max_tokens: int) -> SamplingParams:
             max_tokens=max_tokens, logprobs=req.requested_logprobs(), stop=tuple(stop),
             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos),
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
-            skip_special_tokens=req.skip_special_tokens is not False, **opt,
+            skip_special_tokens=req.skip_special_tokens is not False, guided=guided, logit_bias=logit_bias,
+            **opt,
         )
     except SamplingParamsError as e:
         param = e.param

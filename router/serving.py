@@ -17,8 +17,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from engine.output import TextStream
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import GrammarError, SamplingParams
 from engine.sequence import BATCH, INTERACTIVE
+from engine.structured import StructuredOutputs
 from engine.tokenizer import Tokenizer, TokenizerError
 from router.access import access_record
 from router.admission import Admission
@@ -46,6 +47,7 @@ class OpenAIServing:
         self.settings = settings
         self.metrics = metrics
         self.admission = admission
+        self.structured: StructuredOutputs | None = None  # made at the first constrained request
         self.responder = Responder(TokenStrings(tokenizer), settings.served_model_name, metrics)
 
     # ---- endpoints -------------------------------------------------------------
@@ -53,7 +55,8 @@ class OpenAIServing:
         self._check_common(req)
         prompts = await self._completion_prompts(req)
         self._check_counts(req, len(prompts))
-        params = [self._params(req, p, self.settings.default_completion_max_tokens, "prompt") for p in prompts]
+        extra = self._constraints(req)
+        params = [self._params(req, p, self.settings.default_completion_max_tokens, "prompt", extra) for p in prompts]
         if req.echo:
             for p in prompts:
                 p.text = p.text if p.text is not None else self.tokenizer.decode(p.ids)
@@ -64,7 +67,7 @@ class OpenAIServing:
         self._check_common(req)
         prompts = [await self._chat_prompt(req)]
         self._check_counts(req, 1)
-        params = [self._params(req, prompts[0], None, "messages")]
+        params = [self._params(req, prompts[0], None, "messages", self._constraints(req))]
         rid = access_record(request.scope).response_id("chatcmpl")
         return await self._serve(request, req, prompts, params, arrival, rid)
 
@@ -157,8 +160,22 @@ class OpenAIServing:
             raise ApiError.invalid("the messages render to an empty prompt", "messages")
         return PromptInput(list(ids), None)
 
+    def _constraints(self, req: AnyRequest) -> dict:
+        """The structured-output spec (checked by the grammar engine: a spec it cannot
+        compile is a 400 with its message) and logit_bias, as SamplingParams fields."""
+        guided = req.guided_spec()
+        if guided is not None:
+            if self.structured is None:
+                self.structured = StructuredOutputs(self.tokenizer.backend.to_str(), self.tokenizer.eos_token_ids)
+            try:
+                self.structured.check(guided)
+            except GrammarError as e:
+                raise ApiError.invalid(f"the structured output spec does not compile: {e}",
+                                       "response_format") from None
+        return {"guided": guided, "logit_bias": req.logit_bias_pairs(self.tokenizer.vocab_size)}
+
     def _params(self, req: AnyRequest, prompt: PromptInput, default_max: int | None,
-                prompt_param: str) -> SamplingParams:
+                prompt_param: str, extra: dict) -> SamplingParams:
         """SamplingParams with max_tokens resolved against the room left in the context."""
         limit = self.backend.max_model_len
         n = len(prompt.ids)
@@ -179,7 +196,7 @@ class OpenAIServing:
                 f"Reduce the prompt or {name}.", name)
         else:
             max_tokens = asked
-        return to_sampling_params(req, max_tokens)
+        return to_sampling_params(req, max_tokens, **extra)
 
     # ---- running -----------------------------------------------------------------
     async def _open(self, req: AnyRequest, prompts: list[PromptInput], params: list[SamplingParams],

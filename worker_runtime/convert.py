@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.events import TokenEvent, TokenLogprobs
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import GuidedSpec, SamplingParams
 from protos import tandem_pb2 as pb
 
 
@@ -13,7 +13,10 @@ def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
         repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty, stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,
+        logit_bias=[pb.LogitBias(token_id=t, bias=b) for t, b in p.logit_bias],
     )
+    if p.guided is not None:
+        msg.guided_kind, msg.guided_value = p.guided.kind, p.guided.value
     if p.seed is not None:
         msg.seed = p.seed
     if p.logprobs is not None:
@@ -29,6 +32,8 @@ def params_from_pb(m: pb.SamplingParams) -> SamplingParams:
         presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
         logprobs=m.logprobs if m.HasField("logprobs") else None, stop_token_ids=tuple(m.stop_token_ids),
         ignore_eos=m.ignore_eos, min_tokens=m.min_tokens,
+        guided=GuidedSpec(m.guided_kind, m.guided_value) if m.guided_kind else None,
+        logit_bias=tuple((b.token_id, b.bias) for b in m.logit_bias),
     )
 
 

@@ -123,7 +123,7 @@ BAD_FIELDS = [  # (fields merged into a valid request, param named in the error)
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
     ({"stream": "maybe"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"logit_bias": {"50": 10}}, "logit_bias"),
+    ({"logit_bias": {"50": 500}}, "logit_bias"),
     ({"ignore_eos": "perhaps"}, "ignore_eos"),
     ({"stop_token_ids": ["a"]}, "stop_token_ids"),
     ({"priority": "high"}, "priority"),
@@ -158,7 +158,7 @@ BAD_CHAT = [
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": 5}, "logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
 ]
 
