@@ -44,7 +44,8 @@ SCHEMAS = [
         "total": {"type": "integer", "minimum": 0, "maximum": 5000}},
      "required": ["items", "total"], "additionalProperties": False},
     {"type": "object", "properties": {"point": {"type": "object", "properties": {
-        "x": {"type": "integer", "minimum": -50, "maximum": 50}, "y": {"type": "integer", "minimum": -50, "maximum": 50}},
+        "x": {"type": "integer", "minimum": -50, "maximum": 50},
+        "y": {"type": "integer", "minimum": -50, "maximum": 50}},
         "required": ["x", "y"], "additionalProperties": False},
         "label": {"type": "string", "maxLength": 6}}, "required": ["point", "label"], "additionalProperties": False},
     {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 2, "maxItems": 4},
