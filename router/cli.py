@@ -111,6 +111,11 @@ def _router_args(p: argparse.ArgumentParser) -> None:
         "--served-model-name", default=None, help="model name clients use (default: the checkpoint dir's name)"
     )
     g.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
+    g.add_argument("--chat-template", default=None, metavar="FILE|NAME",
+                   help="a Jinja chat template file, or a built-in one (hermes, llama3_json, mistral: the tool-"
+                        "calling styles of Qwen2.5/Hermes, Llama 3.x and Mistral), instead of the checkpoint's")
+    g.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json", "mistral"),
+                   help="the format the model writes tool calls in; enables tool_choice auto")
     g.add_argument("--api-key-file", default=None, help="file of API keys, one per line")
     g.add_argument("--admin-key", default=None, help="key for /admin (scale, status); unset: /admin is closed")
     g.add_argument("--max-concurrent-requests", type=int, default=256)

@@ -29,10 +29,11 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_serializer
 
 from engine.sampling_params import MAX_LOGPROBS, GuidedSpec, SamplingParams, SamplingParamsError
 from router.errors import ApiError
+from router.tools import ToolCallDelta, ToolCallIn, ToolCallOut, ToolDef
 
 
 # ---------------------------------------------------------------- requests ----
@@ -225,6 +226,8 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
 
     @field_validator("content", mode="before")
     @classmethod
@@ -251,7 +254,23 @@ class ChatMessage(_Request):
                                "content": self.text()}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            # templates write the arguments with tojson: give them the object, not its text
+            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments_object(c.function.arguments)}}
+                for c in self.tool_calls]
         return msg
+
+
+def _arguments_object(arguments: str | dict) -> Any:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 class ChatCompletionRequest(_Common):
@@ -259,8 +278,10 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDef] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    _tool_plan: Any = PrivateAttr(None)  # router/tools.py ToolPlan, set by the serving layer
     # vLLM extras
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -270,10 +291,10 @@ class ChatCompletionRequest(_Common):
         for i, m in enumerate(self.messages):
             if m.content is None and m.role != "assistant":
                 raise ApiError.invalid(f"messages[{i}].content is required for role {m.role!r}", "messages")
+            if m.content is None and not m.tool_calls:
+                raise ApiError.invalid(f"messages[{i}]: an assistant message needs content or tool_calls", "messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError.invalid("top_logprobs needs logprobs=true", "top_logprobs")
-        if self.tools:
-            raise ApiError.invalid("tools are not supported by this server", "tools")
 
     def requested_max_tokens(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:
@@ -406,10 +427,12 @@ class ChatLogprobs(_Response):
     refusal: list[TokenLogprob] | None = None
 
 
-class ChatMessageOut(_Response):
+class ChatMessageOut(_Sparse):
+    _omit_if_none = ("tool_calls",)
     role: str = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(_Sparse):
@@ -434,9 +457,10 @@ class ChatCompletionResponse(_Sparse):
 
 
 class ChatDelta(_Sparse):
-    _omit_if_none = ("role", "content")
+    _omit_if_none = ("role", "content", "tool_calls")
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Sparse):

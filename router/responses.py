@@ -45,6 +45,7 @@ from router.protocol import (
     Usage,
 )
 from router.sse import SSE_DONE, sse_event
+from router.tools import FunctionCallOut, ToolCallOut, ToolStream, new_call_id
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,18 @@ def usage_of(job: Job) -> Usage:
     completion = sum(r.completion_tokens for r in job.runs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def _chat_message(plan, res: ChoiceResult) -> tuple[ChatMessageOut, str | None]:
+    """The assistant message of a finished choice, tool calls read out under a ToolPlan."""
+    if plan is None or not plan.active:
+        return ChatMessageOut(content=res.text), res.finish_reason
+    content, calls = plan.extract(res.text)
+    if not calls:
+        return ChatMessageOut(content=res.text), res.finish_reason
+    out = [ToolCallOut(id=new_call_id(), function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls]
+    reason = "tool_calls" if res.finish_reason == "stop" and plan.mode != "named" else res.finish_reason
+    return ChatMessageOut(content=content, tool_calls=out), reason
 
 
 def _json(model) -> Response:
@@ -93,15 +106,15 @@ class Responder:
 
     def _chat_body(self, job: Job, req: ChatCompletionRequest, rid: str,
                    results: list[ChoiceResult]) -> Response:
-        choices = [
-            ChatChoice(
-                index=run.index, message=ChatMessageOut(content=res.text),
+        choices = []
+        for run, res in zip(job.runs, results):
+            message, reason = _chat_message(req._tool_plan, res)
+            choices.append(ChatChoice(
+                index=run.index, message=message,
                 logprobs=ChatLogprobs(content=chat_logprobs(self.strings, res.logprobs)) if req.logprobs else None,
-                finish_reason=res.finish_reason,
+                finish_reason=reason,
                 token_ids=res.token_ids if req.return_token_ids else None,
-            )
-            for run, res in zip(job.runs, results)
-        ]
+            ))
         return _json(ChatCompletionResponse(
             id=rid, created=int(time.time()), model=self.model, choices=choices, usage=usage_of(job),
             prompt_token_ids=job.prompts[0].ids if req.return_token_ids else None,
@@ -160,11 +173,26 @@ class Responder:
             return ChatCompletionChunk(id=rid, created=created, model=self.model, choices=[choice],
                                        usage=self._running_usage(job, req)).model_dump_json()
 
+        plan = req._tool_plan
+        tools: dict[int, ToolStream] = {}
         async for run, d in merge(job.runs):
             if run.index not in started:
                 started.add(run.index)
+                if plan is not None and plan.active:
+                    tools[run.index] = ToolStream(plan)
                 yield chunk(ChatChunkChoice(index=run.index, delta=ChatDelta(role="assistant", content="")))
             lp = ChatLogprobs(content=chat_logprobs(self.strings, d.logprobs)) if req.logprobs else None
-            delta = ChatDelta(content=d.text) if d.text or not d.finish_reason else ChatDelta()
-            yield chunk(ChatChunkChoice(index=run.index, delta=delta, logprobs=lp, finish_reason=d.finish_reason,
+            text, calls, reason = d.text, None, d.finish_reason
+            if (ts := tools.get(run.index)) is not None:
+                text, calls = ts.feed(d.text)
+                if reason is not None:
+                    more_text, more_calls = ts.finish()
+                    text, calls = text + more_text, calls + more_calls
+                    if reason == "stop" and ts.num_calls and plan.mode != "named":
+                        reason = "tool_calls"
+            if calls:
+                delta = ChatDelta(content=text or None, tool_calls=calls)
+            else:
+                delta = ChatDelta(content=text) if text or not reason else ChatDelta()
+            yield chunk(ChatChunkChoice(index=run.index, delta=delta, logprobs=lp, finish_reason=reason,
                                         token_ids=d.token_ids if req.return_token_ids else None))

@@ -104,6 +104,7 @@ def build_app(args: argparse.Namespace, backend):
     from engine.tokenizer import Tokenizer
     from router.app import create_app
     from router.settings import RouterSettings
+    from router.tools import chat_template_text
 
     model_path = os.path.abspath(args.model) if args.model else backend.pool.info["model"]
     name = args.served_model_name or os.path.basename(model_path.rstrip("/"))
@@ -128,8 +129,12 @@ def build_app(args: argparse.Namespace, backend):
         shutdown_grace_s=args.shutdown_grace_s,
         manage_backend=False,  # serve() starts and stops it around the HTTP server
         max_request_body_bytes=args.max_request_body_bytes,
+        tool_call_parser=args.tool_call_parser,
     )
-    app = create_app(backend, Tokenizer.from_dir(model_path), settings, admin=backend.pool,
+    tokenizer = Tokenizer.from_dir(model_path)
+    if args.chat_template:
+        tokenizer.chat_template = chat_template_text(args.chat_template)
+    app = create_app(backend, tokenizer, settings, admin=backend.pool,
                      collectors=[backend.metrics.registry])
     adm, metrics = app.state.admission, app.state.metrics
     # what the controller's autoscaler hears from this router (router/view.py _report_loop)

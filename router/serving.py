@@ -33,10 +33,11 @@ from router.protocol import AnyRequest, ChatCompletionRequest, CompletionRequest
 from router.responses import Responder
 from router.settings import RouterSettings
 from router.sse import SSEResponse, until_disconnect
+from router.tools import plan_tools
 
 # Texts longer than this are tokenized on a worker thread, not on the event loop.
 _INLINE_TOKENIZE_CHARS = 32 * 1024
-_RESERVED_TEMPLATE_ARGS = {"messages", "add_generation_prompt", "tokenize", "bos_token", "eos_token"}
+_RESERVED_TEMPLATE_ARGS = {"messages", "add_generation_prompt", "tokenize", "bos_token", "eos_token", "tools"}
 
 
 class OpenAIServing:
@@ -65,6 +66,7 @@ class OpenAIServing:
 
     async def chat(self, request: Request, req: ChatCompletionRequest, arrival: float) -> Response:
         self._check_common(req)
+        req._tool_plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.settings.tool_call_parser)
         prompts = [await self._chat_prompt(req)]
         self._check_counts(req, 1)
         params = [self._params(req, prompts[0], None, "messages", self._constraints(req))]
@@ -145,6 +147,8 @@ class OpenAIServing:
 
     async def _chat_prompt(self, req: ChatCompletionRequest) -> PromptInput:
         kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_ARGS}
+        if (tools := req._tool_plan.template_tools()) is not None:
+            kwargs["tools"] = tools
         messages = [m.for_template() for m in req.messages]
         size = sum(len(m["content"]) for m in messages)
         self._check_text_fits(size, "the messages", "messages")
@@ -163,15 +167,21 @@ class OpenAIServing:
     def _constraints(self, req: AnyRequest) -> dict:
         """The structured-output spec (checked by the grammar engine: a spec it cannot
         compile is a 400 with its message) and logit_bias, as SamplingParams fields."""
-        guided = req.guided_spec()
+        guided, param = req.guided_spec(), "response_format"
+        plan = getattr(req, "_tool_plan", None)
+        if plan is not None and (tool_spec := plan.guided()) is not None:
+            if guided is not None:
+                raise ApiError.invalid(f"tool_choice {plan.mode!r} cannot be combined with another structured "
+                                       "output constraint", "tool_choice")
+            guided, param = tool_spec, "tools"
         if guided is not None:
             if self.structured is None:
                 self.structured = StructuredOutputs(self.tokenizer.backend.to_str(), self.tokenizer.eos_token_ids)
             try:
                 self.structured.check(guided)
             except GrammarError as e:
-                raise ApiError.invalid(f"the structured output spec does not compile: {e}",
-                                       "response_format") from None
+                what = "the tools' parameters schemas do not" if param == "tools" else "the output spec does not"
+                raise ApiError.invalid(f"{what} compile: {e}", param) from None
         return {"guided": guided, "logit_bias": req.logit_bias_pairs(self.tokenizer.vocab_size)}
 
     def _params(self, req: AnyRequest, prompt: PromptInput, default_max: int | None,

@@ -46,6 +46,9 @@ class RouterSettings:
     # Largest request body accepted (413 beyond). Text that cannot fit in the context
     # is refused before it is tokenized whatever this is (router/serving.py).
     max_request_body_bytes: int = 8 * 1024 * 1024
+    # Chat tool calling under tool_choice "auto": the format the model writes calls in
+    # (router/tools.py PARSERS: hermes, llama3_json, mistral); None: "auto" is refused.
+    tool_call_parser: str | None = None
     # Largest n, and largest prompts x n of one request.
     max_n: int = 16
     max_choices_per_request: int = 256

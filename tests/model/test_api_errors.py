@@ -157,7 +157,7 @@ BAD_CHAT = [
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": 5}, "logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto needs a parser
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
 ]
