@@ -43,7 +43,15 @@ from router.backend import Backend
 from router.drift import DriftCollector, DriftMonitor
 from router.errors import ApiError, install_error_handlers
 from router.metrics import RouterMetrics
-from router.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, PoolsUpdate
+from router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    PoolsUpdate,
+    TokenizeRequest,
+)
 from router.serving import OpenAIServing
 from router.settings import RouterSettings, SettingsError
 from router.shutdown import Drain, DrainMiddleware
@@ -141,6 +149,19 @@ def create_app(backend: Backend, tokenizer: Tokenizer, settings: RouterSettings,
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await openai_call(request, ChatCompletionRequest, serving.chat)
+
+    async def json_call(request: Request, model: type[M], handler) -> Response:
+        auth.require_api_key(request)
+        req = parse(model, await read_body(request, settings.max_request_body_bytes))
+        return Response((await handler(req)).model_dump_json(), media_type="application/json")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await json_call(request, TokenizeRequest, serving.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await json_call(request, DetokenizeRequest, serving.detokenize)
 
     def model_card(name: str) -> ModelCard:
         return ModelCard(id=name, created=int(time.time()), root=settings.served_model_name,

@@ -3,8 +3,7 @@ stream chunks in OpenAI's shape, and the one conversion into SamplingParams.
 
 Decisions where OpenAI and vLLM differ or are silent:
 - Unknown request fields are ignored (vLLM's leniency), so newer SDKs keep working;
-  parameters we cannot honour (`logit_bias`, `suffix`, `best_of` != n, `echo` with
-  `logprobs`, tools, non-text `response_format`, `prompt_logprobs`) answer 400.
+  parameters we cannot honour (`suffix`, `echo` with `logprobs`) answer 400.
 - An explicit JSON `null` means "default" for every optional field.
 - `model` may be omitted (vLLM): the served model is used. A name other than the
   served one (or its aliases) is 404 `model_not_found`.
@@ -16,6 +15,9 @@ Decisions where OpenAI and vLLM differ or are silent:
   (OpenAI's; the checkpoint's generation_config is not applied).
 - Completions `logprobs` and chat `top_logprobs` go up to engine MAX_LOGPROBS (20).
 - `n` > 1 runs n engine requests; with a `seed`, choice i uses seed + i (mod 2**63).
+- `best_of` (completions) runs best_of engine requests per prompt and returns the n
+  with the highest cumulative logprob of their sampled tokens; usage counts every
+  token generated; it cannot be streamed (400), as in OpenAI's API.
   Batch prompts give choice index prompt_index * n + i (OpenAI's order).
 - Chat roles: system, developer (rendered as system), user, assistant, tool (the
   chat template decides whether it accepts tool); list content must be text parts,
@@ -119,6 +121,11 @@ class _Common(_Request):
         return self.n or 1
 
     @property
+    def num_runs(self) -> int:
+        """Engine requests per prompt (best_of may ask for more than it returns)."""
+        return self.num_choices
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -205,15 +212,25 @@ class CompletionRequest(_Common):
         super().check_supported()
         if self.suffix:
             raise ApiError.invalid("suffix is not supported", "suffix")
-        if self.best_of is not None and self.best_of != self.num_choices:
-            raise ApiError.invalid("best_of must equal n (no server-side ranking)", "best_of")
+        if self.best_of is not None and self.best_of < self.num_choices:
+            raise ApiError.invalid(f"best_of ({self.best_of}) must be at least n ({self.num_choices})", "best_of")
+        if self.stream and self.num_runs > self.num_choices:
+            raise ApiError.invalid("best_of cannot be streamed (the best are known only at the end)", "best_of")
         if self.echo and self.logprobs is not None:
             raise ApiError.invalid("echo with logprobs needs prompt logprobs, which are not supported", "echo")
+
+    @property
+    def num_runs(self) -> int:
+        return max(self.best_of or 0, self.num_choices)
 
     def requested_max_tokens(self) -> tuple[str, int | None]:
         return "max_tokens", self.max_tokens
 
     def requested_logprobs(self) -> int | None:
+        # best_of ranks by the sampled tokens' logprobs: ask for them (the answer shows
+        # them only when the request did)
+        if self.logprobs is None and self.num_runs > self.num_choices:
+            return 0
         return self.logprobs
 
 
@@ -499,6 +516,37 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: str = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a completion `prompt` or chat `messages` (rendered with the
+    chat template, tools included)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDef] | None = None
+    return_token_strs: bool | None = False
+
+
+class TokenizeResponse(_Sparse):
+    _omit_if_none = ("token_strs",)
+    count: int
+    max_model_len: int | None
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
 
 
 class PoolsUpdate(_Request):

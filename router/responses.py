@@ -84,15 +84,16 @@ class Responder:
         self.metrics = metrics
 
     # ---- whole responses -----------------------------------------------------------
-    def body(self, job: Job, req: AnyRequest, rid: str, results: list[ChoiceResult]) -> Response:
+    def body(self, job: Job, req: AnyRequest, rid: str, results: list[ChoiceResult], runs=None) -> Response:
+        """`runs`: the choices answered, parallel to `results` (default: all of the job's)."""
         if isinstance(req, ChatCompletionRequest):
             return self._chat_body(job, req, rid, results)
-        return self._completion_body(job, req, rid, results)
+        return self._completion_body(job, req, rid, results, runs or job.runs)
 
     def _completion_body(self, job: Job, req: CompletionRequest, rid: str,
-                         results: list[ChoiceResult]) -> Response:
+                         results: list[ChoiceResult], runs) -> Response:
         choices = []
-        for run, res in zip(job.runs, results):
+        for run, res in zip(runs, results):
             prompt = job.prompts[run.prompt_index]
             lp = None if req.logprobs is None else completion_logprobs(self.strings, res.logprobs, TextOffsets())
             choices.append(CompletionChoice(

@@ -24,16 +24,26 @@ from engine.tokenizer import Tokenizer, TokenizerError
 from router.access import access_record
 from router.admission import Admission
 from router.backend import Backend, BackendError, GenerateRequest
-from router.choice import ChoiceRun, all_or_nothing
+from router.choice import ChoiceResult, ChoiceRun, all_or_nothing
 from router.errors import ApiError
 from router.job import Job, PromptInput
 from router.logprobs import TokenStrings
 from router.metrics import RouterMetrics
-from router.protocol import AnyRequest, ChatCompletionRequest, CompletionRequest, choice_seed, to_sampling_params
+from router.protocol import (
+    AnyRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    choice_seed,
+    to_sampling_params,
+)
 from router.responses import Responder
 from router.settings import RouterSettings
 from router.sse import SSEResponse, until_disconnect
-from router.tools import plan_tools
+from router.tools import ToolPlan, plan_tools
 
 # Texts longer than this are tokenized on a worker thread, not on the event loop.
 _INLINE_TOKENIZE_CHARS = 32 * 1024
@@ -73,6 +83,38 @@ class OpenAIServing:
         rid = access_record(request.scope).response_id("chatcmpl")
         return await self._serve(request, req, prompts, params, arrival, rid)
 
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        if req.model is not None and req.model not in self.settings.model_names:
+            raise ApiError.model_not_found(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError.invalid("give exactly one of `prompt` and `messages`", "prompt")
+        if req.prompt is not None:
+            self._check_text_fits(len(req.prompt), "the prompt", "prompt")
+            ids = await self._off_loop(len(req.prompt), self.tokenizer.encode, req.prompt,
+                                       req.add_special_tokens is not False)
+        else:
+            if not req.messages:
+                raise ApiError.invalid("messages must not be empty", "messages")
+            chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt,
+                                         chat_template_kwargs=req.chat_template_kwargs)
+            chat._tool_plan = ToolPlan("required" if req.tools else "none", req.tools or [])
+            ids = (await self._chat_prompt(chat, allow_empty=True)).ids
+            if req.add_special_tokens and self.tokenizer.bos_token_id is not None and ids[:1] != [
+                    self.tokenizer.bos_token_id]:
+                ids = [self.tokenizer.bos_token_id, *ids]
+        strs = [self.tokenizer.backend.id_to_token(i) or "" for i in ids] if req.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.backend.max_model_len if self.backend.ready()
+                                else None, tokens=ids, token_strs=strs)
+
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        if req.model is not None and req.model not in self.settings.model_names:
+            raise ApiError.model_not_found(req.model)
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError.invalid(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens, skip_special_tokens=False))
+
     async def _serve(self, request: Request, req: AnyRequest, prompts: list[PromptInput],
                      params: list[SamplingParams], arrival: float, rid: str) -> Response:
         record = access_record(request.scope)
@@ -88,7 +130,10 @@ class OpenAIServing:
                 raise ApiError.from_backend(e) from None
             finally:
                 await job.close()
-            return self.responder.body(job, req, rid, results)
+            runs = job.runs
+            if req.num_runs > req.num_choices:
+                runs, results = best_of(job.runs, results, req.num_choices)
+            return self.responder.body(job, req, rid, results, runs)
 
         return await until_disconnect(request, answer())
 
@@ -100,11 +145,12 @@ class OpenAIServing:
 
     def _check_counts(self, req: AnyRequest, num_prompts: int) -> None:
         s = self.settings
-        if req.num_choices > s.max_n:
-            raise ApiError.invalid(f"n must be at most {s.max_n}, got {req.num_choices}", "n")
-        if num_prompts * req.num_choices > s.max_choices_per_request:
+        if req.num_runs > s.max_n:
+            which = "n" if req.num_runs == req.num_choices else "best_of"
+            raise ApiError.invalid(f"{which} must be at most {s.max_n}, got {req.num_runs}", which)
+        if num_prompts * req.num_runs > s.max_choices_per_request:
             raise ApiError.invalid(
-                f"{num_prompts} prompts x n={req.num_choices} is more than {s.max_choices_per_request} "
+                f"{num_prompts} prompts x {req.num_runs} choices each is more than {s.max_choices_per_request} "
                 "choices per request; split the batch", "prompt")
         if not self.backend.ready():
             raise ApiError.overloaded(503, "the backend is not ready", self.settings.retry_after_s)
@@ -145,7 +191,7 @@ class OpenAIServing:
             out.append(PromptInput(list(item), None))
         return out
 
-    async def _chat_prompt(self, req: ChatCompletionRequest) -> PromptInput:
+    async def _chat_prompt(self, req: ChatCompletionRequest, allow_empty: bool = False) -> PromptInput:
         kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_ARGS}
         if (tools := req._tool_plan.template_tools()) is not None:
             kwargs["tools"] = tools
@@ -160,7 +206,7 @@ class OpenAIServing:
             raise ApiError.invalid(str(e), "messages") from None
         except (jinja2.TemplateError, TypeError, ValueError) as e:
             raise ApiError.invalid(f"the chat template rejected the messages: {e}", "messages") from None
-        if not ids:
+        if not ids and not allow_empty:
             raise ApiError.invalid("the messages render to an empty prompt", "messages")
         return PromptInput(list(ids), None)
 
@@ -212,7 +258,7 @@ class OpenAIServing:
     async def _open(self, req: AnyRequest, prompts: list[PromptInput], params: list[SamplingParams],
                     arrival: float, rid: str) -> Job:
         """Admit, then start one engine request per choice and wait for every first batch."""
-        n = req.num_choices
+        n = req.num_runs
         priority = INTERACTIVE if (req.priority or 0) <= 0 else BATCH
         weight = await self.admission.acquire(len(prompts) * n, priority)
         job = Job(self.admission, weight, prompts)
@@ -233,3 +279,19 @@ class OpenAIServing:
             await job.close()
             raise
         return job
+
+
+def best_of(runs: list[ChoiceRun], results: list[ChoiceResult], n: int) -> tuple[list[ChoiceRun], list[ChoiceResult]]:
+    """Per prompt, the n results with the highest cumulative logprob of their sampled
+    tokens, renumbered as that prompt's choices 0..n-1 (best first)."""
+    by_prompt: dict[int, list[tuple[ChoiceRun, ChoiceResult]]] = {}
+    for run, res in zip(runs, results):
+        by_prompt.setdefault(run.prompt_index, []).append((run, res))
+    out_runs, out_results = [], []
+    for pi in sorted(by_prompt):
+        ranked = sorted(by_prompt[pi], key=lambda rr: -sum(lp.logprob for lp in rr[1].logprobs))[:n]
+        for rank, (run, res) in enumerate(ranked):
+            run.index = pi * n + rank
+            out_runs.append(run)
+            out_results.append(res)
+    return out_runs, out_results

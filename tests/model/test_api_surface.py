@@ -1,0 +1,106 @@
+"""The rest of the API surface applications use, on the built-in model: best_of ranks
+its candidates by cumulative logprob (checked against the same seeded candidates
+asked for with n), /tokenize and /detokenize in vLLM's shapes, prompt_logprobs equal
+to transformers' log-softmax over the prompt, and `user` / `metadata` accepted."""
+
+from __future__ import annotations
+
+import functools
+
+import httpx
+import openai
+import pytest
+import torch
+
+from decode_worker.engine import EngineConfig
+from engine.config import CacheConfig, DeviceConfig, SchedulerConfig
+from engine.tokenizer import Tokenizer
+from router.app import RouterSettings, create_app
+from router.engine_backend import EngineBackend
+from router.server_thread import ServerThread
+
+pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
+
+MODEL = "tandem-tiny-v1"
+
+
+@pytest.fixture(scope="module")
+def tok(builtin_dir) -> Tokenizer:
+    return Tokenizer.from_dir(builtin_dir)
+
+
+@pytest.fixture(scope="module")
+def server(builtin_dir, tok):
+    backend = EngineBackend(EngineConfig(
+        model=str(builtin_dir), cache=CacheConfig(num_blocks=256, block_size=16),
+        scheduler=SchedulerConfig(max_model_len=1024, max_num_batched_tokens=64),
+        device=DeviceConfig(num_threads=1)))
+    with ServerThread(create_app(backend, tok, RouterSettings(served_model_name=MODEL))) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_best_of_returns_the_most_likely_candidates(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=77)
+    cands = client.completions.create(n=5, logprobs=0, **kw).choices
+    score = {c.text: sum(c.logprobs.token_logprobs) for c in cands}
+    ranked = sorted(score, key=lambda t: -score[t])
+    best = client.completions.create(n=2, best_of=5, **kw)
+    assert [c.text for c in best.choices] == ranked[:2]
+    assert [c.index for c in best.choices] == [0, 1]
+    assert best.choices[0].logprobs is None  # not asked for: not shown
+    assert best.usage.completion_tokens == 5 * 12  # every candidate's tokens count
+    with_lp = client.completions.create(n=1, best_of=5, logprobs=1, **kw).choices[0]
+    assert with_lp.text == ranked[0] and len(with_lp.logprobs.top_logprobs) == 12
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"n": 3, "best_of": 2}, "best_of"),
+    ({"best_of": 2, "stream": True}, "best_of"),
+    ({"best_of": 99}, "best_of"),
+])
+def test_bad_best_of(server, body, param):
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", **body}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_tokenize_and_detokenize(server, tok):
+    text = "The quick brown fox"
+    r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode(text) and r["count"] == len(r["tokens"]) and r["max_model_len"] == 1024
+    assert r["token_strs"] == [tok.backend.id_to_token(i) for i in r["tokens"]]
+    bare = httpx.post(server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    assert bare["tokens"] == tok.encode(text, add_special_tokens=False) and "token_strs" not in bare
+    msgs = [{"role": "user", "content": "hi there"}]
+    chat = httpx.post(server.url + "/tokenize", json={"messages": msgs}).json()
+    assert chat["tokens"] == tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    back = httpx.post(server.url + "/detokenize", json={"model": MODEL, "tokens": r["tokens"]}).json()
+    assert back == {"prompt": tok.decode(r["tokens"], skip_special_tokens=False)}
+    for path, body, param in [("/detokenize", {"tokens": [10**9]}, "tokens"),
+                              ("/tokenize", {"prompt": "a", "messages": msgs}, "prompt"),
+                              ("/tokenize", {"prompt": "a", "model": "other"}, "model")]:
+        bad = httpx.post(server.url + path, json=body)
+        assert bad.status_code in (400, 404) and bad.json()["error"]["param"] == param, bad.text
+
+
+def test_user_and_metadata_are_accepted(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=3,
+                                       user="user-1234", metadata={"team": "search"}, temperature=0)
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+
+
+@functools.lru_cache(maxsize=1)
+def _hf(path: str):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _hf_prompt_logprobs(path, ids):
+    with torch.no_grad():
+        logits = _hf(str(path))(torch.tensor([ids])).logits[0].float()
+    return logits.log_softmax(-1)
