@@ -123,16 +123,18 @@ class LLMEngine:
         self.stats.last_step_s = result.forward_s
         if self.on_forward is not None:
             self.on_forward(result.num_tokens, result.forward_s)
-        for seq in self.scheduler.update(out, result.token_ids):
+        for seq in self.scheduler.update(out, result.token_ids, result.prompt_logprobs):
             tok = result.token_ids[seq.seq_id]
             events.append(self._event(seq, None if tok == DEAD_END else tok, result.logprobs.get(seq.seq_id)))
             self._forget_if_done(seq)
         return events
 
     def _event(self, seq: Sequence, token: int | None, logprobs: TokenLogprobs | None = None) -> TokenEvent:
+        first = seq.params.prompt_logprobs is not None and len(seq.output_ids) == 1 and token is not None
         return TokenEvent(
             seq.seq_id, token, logprobs, seq.is_finished, seq.finish_reason, None,
             len(seq.prompt_ids), seq.num_cached_tokens, len(seq.output_ids),
+            list(seq.prompt_logprobs) if first else None,
         )
 
     def _forget_if_done(self, seq: Sequence) -> None:

@@ -16,6 +16,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # top-n (token id, logprob), best first
+    rank: int | None = None  # the token's rank in the distribution (1: the most likely); prompt logprobs
 
 
 @dataclass
@@ -31,3 +32,4 @@ class TokenEvent:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None  # on a request's first token, when asked for

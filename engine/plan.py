@@ -30,6 +30,8 @@ class SeqWork:
     start_pos: int  # tokens of this sequence already in the cache
     block_table: Sequence[int]  # covers positions 0 .. start_pos + len(token_ids) - 1
     sample: SampleRow | None = None  # None: no token is sampled (a prompt chunk that is not the last)
+    prompt_targets: Sequence[int] = ()  # prompt logprobs: the prompt tokens after positions start_pos..
+    prompt_topk: int = 0
 
 
 @dataclass

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -42,6 +42,7 @@ class StepResult:
     logprobs: dict[object, TokenLogprobs | None]
     forward_s: float
     num_tokens: int
+    prompt_logprobs: dict = field(default_factory=dict)  # seq_id -> [TokenLogprobs] of this chunk's prompt tokens
 
 
 @dataclass
@@ -153,8 +154,9 @@ class ModelRunner:
             hidden = self.graphs.run(b.input_ids, b.positions, b.meta)
         else:
             hidden = self.model(b.input_ids, b.positions, self.kv_cache.layers, b.meta, self.backend, on_layer_done)
+        prompt_lps = self._prompt_logprobs(plan, hidden) if any(w.prompt_targets for w in plan.prefills) else {}
         if not b.sample_ids:
-            return StepResult({}, {}, time.perf_counter() - t0, plan.num_tokens)
+            return StepResult({}, {}, time.perf_counter() - t0, plan.num_tokens, prompt_lps)
         logits = self.model.compute_logits(hidden[b.logits_index])
         out: SamplerOutput = self.sampler(logits, b.sample_rows)
         return StepResult(
@@ -162,7 +164,27 @@ class ModelRunner:
             dict(zip(b.sample_ids, out.logprobs)),
             time.perf_counter() - t0,
             plan.num_tokens,
+            prompt_lps,
         )
+
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> dict:
+        """Each asked-for prompt token's logprob given the tokens before it, its rank and the
+        top-k, from this chunk's hidden states (one log-softmax per chunk)."""
+        out = {}
+        offset = len(plan.decodes)
+        for w in plan.prefills:
+            if w.prompt_targets:
+                n = len(w.prompt_targets)
+                lp = self.model.compute_logits(hidden[offset: offset + n]).float().log_softmax(dim=-1)
+                target = torch.tensor(list(w.prompt_targets), device=lp.device)[:, None]
+                chosen = lp.gather(1, target)
+                rank = (lp > chosen).sum(dim=-1) + 1
+                top_v, top_i = lp.topk(max(w.prompt_topk, 1), dim=-1)
+                k = w.prompt_topk
+                out[w.seq_id] = [TokenLogprobs(t, c, list(zip(ti[:k], tv[:k])), r) for t, c, r, ti, tv in zip(
+                    w.prompt_targets, chosen[:, 0].tolist(), rank.tolist(), top_i.tolist(), top_v.tolist())]
+            offset += len(w.token_ids)
+        return out
 
     def compute_marker(self):
         """Something a KV transport can poll (`query()`) to know that the kernels launched

@@ -59,6 +59,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: off; n >= 0: sampled token's logprob plus top-n
+    prompt_logprobs: int | None = None  # None: off; n >= 0: each prompt token's logprob plus top-n
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -90,6 +91,11 @@ class SamplingParams:
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
             "logprobs",
             f"logprobs must be between 0 and {MAX_LOGPROBS}",
+        )
+        need(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            "prompt_logprobs",
+            f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}",
         )
         need(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "min_tokens must be between 0 and max_tokens")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")

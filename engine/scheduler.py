@@ -213,7 +213,7 @@ class Scheduler:
             while lane and budget > 0 and self._slots_left() > 0:
                 seq = lane[0]
                 # the last token is always computed here (its logits give the next token)
-                hit = self.cache.match(seq, max_tokens=seq.num_tokens - 1)
+                hit = self.cache.match(seq, max_tokens=0 if seq.prompt_logprobs_left else seq.num_tokens - 1)
                 n = self._chunk(seq, budget, start=hit.num_blocks * self.bs)
                 need = math.ceil((hit.num_blocks * self.bs + n) / self.bs) - hit.num_blocks if n else 0
                 if not n or not self.cache.can_fit(hit, need):
@@ -236,8 +236,11 @@ class Scheduler:
         start = seq.num_computed
         last = start + n == seq.num_tokens
         sample = SampleRow(seq.params, seq.output_ids, seq.prompt_ids, seq.banned_ids(), seq.grammar) if last else None
-        out.plan.add(SeqWork(seq.seq_id, seq.token_slice(start, start + n), start,
-                             self.cache.block_table(seq.seq_id), sample))
+        work = SeqWork(seq.seq_id, seq.token_slice(start, start + n), start, self.cache.block_table(seq.seq_id), sample)
+        if seq.prompt_logprobs_left and start == len(seq.prompt_logprobs):
+            work.prompt_targets = seq.prompt_ids[start + 1: min(start + n + 1, len(seq.prompt_ids))]
+            work.prompt_topk = seq.params.prompt_logprobs
+        out.plan.add(work)
         out.scheduled.append((seq, n))
         scheduled.add(id(seq))
 
@@ -269,13 +272,16 @@ class Scheduler:
         out.preempted.append(seq)
 
     # ---- after the forward ---------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int], prompt_logprobs: dict | None = None
+               ) -> list[Sequence]:
         """Advance every scheduled sequence; append sampled tokens; retire finished
         ones at once. Returns the sequences that got a new token."""
         got: list[Sequence] = []
         for seq, n in out.scheduled:
             if seq.status is not Status.RUNNING:
                 continue  # aborted while the step ran
+            if prompt_logprobs and seq.seq_id in prompt_logprobs:
+                seq.prompt_logprobs.extend(prompt_logprobs[seq.seq_id])
             seq.num_computed += n
             self.cache.commit_full_blocks(seq)
             tok = sampled.get(seq.seq_id)

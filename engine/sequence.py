@@ -51,6 +51,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs of prompt tokens 1.., when asked for
     grammar: object | None = None  # structured output: an llguidance matcher fed every appended token
 
     @property
@@ -68,6 +69,12 @@ class Sequence:
         if start >= p:
             return self.output_ids[start - p : end - p]
         return self.prompt_ids[start:] + self.output_ids[: end - p]
+
+    @property
+    def prompt_logprobs_left(self) -> bool:
+        """Prompt logprobs were asked for and not all computed yet (they need every prompt
+        position computed: no prefix-cache hit)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
 
     @property
     def num_to_compute(self) -> int:

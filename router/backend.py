@@ -40,6 +40,7 @@ class TokenBatch:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with the first token, when asked for
 
 
 @dataclass

@@ -53,6 +53,7 @@ class ChoiceRun:
         self._stream = stream
         self._timer = timer
         self._first: TokenBatch | None = None
+        self.prompt_logprobs: list[TokenLogprobs] | None = None  # from the first batch, when asked for
         self._first_at = 0.0
 
     @property
@@ -100,6 +101,8 @@ class ChoiceRun:
             raise BackendError(batch.error or f"the request ended with {batch.finish_reason}",
                                503 if batch.finish_reason == "abort" else 500)
         self.cached_tokens = max(self.cached_tokens, batch.cached_tokens)
+        if batch.prompt_logprobs:
+            self.prompt_logprobs = batch.prompt_logprobs
         self.completion_tokens += len(batch.token_ids)
         self._timer.on_tokens(len(batch.token_ids), self.prompt_tokens, self.cached_tokens, at)
         step = self._stream.add(batch.token_ids)

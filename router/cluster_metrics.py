@@ -156,6 +156,7 @@ class ClusterMetrics:
             ("local", "no_prefill_worker"),
             ("local", "short_uncached"),
             ("local", "fallback"),
+            ("local", "prompt_logprobs"),
             ("remote", "remote"),
         ):
             self.decisions.labels(where, reason)

@@ -22,6 +22,7 @@ def _batch(ev) -> TokenBatch:
         prompt_tokens=ev.num_prompt_tokens,
         cached_tokens=ev.num_cached_tokens,
         completion_tokens=ev.num_output_tokens,
+        prompt_logprobs=ev.prompt_logprobs,
     )
 
 

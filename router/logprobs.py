@@ -18,7 +18,7 @@ from tokenizers import decoders
 
 from engine.events import TokenLogprobs
 from engine.tokenizer import Tokenizer
-from router.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
+from router.protocol import CompletionLogprobs, PromptLogprob, TokenLogprob, TopLogprob
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece byte fallback
 MIN_LOGPROB = -9999.0
@@ -110,3 +110,20 @@ def chat_logprobs(strings: TokenStrings, entries: Sequence[TokenLogprobs]) -> li
                      top_logprobs=[TopLogprob(**fields(t, v)) for t, v in lp.top])
         for lp in entries
     ]
+
+
+def prompt_logprobs(strings: TokenStrings, entries: Sequence[TokenLogprobs] | None
+                    ) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's `prompt_logprobs`: None for the first prompt token (nothing comes before
+    it), then per token a map from token id to {logprob, rank, decoded_token} holding
+    the prompt's own token and the top-n. Ranks of the top-n are their places in it."""
+    if entries is None:
+        return None
+    out: list[dict[str, PromptLogprob] | None] = [None]
+    for lp in entries:
+        row = {str(t): PromptLogprob(logprob=_clamp(v), rank=i + 1, decoded_token=strings.lookup(t)[0])
+               for i, (t, v) in enumerate(lp.top)}
+        row[str(lp.token_id)] = PromptLogprob(logprob=_clamp(lp.logprob), rank=lp.rank,
+                                              decoded_token=strings.lookup(lp.token_id)[0])
+        out.append(row)
+    return out

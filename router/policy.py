@@ -100,9 +100,11 @@ def choose_prefill(workers: list[WorkerView], block_size: int) -> WorkerView | N
 
 
 def plan(prompt_len: int, decode: WorkerView, prefills: list[WorkerView], cfg: RoutingConfig,
-         block_size: int) -> Route:
+         block_size: int, local_only: bool = False) -> Route:
     if cfg.colocated:
         return Route(decode.worker_id, None, "colocated")
+    if local_only:  # prompt logprobs: every prompt position is computed where the request decodes
+        return Route(decode.worker_id, None, "prompt_logprobs")
     if not prefills:
         return Route(decode.worker_id, None, "no_prefill_worker")
     uncached = prompt_len - decode.cached_blocks * block_size

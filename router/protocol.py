@@ -181,8 +181,6 @@ class _Common(_Request):
 
     def check_supported(self) -> None:
         """400 for parameters accepted by the schema but not honoured by this server."""
-        if self.prompt_logprobs is not None:
-            raise ApiError.invalid("prompt_logprobs is not supported", "prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise ApiError.invalid("stream_options is only allowed when stream is true", "stream_options")
 
@@ -350,7 +348,8 @@ def to_sampling_params(req: AnyRequest, max_tokens: int, guided: GuidedSpec | No
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     try:
         return SamplingParams(
-            max_tokens=max_tokens, logprobs=req.requested_logprobs(), stop=tuple(stop),
+            max_tokens=max_tokens, logprobs=req.requested_logprobs(), prompt_logprobs=req.prompt_logprobs,
+            stop=tuple(stop),
             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos),
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             skip_special_tokens=req.skip_special_tokens is not False, guided=guided, logit_bias=logit_bias,
@@ -401,6 +400,14 @@ class Usage(_Response):
     prompt_tokens_details: PromptTokensDetails
 
 
+class PromptLogprob(_Response):
+    """vLLM's prompt_logprobs entry: a token's logprob given the prompt before it."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
 class CompletionLogprobs(_Response):
     tokens: list[str] = []
     token_logprobs: list[float] = []
@@ -409,13 +416,14 @@ class CompletionLogprobs(_Response):
 
 
 class CompletionChoice(_Sparse):
-    _omit_if_none = ("token_ids", "prompt_token_ids")
+    _omit_if_none = ("token_ids", "prompt_token_ids", "prompt_logprobs")
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(_Sparse):
@@ -462,7 +470,7 @@ class ChatChoice(_Sparse):
 
 
 class ChatCompletionResponse(_Sparse):
-    _omit_if_none = ("prompt_token_ids",)
+    _omit_if_none = ("prompt_token_ids", "prompt_logprobs")
     id: str
     object: str = "chat.completion"
     created: int
@@ -471,6 +479,7 @@ class ChatCompletionResponse(_Sparse):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class ChatDelta(_Sparse):

@@ -25,7 +25,7 @@ from router.backend import BackendError
 from router.choice import ChoiceResult, merge
 from router.errors import ApiError
 from router.job import Job
-from router.logprobs import TextOffsets, TokenStrings, chat_logprobs, completion_logprobs
+from router.logprobs import TextOffsets, TokenStrings, chat_logprobs, completion_logprobs, prompt_logprobs
 from router.metrics import RouterMetrics
 from router.protocol import (
     AnyRequest,
@@ -101,6 +101,7 @@ class Responder:
                 finish_reason=res.finish_reason,
                 prompt_token_ids=prompt.ids if req.return_token_ids else None,
                 token_ids=res.token_ids if req.return_token_ids else None,
+                prompt_logprobs=prompt_logprobs(self.strings, run.prompt_logprobs),
             ))
         return _json(CompletionResponse(id=rid, created=int(time.time()), model=self.model,
                                         choices=choices, usage=usage_of(job)))
@@ -119,6 +120,7 @@ class Responder:
         return _json(ChatCompletionResponse(
             id=rid, created=int(time.time()), model=self.model, choices=choices, usage=usage_of(job),
             prompt_token_ids=job.prompts[0].ids if req.return_token_ids else None,
+            prompt_logprobs=prompt_logprobs(self.strings, job.runs[0].prompt_logprobs),
         ))
 
     # ---- streams -----------------------------------------------------------------------
@@ -162,6 +164,7 @@ class Responder:
                 index=run.index, text=text, logprobs=lp, finish_reason=d.finish_reason,
                 prompt_token_ids=prompt.ids if first and req.return_token_ids else None,
                 token_ids=d.token_ids if req.return_token_ids else None,
+                prompt_logprobs=prompt_logprobs(self.strings, run.prompt_logprobs) if first else None,
             )
             yield CompletionChunk(id=rid, created=created, model=self.model, choices=[choice],
                                   usage=self._running_usage(job, req)).model_dump_json()

@@ -44,6 +44,7 @@ def _batch(t: pb.Tokens) -> TokenBatch:
         finished=t.finished, finish_reason=t.finish_reason or None, error=t.error or None,
         prompt_tokens=t.usage.prompt_tokens, cached_tokens=t.usage.cached_tokens,
         completion_tokens=t.usage.completion_tokens,
+        prompt_logprobs=[logprobs_from_pb(x) for x in t.prompt_logprobs] or None,
     )
 
 
@@ -129,7 +130,8 @@ async def disaggregated_stream(prefill: WorkerClient, decode: WorkerClient, req:
                     yield batch
             return
         r = outcome.reply
-        yield TokenBatch(0, [r.first_token], [logprobs_from_pb(r.logprobs)] if r.HasField("logprobs") else [])
+        if r.first_token >= 0:  # < 0: the grammar left no first token; the decode worker ends it
+            yield TokenBatch(0, [r.first_token], [logprobs_from_pb(r.logprobs)] if r.HasField("logprobs") else [])
         async with contextlib.aclosing(_decode_tokens(call, decode)) as tokens:
             async for ev in tokens:
                 if ev.token_ids and ev.first_index == 0:  # D's copy of the first token

@@ -19,6 +19,8 @@ def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
         msg.guided_kind, msg.guided_value = p.guided.kind, p.guided.value
     if p.seed is not None:
         msg.seed = p.seed
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
     return msg
@@ -30,7 +32,9 @@ def params_from_pb(m: pb.SamplingParams) -> SamplingParams:
         max_tokens=m.max_tokens, temperature=m.temperature, top_p=m.top_p, top_k=m.top_k, min_p=m.min_p,
         seed=m.seed if m.HasField("seed") else None, repetition_penalty=m.repetition_penalty,
         presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
-        logprobs=m.logprobs if m.HasField("logprobs") else None, stop_token_ids=tuple(m.stop_token_ids),
+        logprobs=m.logprobs if m.HasField("logprobs") else None,
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
+        stop_token_ids=tuple(m.stop_token_ids),
         ignore_eos=m.ignore_eos, min_tokens=m.min_tokens,
         guided=GuidedSpec(m.guided_kind, m.guided_value) if m.guided_kind else None,
         logit_bias=tuple((b.token_id, b.bias) for b in m.logit_bias),
@@ -38,12 +42,16 @@ def params_from_pb(m: pb.SamplingParams) -> SamplingParams:
 
 
 def logprobs_to_pb(lp: TokenLogprobs) -> pb.TokenLogprobs:
-    return pb.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob,
-                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+    msg = pb.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob,
+                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+    if lp.rank is not None:
+        msg.rank = lp.rank
+    return msg
 
 
 def logprobs_from_pb(m: pb.TokenLogprobs) -> TokenLogprobs:
-    return TokenLogprobs(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top])
+    return TokenLogprobs(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top],
+                         m.rank if m.HasField("rank") else None)
 
 
 def token_events_to_pb(evs: list[TokenEvent]) -> pb.DecodeEvent:
@@ -58,6 +66,9 @@ def token_events_to_pb(evs: list[TokenEvent]) -> pb.DecodeEvent:
         t.first_index = toks[0].num_output_tokens - 1
         t.token_ids.extend(e.token_id for e in toks)
         t.logprobs.extend(logprobs_to_pb(e.logprobs) for e in toks if e.logprobs is not None)
+    for e in evs:
+        if e.prompt_logprobs:
+            t.prompt_logprobs.extend(logprobs_to_pb(lp) for lp in e.prompt_logprobs)
     if last.finished:
         t.usage.CopyFrom(pb.Usage(prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens,
                                   cached_tokens=last.num_cached_tokens))

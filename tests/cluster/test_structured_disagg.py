@@ -90,3 +90,49 @@ def test_parse_with_a_pydantic_model_across_the_handoff(srv):
             response_format=Person, temperature=1.0, seed=seed, max_tokens=200)
         assert isinstance(r.choices[0].message.parsed, Person), r.choices[0].message.content
     assert _remote_count(srv) - before >= 4
+
+
+def _decisions(srv, reason: str) -> float:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "tandem:prefill_decisions_total" and s.labels.get("reason") == reason)
+
+
+def test_prompt_logprobs_prefill_where_the_request_decodes(srv, model_path):
+    import httpx
+    import torch
+    import transformers
+
+    from tests.oracle import random_prompts
+
+    [ids] = random_prompts([120], seed=41)
+    before = _decisions(srv, "prompt_logprobs")
+    r = httpx.post(srv.url + "/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": ids, "max_tokens": 3, "temperature": 0, "prompt_logprobs": 1}).json()
+    plp = r["choices"][0]["prompt_logprobs"]
+    with torch.no_grad():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)(
+            torch.tensor([ids])).logits[0].log_softmax(-1)
+    assert plp[0] is None and len(plp) == len(ids)
+    assert all(abs(plp[i][str(ids[i])]["logprob"] - hf[i - 1, ids[i]].item()) < 1e-3 for i in range(1, len(ids)))
+    assert _decisions(srv, "prompt_logprobs") == before + 1
+
+
+def test_a_grammar_dead_end_on_the_prefill_worker(srv, model_path):
+    """The first token has no allowed choice: the prefill worker sends the dead end
+    across, the decode worker finishes the request with it, nothing leaks."""
+    from openai import OpenAI
+
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_path)
+    banned = [tok.backend.token_to_id(t) for t in ("a", "b", "ab")]
+    client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    before = _remote_count(srv)
+    r = client.completions.create(model=MODEL, prompt=_long_prompt(900), max_tokens=5, temperature=0,
+                                  extra_body={"guided_regex": "ab?", "min_tokens": 3, "stop_token_ids": banned})
+    assert (r.choices[0].finish_reason, r.choices[0].text) == ("grammar_dead_end", "")
+    assert _remote_count(srv) == before + 1

@@ -88,8 +88,9 @@ def test_tokenize_and_detokenize(server, tok):
 
 
 def test_user_and_metadata_are_accepted(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=3,
-                                       user="user-1234", metadata={"team": "search"}, temperature=0)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       max_completion_tokens=3, user="user-1234", metadata={"team": "search"},
+                                       temperature=0)
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
 
 
@@ -104,3 +105,36 @@ def _hf_prompt_logprobs(path, ids):
     with torch.no_grad():
         logits = _hf(str(path))(torch.tensor([ids])).logits[0].float()
     return logits.log_softmax(-1)
+
+
+def test_prompt_logprobs_equal_transformers(client, server, tok, builtin_dir):
+    from tests.oracle import random_prompts
+
+    [ids] = random_prompts([150], seed=5)  # three chunks of 64
+    hf = _hf_prompt_logprobs(builtin_dir, ids)
+    for attempt in range(2):  # the second time the prompt is cached: still every position
+        r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": ids, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 3}).json()
+        plp = r["choices"][0]["prompt_logprobs"]
+        assert len(plp) == len(ids) and plp[0] is None
+        for i in range(1, len(ids)):
+            entry = plp[i]
+            own = entry[str(ids[i])]
+            assert abs(own["logprob"] - hf[i - 1, ids[i]].item()) < 1e-3, (attempt, i)
+            assert own["rank"] == int((hf[i - 1] > hf[i - 1, ids[i]]).sum()) + 1
+            assert own["decoded_token"] == tok.backend.id_to_token(ids[i]) or own["decoded_token"]
+            top = torch.topk(hf[i - 1], 3).indices.tolist()
+            assert set(map(int, entry)) == set(top) | {ids[i]}
+    # chat carries them at the top level; a stream in its first chunk
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": msgs, "max_tokens": 1, "prompt_logprobs": 0}).json()
+    n = len(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
+    assert len(chat["prompt_logprobs"]) == n and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+    chunks = list(client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=3, stream=True,
+                                            extra_body={"prompt_logprobs": 1}))
+    firsts = [c.choices[0].model_extra.get("prompt_logprobs") for c in chunks if c.choices]
+    assert firsts[0] is not None and len(firsts[0]) == len(tok.encode("The quick brown fox"))
+    assert all(f is None for f in firsts[1:])
+    bad = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "prompt_logprobs": 21})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
