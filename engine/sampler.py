@@ -101,10 +101,17 @@ class Sampler:
         guided = [i for i, r in enumerate(rows) if r.grammar is not None]
         if not guided:
             return []
-        idx = _on(logits.device, guided, torch.long)
-        apply_bitmask(logits, idx, fill_bitmask([rows[i].grammar for i in guided], logits.shape[1]))
-        alive = torch.isfinite(logits[idx]).any(dim=-1)
-        dead = [guided[j] for j, ok in enumerate(alive.tolist()) if not ok]
+        mask = fill_bitmask([rows[i].grammar for i in guided], logits.shape[1])
+        every = len(guided) == len(rows)
+        apply_bitmask(logits, None if every else _on(logits.device, guided, torch.long), mask)
+        # dead: nothing allowed by the grammar (read from the host-side mask), or nothing
+        # left once banned ids (min_tokens) are out (read from the logits, those rows only)
+        empty = (~mask.any(dim=1)).tolist()
+        dead = [i for j, i in enumerate(guided) if empty[j]]
+        banned = [i for j, i in enumerate(guided) if not empty[j] and rows[i].banned_ids]
+        if banned:
+            alive = torch.isfinite(logits[_on(logits.device, banned, torch.long)]).any(dim=-1).tolist()
+            dead += [i for i, ok in zip(banned, alive) if not ok]
         if dead:
             logits[_on(logits.device, dead, torch.long)] = 0.0
         return dead

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -129,18 +130,22 @@ def attach_grammar(structured: "StructuredOutputs | None", seq) -> None:
 
 @functools.cache
 def _executor():
+    """One thread on a CPU-only host, where the engine's own threads hold the cores (two
+    threads doubled the mask's time at batch 64 on 2 cores: they fought OpenMP's
+    spinning workers); on a GPU host, up to 8, half the cores."""
     import llguidance
 
-    return llguidance.LLExecutor(max(1, min(4, torch.get_num_threads())))
+    threads = min(8, max(1, (os.cpu_count() or 2) // 2)) if torch.cuda.is_available() else 1
+    return llguidance.LLExecutor(threads)
 
 
 def fill_bitmask(matchers: Sequence[object], vocab_size: int) -> torch.Tensor:
     """[len(matchers), ceil(V/32)] int32 masks (bit t of row r: token t allowed), one
-    parallel call for all rows."""
-    import llguidance.torch as lt
-
+    parallel call for all rows. (llguidance.torch wraps the same call, but importing it
+    sets up torch.compile, seconds of start-up for nothing here.)"""
     mask = torch.full((len(matchers), (vocab_size + 31) // 32), -1, dtype=torch.int32)
-    lt.fill_next_token_bitmask_par(_executor(), [(m, i) for i, m in enumerate(matchers)], mask)
+    _executor().unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], mask.data_ptr(),
+                                        mask.shape[1] * 4, len(matchers))
     return mask
 
 
@@ -149,15 +154,17 @@ def _bit_weights(device: torch.device) -> torch.Tensor:
     return torch.arange(32, dtype=torch.int32, device=device)
 
 
-def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> None:
-    """Set to -inf, in place, the logits of `rows` whose bit in `mask` is clear.
-    Columns past the mask (a vocabulary padded beyond the tokenizer's) are disallowed."""
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, mask: torch.Tensor) -> None:
+    """Set to -inf, in place, the logits of `rows` (None: every row) whose bit in `mask`
+    is clear. Columns past the mask (a vocabulary padded beyond the tokenizer's) are
+    disallowed."""
     mask = mask.to(logits.device, non_blocking=True)
     vocab = logits.shape[1]
-    allowed = ((mask[:, :, None] >> _bit_weights(logits.device)) & 1).reshape(mask.shape[0], -1).bool()
-    width = min(vocab, allowed.shape[1])
-    sub = logits[rows]
-    sub[:, :width].masked_fill_(~allowed[:, :width], float("-inf"))
+    blocked = ((mask[:, :, None] >> _bit_weights(logits.device)) & 1).reshape(mask.shape[0], -1) == 0
+    width = min(vocab, blocked.shape[1])
+    sub = logits if rows is None else logits[rows]
+    sub[:, :width].masked_fill_(blocked[:, :width], float("-inf"))
     if vocab > width:
         sub[:, width:] = float("-inf")
-    logits[rows] = sub
+    if rows is not None:
+        logits[rows] = sub
