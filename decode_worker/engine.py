@@ -78,6 +78,8 @@ class LLMEngine:
                 priority: int = INTERACTIVE) -> Reservation:
         """Hold blocks for a prompt whose KV a prefill worker will write (its deadline
         is the caller's handoff ledger's)."""
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs need every prompt position computed here: prefill it locally")
         seq = self.new_sequence(seq_id, prompt_ids, params, priority)
         res = self.scheduler.reserve(seq)
         self.seqs[seq_id] = seq

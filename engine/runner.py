@@ -34,6 +34,9 @@ from engine.sampler import Sampler, SamplerOutput
 log = logging.getLogger(__name__)
 
 
+_PROMPT_LOGPROB_ROWS = 256  # prompt positions turned into log-softmax rows at a time
+
+
 @dataclass
 class StepResult:
     """Sampled tokens by seq_id (only for works that asked to sample)."""
@@ -170,19 +173,20 @@ class ModelRunner:
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> dict:
         """Each asked-for prompt token's logprob given the tokens before it, its rank and the
         top-k, from this chunk's hidden states (one log-softmax per chunk)."""
-        out = {}
+        out: dict = {}
         offset = len(plan.decodes)
         for w in plan.prefills:
-            if w.prompt_targets:
-                n = len(w.prompt_targets)
-                lp = self.model.compute_logits(hidden[offset: offset + n]).float().log_softmax(dim=-1)
-                target = torch.tensor(list(w.prompt_targets), device=lp.device)[:, None]
-                chosen = lp.gather(1, target)
+            k = w.prompt_topk
+            for s in range(0, len(w.prompt_targets), _PROMPT_LOGPROB_ROWS):  # bounded [rows, vocab] floats
+                targets = list(w.prompt_targets[s: s + _PROMPT_LOGPROB_ROWS])
+                rows = hidden[offset + s: offset + s + len(targets)]
+                lp = self.model.compute_logits(rows).float().log_softmax(dim=-1)
+                chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])
                 rank = (lp > chosen).sum(dim=-1) + 1
-                top_v, top_i = lp.topk(max(w.prompt_topk, 1), dim=-1)
-                k = w.prompt_topk
-                out[w.seq_id] = [TokenLogprobs(t, c, list(zip(ti[:k], tv[:k])), r) for t, c, r, ti, tv in zip(
-                    w.prompt_targets, chosen[:, 0].tolist(), rank.tolist(), top_i.tolist(), top_v.tolist())]
+                top_v, top_i = lp.topk(max(k, 1), dim=-1)
+                out.setdefault(w.seq_id, []).extend(
+                    TokenLogprobs(t, c, list(zip(ti[:k], tv[:k])), r) for t, c, r, ti, tv in zip(
+                        targets, chosen[:, 0].tolist(), rank.tolist(), top_i.tolist(), top_v.tolist()))
             offset += len(w.token_ids)
         return out
 

@@ -33,11 +33,12 @@ import functools
 import json
 import os
 from pathlib import Path
-from typing import Sequence
-
-import torch
+from typing import TYPE_CHECKING, Sequence
 
 from engine.sampling_params import GrammarError, GuidedSpec, SamplingParamsError
+
+if TYPE_CHECKING:  # the router checks specs with this module and imports no torch
+    import torch
 
 _JSON_DEFAULTS = {"whitespace_flexible": False}
 
@@ -134,6 +135,7 @@ def _executor():
     threads doubled the mask's time at batch 64 on 2 cores: they fought OpenMP's
     spinning workers); on a GPU host, up to 8, half the cores."""
     import llguidance
+    import torch
 
     threads = min(8, max(1, (os.cpu_count() or 2) // 2)) if torch.cuda.is_available() else 1
     return llguidance.LLExecutor(threads)
@@ -143,6 +145,8 @@ def fill_bitmask(matchers: Sequence[object], vocab_size: int) -> torch.Tensor:
     """[len(matchers), ceil(V/32)] int32 masks (bit t of row r: token t allowed), one
     parallel call for all rows. (llguidance.torch wraps the same call, but importing it
     sets up torch.compile, seconds of start-up for nothing here.)"""
+    import torch
+
     mask = torch.full((len(matchers), (vocab_size + 31) // 32), -1, dtype=torch.int32)
     _executor().unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], mask.data_ptr(),
                                         mask.shape[1] * 4, len(matchers))
@@ -151,6 +155,8 @@ def fill_bitmask(matchers: Sequence[object], vocab_size: int) -> torch.Tensor:
 
 @functools.cache
 def _bit_weights(device: torch.device) -> torch.Tensor:
+    import torch
+
     return torch.arange(32, dtype=torch.int32, device=device)
 
 

@@ -215,7 +215,7 @@ class CompletionRequest(_Common):
         if self.stream and self.num_runs > self.num_choices:
             raise ApiError.invalid("best_of cannot be streamed (the best are known only at the end)", "best_of")
         if self.echo and self.logprobs is not None:
-            raise ApiError.invalid("echo with logprobs needs prompt logprobs, which are not supported", "echo")
+            raise ApiError.invalid("echo with logprobs is not supported; ask for prompt_logprobs instead", "echo")
 
     @property
     def num_runs(self) -> int:

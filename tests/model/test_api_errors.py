@@ -142,7 +142,7 @@ BAD_COMPLETION = [
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": -1}, "logprobs"),
     ({"suffix": "end"}, "suffix"),
-    ({"best_of": 3}, "best_of"),
+    ({"n": 2, "best_of": 1}, "best_of"),
     ({"echo": True, "logprobs": 1}, "echo"),
 ]
 BAD_CHAT = [
