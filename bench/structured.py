@@ -9,9 +9,10 @@ are prefilled, then --steps decode steps are timed (wall clock of `step()`), tak
 turns with and without the grammar, --rounds times; the median step is reported, and
 apart from it the mask's own share (llguidance filling B bitmasks in parallel, and the
 torch op applying them), measured around the sampler's two calls. The schema keeps
-every sequence inside an unbounded string field (a noise model rarely closes it), the
-state where the most tokens are allowed; steps where a sequence had finished anyway are
-not counted.
+every sequence inside an unbounded string field, the state where the most tokens are
+allowed: both runs carry a logit_bias of -100 on every token that holds a double quote,
+so the string never closes (both pay for the bias alike). Steps where a sequence had
+finished anyway are not counted.
 """
 
 from __future__ import annotations
@@ -25,14 +26,25 @@ import time
 
 from bench.sweep import machine_info
 
-SCHEMA = {"type": "object", "properties": {"notes": {"type": "string"}}, "required": ["notes"]}
+SCHEMA = {"type": "object", "properties": {"notes": {"type": "string", "minLength": 1}}, "required": ["notes"],
+          "additionalProperties": False}
+
+
+def _quote_tokens(engine) -> list[int]:
+    from engine.tokenizer import Tokenizer
+
+    if not hasattr(engine, "_quote_ids"):
+        tok = Tokenizer.from_dir(engine.checkpoint.path)
+        engine._quote_ids = [i for i in range(tok.vocab_size) if '"' in tok.decode([i], skip_special_tokens=False)]
+    return engine._quote_ids[:300]
 
 
 def _run(engine, batch: int, steps: int, guided: bool, tag: str) -> tuple[list[float], list[float]]:
     from engine import sampler as sampler_mod
     from engine.sampling_params import GuidedSpec, SamplingParams
     spec = GuidedSpec.json_schema(SCHEMA) if guided else None
-    params = SamplingParams(max_tokens=steps + 8, temperature=1.0, ignore_eos=True, seed=1, guided=spec)
+    params = SamplingParams(max_tokens=steps + 8, temperature=1.0, ignore_eos=True, seed=1, guided=spec,
+                            logit_bias=tuple((t, -100.0) for t in _quote_tokens(engine)))
     rng = random.Random(7)
     for i in range(batch):
         prompt = [rng.randrange(5, 8000) for _ in range(32)]

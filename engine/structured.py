@@ -148,8 +148,9 @@ def fill_bitmask(matchers: Sequence[object], vocab_size: int) -> torch.Tensor:
     import torch
 
     mask = torch.full((len(matchers), (vocab_size + 31) // 32), -1, dtype=torch.int32)
-    _executor().unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], mask.data_ptr(),
-                                        mask.shape[1] * 4, len(matchers))
+    row = mask.shape[1] * 4
+    _executor().unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], mask.data_ptr(), row,
+                                        len(matchers))
     return mask
 
 
