@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from tests.cluster.test_serve import Serve
-from tests.model.test_structured_outputs import SCHEMAS, Person
+from tests.model.test_structured_outputs import SCHEMAS, Person, chat_json
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 
@@ -56,23 +56,9 @@ def test_json_schema_answers_validate_across_the_handoff(srv, stream):
     before = _remote_count(srv)
     n = 50
 
-    def one(i: int) -> tuple[str, str | None]:
-        kw = dict(model=MODEL, messages=[{"role": "user", "content": _long_prompt(i + (100 if stream else 0))}],
-                  response_format={"type": "json_schema",
-                                   "json_schema": {"name": "r", "schema": SCHEMAS[i % len(SCHEMAS)], "strict": True}},
-                  max_tokens=300, temperature=1.0, seed=i)
-        if not stream:
-            r = client.chat.completions.create(**kw)
-            return r.choices[0].message.content, r.choices[0].finish_reason
-        text, reason = "", None
-        for chunk in client.chat.completions.create(stream=True, **kw):
-            for c in chunk.choices:
-                text += c.delta.content or ""
-                reason = c.finish_reason or reason
-        return text, reason
-
     with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(one, range(n)))
+        answers = list(pool.map(lambda i: chat_json(client, i, stream, _long_prompt(i + (100 if stream else 0))),
+                                range(n)))
     for i, (text, reason) in enumerate(answers):
         assert reason == "stop", (i, reason, text)
         jsonschema.validate(json.loads(text), SCHEMAS[i % len(SCHEMAS)])

@@ -80,8 +80,10 @@ def _schema_format(i: int) -> dict:
     return {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": SCHEMAS[i], "strict": True}}
 
 
-def _chat(client, i: int, stream: bool) -> tuple[str, str]:
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": f"Give me record number {i}."}],
+def chat_json(client, i: int, stream: bool, content: str | None = None) -> tuple[str, str]:
+    """(text, finish reason) of a chat request for SCHEMAS[i % 5], sampled with seed i."""
+    content = content or f"Give me record number {i}."
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": content}],
               response_format=_schema_format(i % len(SCHEMAS)), max_tokens=300, temperature=1.0, seed=i)
     if not stream:
         r = client.chat.completions.create(**kw)
@@ -98,7 +100,7 @@ def _chat(client, i: int, stream: bool) -> tuple[str, str]:
 def test_every_json_schema_answer_validates(client, stream):
     n = 50
     with ThreadPoolExecutor(16) as pool:
-        answers = list(pool.map(lambda i: _chat(client, i, stream), range(n)))
+        answers = list(pool.map(lambda i: chat_json(client, i, stream), range(n)))
     for i, (text, reason) in enumerate(answers):
         assert reason == "stop", (i, reason, text)
         jsonschema.validate(json.loads(text), SCHEMAS[i % len(SCHEMAS)])
