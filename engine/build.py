@@ -69,7 +69,7 @@ def build_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
         log.info("KV budget: %s", budget)
     eos = frozenset(ckpt.config.eos_token_ids)
     return EngineParts(ckpt, runner, pool, sched, eos,
-                       StructuredOutputs.for_checkpoint(ckpt.path, eos, ckpt.config.vocab_size))
+                       StructuredOutputs.for_checkpoint(ckpt.path, eos))
 
 
 def auto_dtype(checkpoint_dtype: str, device: torch.device) -> str:

@@ -65,7 +65,7 @@ class Sampler:
         """logits: [B, V] float32, one row per entry of `rows`."""
         if all(
             r.params.greedy and not r.params.needs_logit_work and not r.banned_ids and r.params.logprobs is None
-            and r.grammar is None for r in rows
+            for r in rows
         ):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
         raw = logits

@@ -68,18 +68,17 @@ def grammar_text(spec: GuidedSpec) -> str:
 class StructuredOutputs:
     """The grammar engine over one tokenizer: checks specs, makes matchers, fills masks."""
 
-    def __init__(self, tokenizer_json: str, eos_ids: Sequence[int], vocab_size: int | None = None) -> None:
+    def __init__(self, tokenizer_json: str, eos_ids: Sequence[int]) -> None:
         """tokenizer_json: the text of a tokenizer.json."""
         import llguidance
 
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, eos_token=sorted(eos_ids) or None)
-        self.vocab_size = vocab_size or self.tokenizer.vocab_size
 
     @classmethod
-    def for_checkpoint(cls, path: str | Path, eos_ids: Sequence[int], vocab_size: int) -> "StructuredOutputs | None":
+    def for_checkpoint(cls, path: str | Path, eos_ids: Sequence[int]) -> "StructuredOutputs | None":
         """None when the checkpoint has no tokenizer.json (no grammar can be enforced)."""
         f = Path(path) / "tokenizer.json"
-        return cls(f.read_text(encoding="utf-8"), eos_ids, vocab_size) if f.is_file() else None
+        return cls(f.read_text(encoding="utf-8"), eos_ids) if f.is_file() else None
 
     @functools.lru_cache(maxsize=256)
     def _checked(self, spec: GuidedSpec) -> str:
@@ -95,17 +94,6 @@ class StructuredOutputs:
         """Raises GrammarError with the engine's message when `spec` cannot compile."""
         self._checked(spec)
 
-    def attach(self, seq) -> None:
-        """Give `seq` (an engine Sequence) the matcher its params ask for, advanced over
-        the output it already has (a migrated request). SamplingParamsError when the
-        spec does not compile."""
-        if seq.params.guided is None:
-            return
-        try:
-            seq.grammar = self.matcher(seq.params.guided, seq.output_ids)
-        except GrammarError as e:
-            raise SamplingParamsError("response_format", str(e)) from None
-
     def matcher(self, spec: GuidedSpec, consumed: Sequence[int] = ()):
         """A fresh matcher for `spec`, advanced over `consumed` (tokens generated earlier)."""
         import llguidance
@@ -119,14 +107,18 @@ class StructuredOutputs:
 
 
 def attach_grammar(structured: "StructuredOutputs | None", seq) -> None:
-    """`structured.attach(seq)`; a guided request on a model without a tokenizer.json
-    is a SamplingParamsError."""
+    """Give `seq` (an engine Sequence) the matcher its params ask for, advanced over the
+    output it already has (a migrated request). SamplingParamsError when the spec does
+    not compile, or the model has no tokenizer.json to compile it against."""
     if seq.params.guided is None:
         return
     if structured is None:
         raise SamplingParamsError("response_format", "structured outputs need the model's tokenizer.json, "
                                   "which this checkpoint lacks")
-    structured.attach(seq)
+    try:
+        seq.grammar = structured.matcher(seq.params.guided, seq.output_ids)
+    except GrammarError as e:
+        raise SamplingParamsError("response_format", str(e)) from None
 
 
 @functools.cache

@@ -43,7 +43,7 @@ from router.protocol import (
 from router.responses import Responder
 from router.settings import RouterSettings
 from router.sse import SSEResponse, until_disconnect
-from router.tools import ToolPlan, plan_tools
+from router.tools import plan_tools
 
 # Texts longer than this are tokenized on a worker thread, not on the event loop.
 _INLINE_TOKENIZE_CHARS = 32 * 1024
@@ -77,7 +77,7 @@ class OpenAIServing:
     async def chat(self, request: Request, req: ChatCompletionRequest, arrival: float) -> Response:
         self._check_common(req)
         req._tool_plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.settings.tool_call_parser)
-        prompts = [await self._chat_prompt(req)]
+        prompts = [await self._chat_prompt(req, req._tool_plan.template_tools())]
         self._check_counts(req, 1)
         params = [self._params(req, prompts[0], None, "messages", self._constraints(req))]
         rid = access_record(request.scope).response_id("chatcmpl")
@@ -97,8 +97,8 @@ class OpenAIServing:
                 raise ApiError.invalid("messages must not be empty", "messages")
             chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt,
                                          chat_template_kwargs=req.chat_template_kwargs)
-            chat._tool_plan = ToolPlan("required" if req.tools else "none", req.tools or [])
-            ids = (await self._chat_prompt(chat, allow_empty=True)).ids
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            ids = (await self._chat_prompt(chat, tools, allow_empty=True)).ids
             if req.add_special_tokens and self.tokenizer.bos_token_id is not None and ids[:1] != [
                     self.tokenizer.bos_token_id]:
                 ids = [self.tokenizer.bos_token_id, *ids]
@@ -191,9 +191,11 @@ class OpenAIServing:
             out.append(PromptInput(list(item), None))
         return out
 
-    async def _chat_prompt(self, req: ChatCompletionRequest, allow_empty: bool = False) -> PromptInput:
+    async def _chat_prompt(self, req: ChatCompletionRequest, tools: list[dict] | None,
+                           allow_empty: bool = False) -> PromptInput:
+        """The rendered prompt; `tools` (as templates take them) go to the template when given."""
         kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_ARGS}
-        if (tools := req._tool_plan.template_tools()) is not None:
+        if tools is not None:
             kwargs["tools"] = tools
         messages = [m.for_template() for m in req.messages]
         size = sum(len(m["content"]) for m in messages)

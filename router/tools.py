@@ -21,6 +21,7 @@ Decisions (vLLM's where it has one):
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 import uuid
@@ -140,14 +141,15 @@ def _json_values(text: str) -> list[Any] | None:
         out.append(value)
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """Reads tool calls from a model's text in one template family's format."""
 
     name = ""
     starts: tuple[str, ...] = ()  # text that opens the tool-call part (streaming holds it back)
 
+    @abc.abstractmethod
     def extract(self, text: str) -> tuple[str | None, list[Call]]:
-        raise NotImplementedError
+        """(content, calls); text without a valid call comes back whole as content."""
 
 
 class HermesParser(ToolParser):

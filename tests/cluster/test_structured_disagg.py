@@ -39,13 +39,18 @@ def _long_prompt(i: int) -> str:
     return f"Request {i} ({i * 7919 % 1000}): {body}. Now give me the record."
 
 
-def _remote_count(srv) -> float:
+def _decisions(srv, **labels: str) -> float:
+    """tandem:prefill_decisions_total summed over the series with these labels."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(srv.url + "/metrics", timeout=10).text
     return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == "tandem:prefill_decisions_total" and s.labels.get("where") == "remote")
+               if s.name == "tandem:prefill_decisions_total" and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def _remote_count(srv) -> float:
+    return _decisions(srv, where="remote")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -78,15 +83,6 @@ def test_parse_with_a_pydantic_model_across_the_handoff(srv):
     assert _remote_count(srv) - before >= 4
 
 
-def _decisions(srv, reason: str) -> float:
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(srv.url + "/metrics", timeout=10).text
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == "tandem:prefill_decisions_total" and s.labels.get("reason") == reason)
-
-
 def test_prompt_logprobs_prefill_where_the_request_decodes(srv, model_path):
     import httpx
     import torch
@@ -95,7 +91,7 @@ def test_prompt_logprobs_prefill_where_the_request_decodes(srv, model_path):
     from tests.oracle import random_prompts
 
     [ids] = random_prompts([120], seed=41)
-    before = _decisions(srv, "prompt_logprobs")
+    before = _decisions(srv, reason="prompt_logprobs")
     r = httpx.post(srv.url + "/v1/completions", timeout=120, json={
         "model": MODEL, "prompt": ids, "max_tokens": 3, "temperature": 0, "prompt_logprobs": 1}).json()
     plp = r["choices"][0]["prompt_logprobs"]
@@ -104,7 +100,7 @@ def test_prompt_logprobs_prefill_where_the_request_decodes(srv, model_path):
             torch.tensor([ids])).logits[0].log_softmax(-1)
     assert plp[0] is None and len(plp) == len(ids)
     assert all(abs(plp[i][str(ids[i])]["logprob"] - hf[i - 1, ids[i]].item()) < 1e-3 for i in range(1, len(ids)))
-    assert _decisions(srv, "prompt_logprobs") == before + 1
+    assert _decisions(srv, reason="prompt_logprobs") == before + 1
 
 
 def test_a_grammar_dead_end_on_the_prefill_worker(srv, model_path):
