@@ -98,6 +98,10 @@ class PendingWrite:
     after: tuple[int, ...] = ()
     extra: Any = None
     ready: Any = None  # see await_ready
+    awaiting_ready: bool = False  # a transport thread is waiting for `ready` (the timeout says so)
+
+
+_NOT_COMPUTED = "timed out waiting for the KV it carries to be computed"
 
 
 def await_ready(write: PendingWrite) -> TransferStatus | None:
@@ -111,11 +115,15 @@ def await_ready(write: PendingWrite) -> TransferStatus | None:
     if ready is None:
         return None
     pause = 10e-6
-    while not ready.query():
-        if time.monotonic() > write.deadline:
-            return TransferStatus.failed("timed out waiting for the KV it carries to be computed")
-        time.sleep(pause)
-        pause = min(pause * 2, 200e-6)
+    write.awaiting_ready = True
+    try:
+        while not ready.query():
+            if time.monotonic() > write.deadline:
+                return TransferStatus.failed(_NOT_COMPUTED)
+            time.sleep(pause)
+            pause = min(pause * 2, 200e-6)
+    finally:
+        write.awaiting_ready = False
     return None
 
 
@@ -183,7 +191,9 @@ class HandleBook:
         """A FAILED status if `write` is past its deadline, else None."""
         if time.monotonic() <= write.deadline:
             return None
-        return TransferStatus.failed(f"timed out after {self._timeout_s:.1f} s")
+        # whoever sees the deadline first (a poller or the transport's thread) gives the same reason
+        return TransferStatus.failed(_NOT_COMPUTED if write.awaiting_ready else
+                                     f"timed out after {self._timeout_s:.1f} s")
 
     def poll(self, handle_id: int) -> TransferStatus:
         """`status`, failing the write first if it is past its deadline (the backend's
