@@ -18,7 +18,7 @@ def _require(cond: bool, msg: str) -> None:
 
 @dataclass(frozen=True)
 class RouterSettings:
-    served_model_name: str = "tandem-tiny-v1"
+    served_model_name: str = "tandem-tiny-v2"
     # More names a request's `model` may use for the same model (e.g. the checkpoint path).
     model_aliases: tuple[str, ...] = ()
     # API keys on /v1/*: none (and no file) means the OpenAI endpoints are open.

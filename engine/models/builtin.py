@@ -1,12 +1,19 @@
-"""The built-in default model, `tandem-tiny-v1`, made on first use, byte for byte the same
-on every machine and Python version.
+"""The built-in models: `tandem-tiny-v2` (trained) and `tandem-tiny-v1` (random).
+
+`tandem-tiny-v2`, the model `tandem serve` runs when no model is named, and its draft
+`tandem-tiny-v2-draft` are trained on the Python standard library's source by
+engine/models/train_builtin.py and ship as package data (engine/models/data/), each
+with a manifest.json naming the SHA-256 of every file (`verify_manifest`).
+
+`tandem-tiny-v1` is the untrained model of the same shape, made on first use, byte for
+byte the same on every machine and Python version: a model whose greedy output is
+noise, for tests that want one (`random_model_path`). It shares nothing with v2 but
+the shape: its tokenizer was trained on a synthetic corpus.
 
 A 5.3M-parameter LlamaForCausalLM (vocab 8192, hidden 256, 4 layers, 4 query heads,
-2 KV heads, head_dim 64, MLP 768, tied embeddings, fp32). It is untrained: it exists so
-the whole system runs anywhere with no download, and so tests can compare our
-forward pass with Hugging Face transformers' on the same weights.
+2 KV heads, head_dim 64, MLP 768, tied embeddings, fp32).
 
-How the bytes are pinned down:
+How tandem-tiny-v1's bytes are pinned down:
 - Tokenizer: byte-level BPE trained with `tokenizers` (vocab 8192, min frequency 2) on
   ~900 KB of text from builtin_corpus.py. Ids 0-4 are the Llama-3-style special tokens;
   bos is added by the post-processor. tokenizer.json is written from the learned vocab
@@ -22,7 +29,7 @@ How the bytes are pinned down:
 - safetensors and JSON are written by hand: sorted names, fixed metadata, sorted keys.
 
 The golden SHA-256 of every file is in tests/model/test_builtin.py; changing anything
-here or in builtin_corpus.py / data/builtin_words.txt needs a new BUILTIN_VERSION.
+here or in builtin_corpus.py / data/builtin_words.txt needs a new RANDOM_VERSION.
 """
 
 from __future__ import annotations
@@ -52,7 +59,10 @@ from engine.models.shapes import expected_shapes
 
 log = logging.getLogger(__name__)
 
-BUILTIN_VERSION = "tandem-tiny-v1"
+BUILTIN_VERSION = "tandem-tiny-v2"  # trained, package data
+DRAFT_VERSION = "tandem-tiny-v2-draft"
+RANDOM_VERSION = "tandem-tiny-v1"  # random weights, built on first use
+DATA_DIR = Path(__file__).parent / "data"
 SEED = 0x7A9DE31
 CORPUS_CHARS = 900_000
 GAIN = 2.0
@@ -119,21 +129,50 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def builtin_model_path(cache_dir: str | Path | None = None) -> Path:
-    """The built-in checkpoint's directory, built on first use.
+def builtin_model_path() -> Path:
+    """The built-in model's directory (package data)."""
+    return _packaged(BUILTIN_VERSION)
+
+
+def builtin_draft_path() -> Path:
+    """The built-in draft model's directory (package data)."""
+    return _packaged(DRAFT_VERSION)
+
+
+def _packaged(name: str) -> Path:
+    path = DATA_DIR / name
+    if not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(f"the built-in model {name} is missing from {DATA_DIR} (an incomplete install?); "
+                                f"python -m engine.models.train_builtin makes it, or pass --model DIR")
+    return path
+
+
+def verify_manifest(path: str | Path) -> str:
+    """Check every file a packaged checkpoint's manifest.json names against its SHA-256;
+    returns the manifest's own SHA-256. ValueError on a mismatch."""
+    path = Path(path)
+    raw = (path / "manifest.json").read_bytes()
+    for name, digest in json.loads(raw)["files"].items():
+        if hashlib.sha256((path / name).read_bytes()).hexdigest() != digest:
+            raise ValueError(f"{path / name} does not match its manifest")
+    return hashlib.sha256(raw).hexdigest()
+
+
+def random_model_path(cache_dir: str | Path | None = None) -> Path:
+    """The random-weight model's directory, built on first use.
 
     Lives in `cache_dir`, else $TANDEM_CACHE_DIR, else ~/.cache/tandem, under
-    BUILTIN_VERSION. Built in a temporary sibling and renamed into place, so a reader
+    RANDOM_VERSION. Built in a temporary sibling and renamed into place, so a reader
     never sees a partial checkpoint and racing processes agree on one result.
     """
     root = Path(cache_dir).expanduser() if cache_dir else envs.cache_dir()
-    final = root / BUILTIN_VERSION
+    final = root / RANDOM_VERSION
     if final.is_dir():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{BUILTIN_VERSION}.", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{RANDOM_VERSION}.", dir=root))
     try:
-        build_builtin_checkpoint(tmp)
+        build_random_checkpoint(tmp)
         tmp.chmod(0o755)
         try:
             os.rename(tmp, final)
@@ -145,12 +184,12 @@ def builtin_model_path(cache_dir: str | Path | None = None) -> Path:
     return final
 
 
-def build_builtin_checkpoint(path: str | Path) -> None:
-    """Write the built-in checkpoint's files into `path` (created if absent)."""
+def build_random_checkpoint(path: str | Path) -> None:
+    """Write the random-weight checkpoint's files into `path` (created if absent)."""
     cfg = ModelConfig.from_hf(BUILTIN_CONFIG)
-    log.info("building the built-in model %s (first run only) into %s", BUILTIN_VERSION, path)
+    log.info("building the random-weight model %s (first run only) into %s", RANDOM_VERSION, path)
     # a bar on a terminal only: in a log file or a pipe its redraws would land among the lines
-    with tqdm(total=3, desc=f"building {BUILTIN_VERSION}", unit="step", leave=False,
+    with tqdm(total=3, desc=f"building {RANDOM_VERSION}", unit="step", leave=False,
               disable=not sys.stderr.isatty()) as bar:
         tok_json = train_tokenizer(corpus(SEED, CORPUS_CHARS), cfg.vocab_size)
         bar.update()

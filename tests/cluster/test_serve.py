@@ -77,13 +77,13 @@ def test_openai_sdk_and_metrics_on_a_disaggregated_cluster(serve, model_path):
     client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
     long_prompt, short_prompt = random_prompts([200, 20], seed=31)
     # long prompt: remote prefill; token ids in, logprobs give the token ids out
-    r = client.completions.create(model="tandem-tiny-v1", prompt=long_prompt, max_tokens=10, temperature=0, logprobs=0)
+    r = client.completions.create(model="tandem-tiny-v2", prompt=long_prompt, max_tokens=10, temperature=0, logprobs=0)
     expect = hf_greedy(model_path, long_prompt, 10)
     tok = __import__("engine.tokenizer", fromlist=["Tokenizer"]).Tokenizer.from_dir(model_path)
     assert r.choices[0].text == tok.decode(expect)
     assert r.usage.prompt_tokens == 200 and r.usage.completion_tokens == 10
     # the same prompt again: its leading full blocks come from the prefill worker's cache
-    again = client.completions.create(model="tandem-tiny-v1", prompt=long_prompt, max_tokens=10, temperature=0)
+    again = client.completions.create(model="tandem-tiny-v2", prompt=long_prompt, max_tokens=10, temperature=0)
     assert again.choices[0].text == r.choices[0].text
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert cached >= 192, again.usage
@@ -92,7 +92,7 @@ def test_openai_sdk_and_metrics_on_a_disaggregated_cluster(serve, model_path):
     # short prompt streamed: local prefill on the decode worker
     chunks = list(
         client.completions.create(
-            model="tandem-tiny-v1",
+            model="tandem-tiny-v2",
             prompt=short_prompt,
             max_tokens=8,
             temperature=0,
@@ -106,10 +106,10 @@ def test_openai_sdk_and_metrics_on_a_disaggregated_cluster(serve, model_path):
     msgs = [{"role": "user", "content": "Tell me about the sea."}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     want = tok.decode(hf_greedy(model_path, ids, 12))
-    chat = client.chat.completions.create(model="tandem-tiny-v1", messages=msgs, max_tokens=12, temperature=0)
+    chat = client.chat.completions.create(model="tandem-tiny-v2", messages=msgs, max_tokens=12, temperature=0)
     assert chat.choices[0].message.content == want
     streamed = client.chat.completions.create(
-        model="tandem-tiny-v1", messages=msgs, max_tokens=12, temperature=0, stream=True
+        model="tandem-tiny-v2", messages=msgs, max_tokens=12, temperature=0, stream=True
     )
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == want
 
@@ -169,7 +169,7 @@ async def _user(url: str, prompts: list[list[int]], stop: asyncio.Event, results
             r = await http.post(
                 "/v1/completions",
                 json={
-                    "model": "tandem-tiny-v1",
+                    "model": "tandem-tiny-v2",
                     "prompt": prompt,
                     "max_tokens": 16,
                     "temperature": 0,
@@ -306,7 +306,7 @@ def test_sigterm_drains_streams_in_flight_then_exits_0(serve, model_path):
     pids = [w["pid"] for pool in srv.pools().values() for w in pool["workers"]]
     assert pids and all(psutil.pid_exists(p) for p in pids)
     n_streams, n_tokens = 12, 1200
-    body = {"model": "tandem-tiny-v1", "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True,
+    body = {"model": "tandem-tiny-v2", "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
 
     async def scenario():
@@ -365,7 +365,7 @@ def test_a_storm_of_client_disconnects_harms_nothing(serve):
     statuses: list[int] = []
 
     async def one(i: int, client: httpx.AsyncClient) -> None:
-        body = {"model": "tandem-tiny-v1", "prompt": prompts[i % len(prompts)], "max_tokens": 24,
+        body = {"model": "tandem-tiny-v2", "prompt": prompts[i % len(prompts)], "max_tokens": 24,
                 "ignore_eos": True, "stream": True}
         async with client.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": f"storm-{i}"}) as r:
             statuses.append(r.status_code)
@@ -394,7 +394,7 @@ def test_a_storm_of_client_disconnects_harms_nothing(serve):
               for s in fam.samples if s.name == "tandem:request_errors_total"}
     assert not {k: v for k, v in errors.items() if k.startswith("5") and v}, errors
     asyncio.run(assert_workers_clean(srv, after_s=3))
-    r = httpx.post(srv.url + "/v1/completions", json={"model": "tandem-tiny-v1", "prompt": "after", "max_tokens": 4},
+    r = httpx.post(srv.url + "/v1/completions", json={"model": "tandem-tiny-v2", "prompt": "after", "max_tokens": 4},
                    timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     # the client's request id reaches the workers' log lines: the streams closed after 3
@@ -471,7 +471,7 @@ def test_sigterm_to_a_worker_actor_drains_it_and_it_is_replaced(serve, model_pat
 
     srv = serve("--colocated", "--decode", "2", "--num-blocks", "4096", "--worker-shutdown-grace-s", "120")
     n_streams, n_tokens = 32, 2000
-    body = {"model": "tandem-tiny-v1", "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True,
+    body = {"model": "tandem-tiny-v2", "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     # both workers routable by the router itself (the controller's "ready" can come first)
     asyncio.run(_wait_for(lambda: [w["routable"] for w in srv.pools()["decode"]["workers"]] == [True, True],
@@ -495,7 +495,7 @@ def test_sigterm_to_a_worker_actor_drains_it_and_it_is_replaced(serve, model_pat
                        for i in range(n_streams)]
             await asyncio.to_thread(signal_soon)
             await asyncio.sleep(0.5)  # its stats say draining by now (polled every 0.25 s)
-            late = await client.post("/v1/completions", json={"model": "tandem-tiny-v1", "max_tokens": 8,
+            late = await client.post("/v1/completions", json={"model": "tandem-tiny-v2", "max_tokens": 8,
                                                               "prompt": "late"})
             assert late.status_code == 200, late.text
             return await asyncio.gather(*streams)

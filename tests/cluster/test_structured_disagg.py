@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import pytest
 
+from engine.models.builtin import random_model_path
 from tests.cluster.test_serve import Serve
 from tests.model.test_structured_outputs import SCHEMAS, Person, chat_json
 
@@ -24,7 +25,8 @@ WORDS = ("harbor lantern quiet meadow copper violet engine river orchard signal 
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    s = Serve(["--prefill", "1", "--decode", "1", "--max-model-len", "1024"],
+    # the random-weight model: its output is noise, so only the grammar keeps it valid
+    s = Serve(["--prefill", "1", "--decode", "1", "--max-model-len", "1024", "--model", str(random_model_path())],
               tmp_path_factory.mktemp("serve") / "serve.log")
     try:
         yield s
@@ -83,10 +85,12 @@ def test_parse_with_a_pydantic_model_across_the_handoff(srv):
     assert _remote_count(srv) - before >= 4
 
 
-def test_prompt_logprobs_prefill_where_the_request_decodes(srv, model_path):
+def test_prompt_logprobs_prefill_where_the_request_decodes(srv):
     import httpx
     import torch
     import transformers
+
+    model_path = random_model_path()
 
     from tests.oracle import random_prompts
 
@@ -103,14 +107,14 @@ def test_prompt_logprobs_prefill_where_the_request_decodes(srv, model_path):
     assert _decisions(srv, reason="prompt_logprobs") == before + 1
 
 
-def test_a_grammar_dead_end_on_the_prefill_worker(srv, model_path):
+def test_a_grammar_dead_end_on_the_prefill_worker(srv):
     """The first token has no allowed choice: the prefill worker sends the dead end
     across, the decode worker finishes the request with it, nothing leaks."""
     from openai import OpenAI
 
     from engine.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_dir(model_path)
+    tok = Tokenizer.from_dir(random_model_path())
     banned = [tok.backend.token_to_id(t) for t in ("a", "b", "ab")]
     client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     before = _remote_count(srv)

@@ -39,7 +39,7 @@ def test_tune_measures_each_configuration_and_writes_a_profile_serve_takes(tmp_p
         r = httpx.get(srv.url + "/admin/pools", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10).json()
         assert r["drift"]["reference"] == w and r["drift"]["reference_source"] == "profile"
         text = httpx.get(srv.url + "/metrics", timeout=10).text
-        assert 'tandem:slo_ttft_seconds{class="interactive",model_name="tandem-tiny-v1"} 2.0' in text
+        assert 'tandem:slo_ttft_seconds{class="interactive",model_name="tandem-tiny-v2"} 2.0' in text
 
         # pointed at this running cluster, tune tries the pools' split through the admin API, then puts it back
         again = tmp_path / "running.yaml"

@@ -1,6 +1,7 @@
-"""Model-test fixtures: the built-in checkpoint, random transformers checkpoints (Llama
-with GQA and tied embeddings, Qwen2 with q/k/v bias) sharing its tokenizer, and the
-oracle: transformers' greedy `generate` on the same weights."""
+"""Model-test fixtures: the built-in checkpoint (trained) and its random-weight twin,
+random transformers checkpoints (Llama with GQA and tied embeddings, Qwen2 with q/k/v
+bias) sharing the built-in tokenizer, and the oracle: transformers' greedy `generate` on
+the same weights."""
 
 from __future__ import annotations
 
@@ -9,12 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.models.builtin import builtin_model_path, copy_tokenizer_files
+from engine.models.builtin import builtin_model_path, copy_tokenizer_files, random_model_path
 
 
 @pytest.fixture(scope="session")
 def builtin_dir() -> Path:
+    """The trained built-in model (package data)."""
     return builtin_model_path()
+
+
+@pytest.fixture(scope="session")
+def random_dir() -> Path:
+    """tandem-tiny-v1: the built-in shape with random weights (greedy output is noise)."""
+    return random_model_path()
 
 
 def _write_hf(kind: str, path: Path, tokenizer_src: Path, window: int | None = None) -> Path:

@@ -22,7 +22,7 @@ from router.server_thread import ServerThread
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(240)]
 
-MODEL = "tandem-tiny-v1"
+MODEL = "tandem-tiny-v2"
 TEXT_LINE = re.compile(r'^127\.0\.0\.1:\d+ "(?P<method>[A-Z]+) (?P<path>\S+)" (?P<status>\d{3}) '
                        r"prompt=(?P<prompt>\d+|-) output=(?P<output>\d+|-) ttft=(?P<ttft>[0-9.]+ms|-) "
                        r"duration=(?P<duration>[0-9.]+)ms id=(?P<id>[A-Za-z0-9._:-]+)$")

@@ -24,7 +24,7 @@ from router.server_thread import ServerThread
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(240)]
 
-MODEL = "tandem-tiny-v1"
+MODEL = "tandem-tiny-v2"
 KEY, FILE_KEYS, ADMIN = "k-list", ("k-file-1", "k-file-2"), "k-admin"
 MAX_MODEL_LEN = 256
 ANY = object()
@@ -334,7 +334,7 @@ def test_backend_failures(tok):
     events = [line for line in r.text.split("\n\n") if line]
     assert events[-1] == "data: [DONE]" and "internal_error" in events[-2] and "secret" not in r.text
     metrics = client.get("/metrics").text
-    assert 'tandem:request_errors_total{model_name="tandem-tiny-v1",status="500"} 4.0' in metrics
+    assert 'tandem:request_errors_total{model_name="tandem-tiny-v2",status="500"} 4.0' in metrics
 
 
 async def test_admission_queue_full_then_timeout():

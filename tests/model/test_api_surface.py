@@ -21,7 +21,7 @@ from router.server_thread import ServerThread
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 
-MODEL = "tandem-tiny-v1"
+MODEL = "tandem-tiny-v2"
 
 
 @pytest.fixture(scope="module")

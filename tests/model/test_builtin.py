@@ -1,4 +1,5 @@
-"""The built-in model: same bytes everywhere, loadable by us and by transformers, varied output."""
+"""The random-weight model tandem-tiny-v1: same bytes everywhere, loadable by us and by
+transformers, varied output. (The trained built-in pair: test_builtin_trained.py.)"""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import torch
 
 import engine.models.builtin as builtin
 from engine.attention import AttentionMetadata, TorchAttention
-from engine.models.builtin import BUILTIN_VERSION, build_builtin_checkpoint, builtin_model_path
+from engine.models.builtin import RANDOM_VERSION, build_random_checkpoint, random_model_path
 from engine.models.loader import build_model, load_checkpoint
 
 pytestmark = pytest.mark.model
 
 # SHA-256 of every file of tandem-tiny-v1. Another machine, OS or Python version must
-# produce exactly these; a change here needs a new BUILTIN_VERSION.
+# produce exactly these; a change here needs a new RANDOM_VERSION.
 GOLDEN_SHA256 = {
     "config.json": "62043f72f958219ad3b93e4b5803b5952d0d93b309931bd77c3b0e4292203680",
     "generation_config.json": "5f2f7e973cd5302b1514a2c6d02b3b3e9740e6443de22cdfeb8c1030aaa8421e",
@@ -49,7 +50,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    return builtin_model_path(tmp_path_factory.mktemp("cache"))
+    return random_model_path(tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(scope="module")
@@ -112,27 +113,27 @@ def test_golden_bytes(path):
 
 
 def test_two_builds_are_identical(path, tmp_path):
-    build_builtin_checkpoint(tmp_path)
+    build_random_checkpoint(tmp_path)
     assert _digests(tmp_path) == _digests(path)
 
 
 def test_cache_dir_from_env_and_reused(monkeypatch, tmp_path, path):
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
-    (tmp_path / BUILTIN_VERSION).mkdir()
-    assert builtin_model_path() == tmp_path / BUILTIN_VERSION  # present: not rebuilt
+    (tmp_path / RANDOM_VERSION).mkdir()
+    assert random_model_path() == tmp_path / RANDOM_VERSION  # present: not rebuilt
 
 
 def test_lost_race_returns_the_winners_dir(monkeypatch, tmp_path):
-    final = tmp_path / BUILTIN_VERSION
+    final = tmp_path / RANDOM_VERSION
 
     def build_while_another_process_wins(tmp):
         (tmp / "config.json").write_text("{}")
         final.mkdir()
         (final / "winner").write_text("x")
 
-    monkeypatch.setattr(builtin, "build_builtin_checkpoint", build_while_another_process_wins)
-    assert builtin_model_path(tmp_path) == final
-    assert os.listdir(tmp_path) == [BUILTIN_VERSION] and os.listdir(final) == ["winner"]
+    monkeypatch.setattr(builtin, "build_random_checkpoint", build_while_another_process_wins)
+    assert random_model_path(tmp_path) == final
+    assert os.listdir(tmp_path) == [RANDOM_VERSION] and os.listdir(final) == ["winner"]
 
 
 def test_shape_and_params(checkpoint):

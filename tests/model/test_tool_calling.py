@@ -40,12 +40,12 @@ SCHEMA = {"get_weather": WEATHER, "book_room": BOOK}
 
 
 @pytest.fixture(scope="module")
-def server(builtin_dir):
+def server(random_dir):
     backend = EngineBackend(EngineConfig(
-        model=str(builtin_dir), cache=CacheConfig(num_blocks=512),
+        model=str(random_dir), cache=CacheConfig(num_blocks=512),
         scheduler=SchedulerConfig(max_model_len=2048, max_num_batched_tokens=512, max_num_seqs=32),
         device=DeviceConfig(num_threads=1)))
-    tok = Tokenizer.from_dir(builtin_dir)
+    tok = Tokenizer.from_dir(random_dir)
     tok.chat_template = chat_template_text("hermes")
     app = create_app(backend, tok, RouterSettings(served_model_name=MODEL, tool_call_parser="hermes"))
     with ServerThread(app) as s:
