@@ -17,6 +17,7 @@ from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Reservation, Scheduler, SchedulerOutput
 from engine.sequence import INTERACTIVE, FinishReason, Sequence
+from engine.speculative import SpecDecoding, make_proposer
 from engine.structured import StructuredOutputs, attach_grammar
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,9 @@ class StepStats:
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, eos_ids: frozenset[int],
-                 structured: StructuredOutputs | None = None) -> None:
+                 structured: StructuredOutputs | None = None, spec: SpecDecoding | None = None) -> None:
         self.runner = runner
+        self.spec = spec
         self.structured = structured
         self.scheduler = scheduler
         self.pool = scheduler.pool
@@ -45,7 +47,12 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, checkpoint=None) -> "LLMEngine":
         parts = build_parts(config, checkpoint)
-        engine = cls(parts.runner, Scheduler(parts.scheduler_config, parts.pool), parts.eos_ids, parts.structured)
+        spec = None
+        if config.speculative.enabled:
+            spec = SpecDecoding(config.speculative, make_proposer(config.speculative, parts.runner, config.device,
+                                                                  parts.checkpoint.path))
+        engine = cls(parts.runner, Scheduler(parts.scheduler_config, parts.pool), parts.eos_ids, parts.structured,
+                     spec)
         engine.checkpoint = parts.checkpoint
         return engine
 
@@ -115,9 +122,14 @@ class LLMEngine:
     # ---- one iteration -------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         events: list[TokenEvent] = []
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, self.max_model_len)
         out: SchedulerOutput = self.scheduler.schedule()
         if not out.plan:
             return events
+        if self.spec is not None:
+            by_id = {seq.seq_id: seq for seq, _ in out.scheduled}
+            self.spec.fill([(by_id[w.seq_id], w) for w in out.plan.decodes])
         result = self.runner.execute(out.plan)
         self.stats.num_steps += 1
         self.stats.num_tokens += result.num_tokens
@@ -125,10 +137,42 @@ class LLMEngine:
         self.stats.last_step_s = result.forward_s
         if self.on_forward is not None:
             self.on_forward(result.num_tokens, result.forward_s)
+        if self.spec is not None and not out.plan.prefills:
+            self.spec.observe_step(out.plan.num_decode_rows, result.forward_s)
+        if result.accepted:
+            return self._spec_events(out, result)
         for seq in self.scheduler.update(out, result.token_ids, result.prompt_logprobs):
             tok = result.token_ids[seq.seq_id]
             events.append(self._event(seq, None if tok == DEAD_END else tok, result.logprobs.get(seq.seq_id)))
             self._forget_if_done(seq)
+        if self.spec is not None:
+            for seq, _ in out.scheduled:
+                seq.draft_ids = []
+        return events
+
+    def _spec_events(self, out: SchedulerOutput, result) -> list[TokenEvent]:
+        """A step that verified drafts: an event for each token a sequence got (in order;
+        the last one carries the end), and the drafts booked."""
+        before = {seq.seq_id: len(seq.output_ids) for seq, _ in out.scheduled}
+        events: list[TokenEvent] = []
+        for seq in self.scheduler.update(out, result.token_ids, result.prompt_logprobs, result.accepted):
+            kept = result.accepted.get(seq.seq_id, [])
+            self.spec.book(seq, len(kept))
+            lps = [*result.accepted_logprobs.get(seq.seq_id, []), result.logprobs.get(seq.seq_id)]
+            new = seq.output_ids[before[seq.seq_id]:]
+            n0 = before[seq.seq_id]
+            for i, tok in enumerate(new):
+                last = i == len(new) - 1
+                events.append(TokenEvent(
+                    seq.seq_id, tok, lps[i] if i < len(lps) else None, seq.is_finished and last,
+                    seq.finish_reason if last else None, None, len(seq.prompt_ids), seq.num_cached_tokens, n0 + i + 1,
+                    list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None and n0 + i == 0 else None,
+                    seq.num_drafted, seq.num_accepted))
+            if not new:  # a dead end: no token, only the end
+                events.append(self._event(seq, None))
+            self._forget_if_done(seq)
+        for seq, _ in out.scheduled:
+            seq.draft_ids = []
         return events
 
     def _event(self, seq: Sequence, token: int | None, logprobs: TokenLogprobs | None = None) -> TokenEvent:
@@ -136,12 +180,14 @@ class LLMEngine:
         return TokenEvent(
             seq.seq_id, token, logprobs, seq.is_finished, seq.finish_reason, None,
             len(seq.prompt_ids), seq.num_cached_tokens, len(seq.output_ids),
-            list(seq.prompt_logprobs) if first else None,
+            list(seq.prompt_logprobs) if first else None, seq.num_drafted, seq.num_accepted,
         )
 
     def _forget_if_done(self, seq: Sequence) -> None:
         if seq.is_finished:
             self.seqs.pop(seq.seq_id, None)
+            if self.spec is not None:
+                self.spec.finished(seq)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -16,6 +16,7 @@ from engine.events import TokenLogprobs
 from engine.output import TextStream
 from engine.sampling_params import SamplingParams
 from engine.sequence import INTERACTIVE, FinishReason
+from engine.speculative import SpeculativeConfig
 
 
 @dataclass
@@ -53,7 +54,11 @@ class LLM:
                  kv_cache_memory_gb: float | None = None, num_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, scheduler: str = "continuous", device: str = "cpu",
-                 num_threads: int | None = None, attention_backend: str = "auto", seed: int | None = None) -> None:
+                 num_threads: int | None = None, attention_backend: str = "auto", seed: int | None = None,
+                 speculative_config: dict | SpeculativeConfig | None = None) -> None:
+        """`speculative_config`: vLLM's shape, e.g. {"method": "ngram", "num_speculative_tokens": 4}."""
+        if isinstance(speculative_config, dict):
+            speculative_config = SpeculativeConfig(**speculative_config)
         config = EngineConfig(
             model=model,
             dtype=dtype,
@@ -65,6 +70,7 @@ class LLM:
                                       policy=scheduler),
             device=DeviceConfig(device=device, num_threads=num_threads, attention_backend=attention_backend),
             seed=seed,
+            speculative=speculative_config or SpeculativeConfig(),
         )
         if num_threads:
             import torch

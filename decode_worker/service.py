@@ -76,6 +76,8 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         self.kv_events = KVEventHub(self.engine.pool, cfg.worker_id, self.epoch, loop)
         self.metrics = self.make_metrics()
         self.engine.on_forward = self.metrics.on_step
+        if self.engine.spec is not None:
+            self.metrics.add_spec(lambda: self.engine.spec.stats)
         if cfg.metrics_port is not None:
             self.metrics.serve(self.endpoint.bind, cfg.metrics_port, self.endpoint.advertise)
         self.aengine.start(loop)

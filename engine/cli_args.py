@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from engine.speculative import SpeculativeConfig
 
 
 def parse_cores(text: str | None) -> tuple[int, ...] | None:
@@ -50,6 +51,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--scheduler", default="continuous", choices=("continuous", "static"))
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--speculative-method", default=None, choices=("ngram", "suffix", "draft"),
+                   help="speculative decoding on decode workers: ngram (prompt lookup), suffix (suffix decoding "
+                   "over the request and recent outputs) or draft (a small model: --speculative-model)")
+    g.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="most tokens proposed per sequence a step")
+    g.add_argument("--speculative-model", default=None, metavar="DIR",
+                   help="the draft model's checkpoint, same tokenizer as --model (default with --speculative-method "
+                   "draft: the built-in draft, when the built-in model is served)")
+    g.add_argument("--no-adaptive-speculation", action="store_true",
+                   help="always propose K tokens (default: a request's draft length follows the batch size and its "
+                   "acceptance, down to none)")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -66,4 +78,6 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                             attention_backend=a.attention_backend, cuda_graphs=a.cuda_graphs,
                             serial_step_work=None if a.serial_step_work is None else int(a.serial_step_work)),
         seed=a.seed,
+        speculative=SpeculativeConfig(method=a.speculative_method, num_speculative_tokens=a.num_speculative_tokens,
+                                      model=a.speculative_model, adaptive=not a.no_adaptive_speculation),
     )

@@ -7,7 +7,10 @@ raised here name the field and say what to change.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.speculative import SpeculativeConfig
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -284,3 +287,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     seed: int | None = None
+    speculative: "SpeculativeConfig" = field(default_factory=lambda: _speculative_default())
+
+
+def _speculative_default():
+    from engine.speculative import SpeculativeConfig
+
+    return SpeculativeConfig()

@@ -33,3 +33,5 @@ class TokenEvent:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] | None = None  # on a request's first token, when asked for
+    num_draft_tokens: int = 0  # speculative decoding, so far: tokens proposed for the request
+    num_accepted_tokens: int = 0  # ... and kept

@@ -84,6 +84,17 @@ class KVCacheManager:
         """Append `num_blocks` new blocks (the caller checked there is room)."""
         self._tables.setdefault(seq.seq_id, []).extend(self.pool.allocate(num_blocks))
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens' (the slots of rejected
+        speculative tokens). They are never named: only full computed blocks are."""
+        table = self._tables.get(seq.seq_id)
+        keep = math.ceil(num_tokens / self.block_size)
+        if table is not None and len(table) > keep:
+            assert keep >= self._named.get(seq.seq_id, 0), "trimming a named block"
+            extra = table[keep:]
+            del table[keep:]
+            self.pool.release(list(reversed(extra)))
+
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Name the blocks that became full and computed since the last call in the
         prefix cache (each block once)."""

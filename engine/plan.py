@@ -19,6 +19,7 @@ class SampleRow:
     prompt_ids: Sequence[int] = ()  # only read for repetition_penalty
     banned_ids: Sequence[int] = ()  # e.g. EOS / stop ids before min_tokens is reached
     grammar: object | None = None  # structured output: its matcher gives this step's allowed tokens
+    draft: Sequence[int] = ()  # speculative decoding: proposed tokens after the one computed, verified this step
 
 
 @dataclass
@@ -36,14 +37,19 @@ class SeqWork:
 
 @dataclass
 class StepPlan:
-    """Decodes (exactly one new token each) first, then prefill chunks."""
+    """Decodes (one new token each, plus the proposed tokens a speculative decode
+    verifies: `sample.draft`) first, then prefill chunks."""
 
     decodes: list[SeqWork] = field(default_factory=list)
     prefills: list[SeqWork] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(len(w.token_ids) for w in self.prefills)
+        return self.num_decode_rows + sum(len(w.token_ids) for w in self.prefills)
+
+    @property
+    def num_decode_rows(self) -> int:
+        return len(self.decodes) + sum(len(w.sample.draft) for w in self.decodes if w.sample is not None)
 
     def add(self, work: SeqWork) -> None:
         (self.decodes if len(work.token_ids) == 1 else self.prefills).append(work)

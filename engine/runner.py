@@ -39,13 +39,17 @@ _PROMPT_LOGPROB_ROWS = 256  # prompt positions turned into log-softmax rows at a
 
 @dataclass
 class StepResult:
-    """Sampled tokens by seq_id (only for works that asked to sample)."""
+    """Sampled tokens by seq_id (only for works that asked to sample). A speculative
+    decode's emitted tokens are `accepted[seq_id] + [token_ids[seq_id]]`."""
 
     token_ids: dict[object, int]
     logprobs: dict[object, TokenLogprobs | None]
     forward_s: float
     num_tokens: int
     prompt_logprobs: dict = field(default_factory=dict)  # seq_id -> [TokenLogprobs] of this chunk's prompt tokens
+    # speculative decodes: the draft tokens verification kept (before `token_ids`' token), and their logprobs
+    accepted: dict = field(default_factory=dict)
+    accepted_logprobs: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -153,7 +157,7 @@ class ModelRunner:
             torch.set_num_threads(1 if small else self.max_threads)
         b = self._prepare(plan)
         if (self.graphs is not None and not plan.prefills and on_layer_done is None
-                and self.graphs.bucket(len(plan.decodes)) is not None):
+                and plan.num_decode_rows == len(plan.decodes) and self.graphs.bucket(len(plan.decodes)) is not None):
             hidden = self.graphs.run(b.input_ids, b.positions, b.meta)
         else:
             hidden = self.model(b.input_ids, b.positions, self.kv_cache.layers, b.meta, self.backend, on_layer_done)
@@ -161,13 +165,25 @@ class ModelRunner:
         if not b.sample_ids:
             return StepResult({}, {}, time.perf_counter() - t0, plan.num_tokens, prompt_lps)
         logits = self.model.compute_logits(hidden[b.logits_index])
-        out: SamplerOutput = self.sampler(logits, b.sample_rows)
+        if len(b.logits_index) == len(b.sample_ids):
+            out: SamplerOutput = self.sampler(logits, b.sample_rows)
+            return StepResult(
+                dict(zip(b.sample_ids, out.token_ids)),
+                dict(zip(b.sample_ids, out.logprobs)),
+                time.perf_counter() - t0,
+                plan.num_tokens,
+                prompt_lps,
+            )
+        v = self.sampler.verify(logits, b.sample_rows)  # speculative decodes in the step
         return StepResult(
-            dict(zip(b.sample_ids, out.token_ids)),
-            dict(zip(b.sample_ids, out.logprobs)),
+            {sid: toks[-1] for sid, toks in zip(b.sample_ids, v.token_ids)},
+            {sid: lps[-1] for sid, lps in zip(b.sample_ids, v.logprobs)},
             time.perf_counter() - t0,
             plan.num_tokens,
             prompt_lps,
+            accepted={sid: toks[:-1] for sid, toks, row in zip(b.sample_ids, v.token_ids, b.sample_rows) if row.draft},
+            accepted_logprobs={sid: lps[:-1] for sid, lps, row in zip(b.sample_ids, v.logprobs, b.sample_rows)
+                               if row.draft},
         )
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> dict:
@@ -218,11 +234,21 @@ class ModelRunner:
         logits_index: list[int] = []
         sample_ids: list[object] = []
         rows: list[SampleRow] = []
+        decode_lens: list[int] = []
+        dec_tables: list[Sequence[int]] = []
         for w in plan.decodes:
+            # a speculative decode is 1 + len(draft) decode rows, row i at position p + i
+            # attending to p + i + 1 tokens: the step stores every row's K/V before any
+            # attention reads, so each row sees the draft tokens before it (causal)
+            draft = w.sample.draft if w.sample is not None else ()
             p = w.start_pos
             ids.append(w.token_ids[0])
-            positions.append(p)
-            slots.append(w.block_table[p // bs] * bs + p % bs)
+            ids.extend(draft)
+            for q in range(p, p + 1 + len(draft)):
+                positions.append(q)
+                slots.append(w.block_table[q // bs] * bs + q % bs)
+                decode_lens.append(q + 1)
+                dec_tables.append(w.block_table)
         for w in plan.prefills:
             ids.extend(w.token_ids)
             rng = range(w.start_pos, w.start_pos + len(w.token_ids))
@@ -231,12 +257,12 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in rng)
         offset = 0
         for w in (*plan.decodes, *plan.prefills):
-            offset += len(w.token_ids)
+            n = len(w.token_ids) + (len(w.sample.draft) if w.sample is not None else 0)
+            offset += n
             if w.sample is not None:
-                logits_index.append(offset - 1)
+                logits_index.extend(range(offset - 1 - len(w.sample.draft), offset))
                 sample_ids.append(w.seq_id)
                 rows.append(w.sample)
-        decode_lens = [w.start_pos + 1 for w in plan.decodes]
         q_lens = [len(w.token_ids) for w in plan.prefills]
         p_lens = [w.start_pos + len(w.token_ids) for w in plan.prefills]
         starts = None
@@ -244,7 +270,7 @@ class ModelRunner:
             starts = [0]
             for n in q_lens:
                 starts.append(starts[-1] + n)
-        dec_tables = _pad_rows([w.block_table for w in plan.decodes])
+        dec_tables = _pad_rows(dec_tables)
         pre_tables = _pad_rows([w.block_table for w in plan.prefills])
         (input_ids, pos_t, slot_t, logits_t), (dec_t, dec_lens_t, pre_t, starts_t, p_lens_t) = self._to_device(
             [ids, positions, slots, logits_index],
@@ -252,7 +278,7 @@ class ModelRunner:
         )
         meta = AttentionMetadata(
             slot_mapping=slot_t,
-            num_decode_tokens=len(plan.decodes),
+            num_decode_tokens=len(decode_lens),
             decode_block_tables=dec_t.view(len(dec_tables), len(dec_tables[0]) if dec_tables else 0),
             decode_seq_lens=dec_lens_t,
             decode_max_seq_len=max(decode_lens, default=0),

@@ -25,7 +25,7 @@ import torch
 from engine.events import TokenLogprobs
 from engine.plan import DEAD_END, SampleRow
 from engine.sampling_params import SamplingParams
-from engine.structured import apply_bitmask, fill_bitmask
+from engine.structured import apply_bitmask, fill_bitmask, fill_draft_bitmask
 
 _MASK64 = (1 << 64) - 1
 
@@ -52,6 +52,14 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+@dataclass
+class VerifyOutput:
+    """Per row: the draft tokens kept, then one token of the target's own."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs | None]]
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int | None = None) -> None:
         self.device = device
@@ -76,6 +84,124 @@ class Sampler:
         for i in dead:
             tokens[i] = DEAD_END
         return SamplerOutput(tokens, self._logprobs(raw, tokens, rows))
+
+    def verify(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> VerifyOutput:
+        """Speculative decoding's verification. `logits` has 1 + len(row.draft) rows for
+        each row: row i scores the token that follows draft[:i].
+
+        Every position is processed as a decode of its own would be (penalties over the
+        output so far plus the draft before it, logit_bias, min_tokens bans, the grammar
+        advanced over the draft), then:
+        - greedy: keep draft tokens while each equals the target's argmax; then add the
+          argmax at the first mismatch (or after the whole draft). The output is the
+          non-speculative greedy output, token for token.
+        - sampled: a draft is a point proposal (q = 1 at the drafted token), so rejection
+          sampling (Leviathan et al., 2023; Chen et al., 2023) keeps token d at a
+          position with probability min(1, p(d) / q(d)) = p(d); on rejection it samples
+          from the residual max(0, p - q) normalised, which is p without d. So every
+          emitted token is distributed as the target's p given the tokens before it. A
+          seeded request draws position j's numbers from the generator of its output
+          index j, as in `_choose`: reproducible run to run.
+        """
+        starts: list[int] = []
+        n = 0
+        for r in rows:
+            starts.append(n)
+            n += len(r.draft) + 1
+        if all(r.params.greedy and not r.params.needs_logit_work and not r.banned_ids and r.params.logprobs is None
+               and r.grammar is None for r in rows):
+            best = logits.argmax(dim=-1).tolist()
+            return VerifyOutput([_accept_greedy(best[s: s + len(r.draft) + 1], r.draft) for s, r in zip(starts, rows)],
+                                [[None] * (len(r.draft) + 1) for r in rows])
+        virt: list[SampleRow] = []  # one row per position, as its own decode would see it
+        for r in rows:
+            n_out = len(r.output_ids)
+            for i in range(len(r.draft) + 1):
+                # the output so far plus the draft before this position (penalties read it)
+                out_ids = r.output_ids if i == 0 or not r.params.needs_penalties else [*r.output_ids, *r.draft[:i]]
+                banned = r.banned_ids if n_out + i < r.params.min_tokens else ()
+                virt.append(SampleRow(r.params, out_ids, r.prompt_ids, banned))
+        raw = logits
+        logits = self._apply_penalties(logits.clone(), virt)
+        self._apply_logit_bias(logits, virt)
+        dead = self._apply_draft_grammars(logits, rows, starts)
+        best = logits.argmax(dim=-1).tolist()
+        random_v = [v for j, r in enumerate(rows) if not r.params.greedy for v in range(starts[j], starts[j] +
+                                                                                          len(r.draft) + 1)]
+        probs = None
+        if random_v:
+            idx = _on(logits.device, random_v, torch.long)
+            temps = _on(logits.device, [virt[v].params.temperature for v in random_v], torch.float32)
+            sub = self._truncate(logits[idx] / temps[:, None], [virt[v].params for v in random_v])
+            probs = dict(zip(random_v, sub.softmax(dim=-1).cpu()))
+        out_tokens: list[list[int]] = []
+        for j, r in enumerate(rows):
+            s = starts[j]
+            if r.params.greedy:
+                toks = _accept_greedy(best[s: s + len(r.draft) + 1], r.draft)
+            else:
+                toks = self._accept_sampled([probs[v] for v in range(s, s + len(r.draft) + 1)], r)
+            for i, t in enumerate(toks):
+                if s + i in dead:
+                    toks = toks[:i] + [DEAD_END]
+                    break
+            out_tokens.append(toks)
+        flat = [0] * len(virt)
+        for j, toks in enumerate(out_tokens):
+            for i, t in enumerate(toks):
+                flat[starts[j] + i] = max(t, 0)
+        lps = self._logprobs(raw, flat, virt)
+        return VerifyOutput(out_tokens, [[None if t == DEAD_END else lps[starts[j] + i] for i, t in enumerate(toks)]
+                                         for j, toks in enumerate(out_tokens)])
+
+    def _accept_sampled(self, probs: list[torch.Tensor], row: SampleRow) -> list[int]:
+        """Rejection sampling of a point-proposal draft (see `verify`); `probs`: the target's
+        distribution at each of the 1 + len(draft) positions (after every transform)."""
+        out: list[int] = []
+        n_out = len(row.output_ids)
+        for i, p in enumerate(probs):
+            seed = row.params.seed
+            g = (torch.Generator().manual_seed(mix_seed(seed, n_out + i)) if seed is not None
+                 else self._host_generator())
+            if i < len(row.draft):
+                d = row.draft[i]
+                u = torch.rand((), generator=g).item()
+                if u < p[d].item():
+                    out.append(d)
+                    continue
+                p = p.clone()
+                p[d] = 0.0
+            q = torch.empty_like(p).exponential_(generator=g)
+            out.append(int((p / q).argmax()))
+            return out
+        return out
+
+    def _host_generator(self) -> torch.Generator:
+        """A CPU generator for verification's few draws per row, seeded from the sampler's."""
+        if self.device.type == "cpu":
+            return self.generator
+        if not hasattr(self, "_cpu_gen"):
+            self._cpu_gen = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (), generator=self.generator,
+                                                                             device=self.device)))
+        return self._cpu_gen
+
+    def _apply_draft_grammars(self, logits: torch.Tensor, rows: Sequence[SampleRow], starts: list[int]) -> set[int]:
+        """Each constrained row's masks along its draft (engine/structured.py); returns the
+        positions (rows of `logits`) left with no allowed token."""
+        dead: set[int] = set()
+        for j, r in enumerate(rows):
+            if r.grammar is None:
+                continue
+            n = len(r.draft) + 1
+            mask = fill_draft_bitmask(r.grammar, r.draft, logits.shape[1])
+            idx = _on(logits.device, list(range(starts[j], starts[j] + n)), torch.long)
+            apply_bitmask(logits, idx, mask)
+            alive = torch.isfinite(logits[idx]).any(dim=-1).tolist()
+            for i, ok in enumerate(alive):
+                if not ok:
+                    dead.add(starts[j] + i)
+                    logits[starts[j] + i] = 0.0
+        return dead
 
     @staticmethod
     def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
@@ -193,3 +319,14 @@ class Sampler:
             k = rows[i].params.logprobs
             out[i] = TokenLogprobs(tokens[i], chosen[j], list(zip(top_i[j][:k], top_v[j][:k])))
         return out
+
+
+def _accept_greedy(best: list[int], draft: Sequence[int]) -> list[int]:
+    """Draft tokens while each equals the target's argmax, then the argmax after them."""
+    out: list[int] = []
+    for i, t in enumerate(best):
+        out.append(t)
+        if i == len(draft) or t != draft[i]:
+            break
+    return out
+

@@ -68,6 +68,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     guided: GuidedSpec | None = None  # structured output
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    speculative: bool = True  # False: this request opts out of speculative decoding
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

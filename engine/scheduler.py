@@ -191,12 +191,15 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda s: (s.priority, s.arrival))
         scheduled: set[int] = set()
-        for seq in list(self.running):  # 1. decodes
+        for seq in list(self.running):  # 1. decodes (and the drafts they verify)
             if budget == 0 or seq.status is not Status.RUNNING or seq.num_to_compute != 1:
                 continue
-            if self._make_room(seq, self._blocks_needed(seq, 1), scheduled, out):
-                self._schedule(seq, 1, scheduled, out)
-                budget -= 1
+            if 1 + len(seq.draft_ids) > budget:
+                seq.draft_ids = []
+            n = 1 + len(seq.draft_ids)
+            if self._make_room(seq, self._blocks_needed(seq, n), scheduled, out):
+                self._schedule(seq, n, scheduled, out, draft=seq.draft_ids)
+                budget -= n
         for seq in list(self.running):  # 2. prompts being prefilled
             if budget == 0 or seq.status is not Status.RUNNING or id(seq) in scheduled or seq.num_to_compute <= 1:
                 continue
@@ -232,10 +235,12 @@ class Scheduler:
             return todo
         return budget if self.config.enable_chunked_prefill else 0
 
-    def _schedule(self, seq: Sequence, n: int, scheduled: set[int], out: SchedulerOutput) -> None:
-        start = seq.num_computed
+    def _schedule(self, seq: Sequence, n: int, scheduled: set[int], out: SchedulerOutput, draft=()) -> None:
+        """`n` tokens of `seq` this step: its next `n - len(draft)` tokens, then the draft."""
+        start, n = seq.num_computed, n - len(draft)
         last = start + n == seq.num_tokens
-        sample = SampleRow(seq.params, seq.output_ids, seq.prompt_ids, seq.banned_ids(), seq.grammar) if last else None
+        sample = SampleRow(seq.params, seq.output_ids, seq.prompt_ids, seq.banned_ids(), seq.grammar,
+                           tuple(draft)) if last else None
         work = SeqWork(seq.seq_id, seq.token_slice(start, start + n), start, self.cache.block_table(seq.seq_id), sample)
         if seq.prompt_logprobs_left and start == len(seq.prompt_logprobs):
             work.prompt_targets = seq.prompt_ids[start + 1: min(start + n + 1, len(seq.prompt_ids))]
@@ -265,6 +270,7 @@ class Scheduler:
         self.running.remove(seq)
         self.cache.free(seq)
         seq.num_computed = 0
+        seq.draft_ids = []
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -272,10 +278,15 @@ class Scheduler:
         out.preempted.append(seq)
 
     # ---- after the forward ---------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, int], prompt_logprobs: dict | None = None
-               ) -> list[Sequence]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int], prompt_logprobs: dict | None = None,
+               accepted: dict[str, list[int]] | None = None) -> list[Sequence]:
         """Advance every scheduled sequence; append sampled tokens; retire finished
-        ones at once. Returns the sequences that got a new token."""
+        ones at once. Returns the sequences that got a new token.
+
+        `accepted`: a speculative decode's draft tokens that verification kept. Their KV
+        was computed this step, so they count as computed; they are appended before the
+        sampled token, and the blocks past what is left to compute (the rejected
+        tokens' slots) go back to the pool."""
         got: list[Sequence] = []
         for seq, n in out.scheduled:
             if seq.status is not Status.RUNNING:
@@ -283,11 +294,21 @@ class Scheduler:
             if prompt_logprobs and seq.seq_id in prompt_logprobs:
                 seq.prompt_logprobs.extend(prompt_logprobs[seq.seq_id])
             seq.num_computed += n
-            self.cache.commit_full_blocks(seq)
             tok = sampled.get(seq.seq_id)
-            if tok is not None:
+            if tok is None:
+                self.cache.commit_full_blocks(seq)
+                continue
+            for t in (accepted or {}).get(seq.seq_id, ()):
+                self._append_token(seq, t)
+                seq.num_computed += 1
+                if seq.is_finished:
+                    break
+            if not seq.is_finished:
+                self.cache.commit_full_blocks(seq)
+                if seq.draft_ids:
+                    self.cache.trim(seq, seq.num_computed + 1)
                 self._append_token(seq, tok)
-                got.append(seq)
+            got.append(seq)
         return got
 
     def _append_token(self, seq: Sequence, tok: int) -> None:

@@ -53,6 +53,14 @@ class Sequence:
     num_preemptions: int = 0
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs of prompt tokens 1.., when asked for
     grammar: object | None = None  # structured output: an llguidance matcher fed every appended token
+    # speculative decoding (engine/speculative.py): the proposer's state, this step's draft,
+    # and how the drafts fared (drafted and accepted tokens: in all, and recent ones, decayed)
+    spec_state: object | None = None
+    draft_ids: list[int] = field(default_factory=list)
+    num_drafted: int = 0
+    num_accepted: int = 0
+    recent_drafted: float = 0.0
+    recent_accepted: float = 0.0
 
     @property
     def num_tokens(self) -> int:

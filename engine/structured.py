@@ -137,13 +137,33 @@ def fill_bitmask(matchers: Sequence[object], vocab_size: int) -> torch.Tensor:
     """[len(matchers), ceil(V/32)] int32 masks (bit t of row r: token t allowed), one
     parallel call for all rows. (llguidance.torch wraps the same call, but importing it
     sets up torch.compile, seconds of start-up for nothing here.)"""
-    import torch
-
-    mask = torch.full((len(matchers), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    mask = torch_full_mask(len(matchers), vocab_size)
     row = mask.shape[1] * 4
     _executor().unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], mask.data_ptr(), row,
                                         len(matchers))
     return mask
+
+
+def fill_draft_bitmask(matcher, draft: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """[1 + len(draft), ceil(V/32)] masks for verifying a speculative draft: row i is the
+    mask once draft[:i] is consumed. The matcher is advanced over the draft tokens it
+    accepts and rolled back; rows past the first refused draft token allow everything
+    (verification rejects that token, so it never reads them)."""
+    mask = torch_full_mask(len(draft) + 1, vocab_size)
+    ok = matcher.validate_tokens(list(draft)) if draft else 0
+    for i in range(ok + 1):
+        mask[i] = fill_bitmask([matcher], vocab_size)[0]
+        if i < ok:
+            matcher.consume_token(draft[i])
+    if ok:
+        matcher.rollback(ok)
+    return mask
+
+
+def torch_full_mask(rows: int, vocab_size: int) -> torch.Tensor:
+    import torch
+
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
 @functools.cache

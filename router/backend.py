@@ -41,6 +41,8 @@ class TokenBatch:
     cached_tokens: int = 0
     completion_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] | None = None  # with the first token, when asked for
+    draft_tokens: int = 0  # speculative decoding (on the last batch): tokens proposed, and kept
+    accepted_tokens: int = 0
 
 
 @dataclass

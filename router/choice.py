@@ -48,6 +48,7 @@ class ChoiceRun:
         self.prompt_tokens = len(request.prompt_ids)
         self.cached_tokens = 0
         self.completion_tokens = 0
+        self.draft_tokens = self.accepted_tokens = 0  # speculative decoding, known at the end
         self.finish_reason: str | None = None
         self._gen: AsyncIterator[TokenBatch] = backend.generate(request)
         self._stream = stream
@@ -101,6 +102,8 @@ class ChoiceRun:
             raise BackendError(batch.error or f"the request ended with {batch.finish_reason}",
                                503 if batch.finish_reason == "abort" else 500)
         self.cached_tokens = max(self.cached_tokens, batch.cached_tokens)
+        if batch.finished:
+            self.draft_tokens, self.accepted_tokens = batch.draft_tokens, batch.accepted_tokens
         if batch.prompt_logprobs:
             self.prompt_logprobs = batch.prompt_logprobs
         self.completion_tokens += len(batch.token_ids)

@@ -23,6 +23,8 @@ def _batch(ev) -> TokenBatch:
         cached_tokens=ev.num_cached_tokens,
         completion_tokens=ev.num_output_tokens,
         prompt_logprobs=ev.prompt_logprobs,
+        draft_tokens=ev.num_draft_tokens,
+        accepted_tokens=ev.num_accepted_tokens,
     )
 
 

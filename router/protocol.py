@@ -106,6 +106,9 @@ class _Common(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # speculative decoding (tandem's extras): opt out; report this request's drafts in usage
+    speculative: bool | None = True
+    speculative_usage: bool | None = False
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -353,7 +356,7 @@ def to_sampling_params(req: AnyRequest, max_tokens: int, guided: GuidedSpec | No
             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos),
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             skip_special_tokens=req.skip_special_tokens is not False, guided=guided, logit_bias=logit_bias,
-            **opt,
+            speculative=req.speculative is not False, **opt,
         )
     except SamplingParamsError as e:
         param = e.param
@@ -393,11 +396,21 @@ class PromptTokensDetails(_Response):
     cached_tokens: int = 0
 
 
-class Usage(_Response):
+class SpeculativeUsage(_Response):
+    """A request's speculative decoding, when it asked (`speculative_usage`)."""
+
+    draft_tokens: int
+    accepted_tokens: int
+    acceptance_rate: float | None  # accepted / drafted; None when nothing was drafted
+
+
+class Usage(_Sparse):
+    _omit_if_none = ("speculative",)
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    speculative: SpeculativeUsage | None = None
 
 
 class PromptLogprob(_Response):

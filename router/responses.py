@@ -42,6 +42,7 @@ from router.protocol import (
     CompletionRequest,
     CompletionResponse,
     PromptTokensDetails,
+    SpeculativeUsage,
     Usage,
 )
 from router.sse import SSE_DONE, sse_event
@@ -50,15 +51,21 @@ from router.tools import FunctionCallOut, ToolCallOut, ToolStream, new_call_id
 log = logging.getLogger(__name__)
 
 
-def usage_of(job: Job) -> Usage:
+def usage_of(job: Job, speculative: bool = False) -> Usage:
     prompt = sum(len(p.ids) for p in job.prompts)
     cached = sum(
         min((r.cached_tokens for r in job.runs if r.prompt_index == i), default=0)
         for i in range(len(job.prompts))
     )
     completion = sum(r.completion_tokens for r in job.runs)
+    spec = None
+    if speculative:
+        drafted = sum(r.draft_tokens for r in job.runs)
+        kept = sum(r.accepted_tokens for r in job.runs)
+        spec = SpeculativeUsage(draft_tokens=drafted, accepted_tokens=kept,
+                                acceptance_rate=round(kept / drafted, 4) if drafted else None)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached), speculative=spec)
 
 
 def _chat_message(plan, res: ChoiceResult) -> tuple[ChatMessageOut, str | None]:
@@ -104,7 +111,7 @@ class Responder:
                 prompt_logprobs=prompt_logprobs(self.strings, run.prompt_logprobs),
             ))
         return _json(CompletionResponse(id=rid, created=int(time.time()), model=self.model,
-                                        choices=choices, usage=usage_of(job)))
+                                        choices=choices, usage=usage_of(job, bool(req.speculative_usage))))
 
     def _chat_body(self, job: Job, req: ChatCompletionRequest, rid: str,
                    results: list[ChoiceResult]) -> Response:
@@ -118,7 +125,8 @@ class Responder:
                 token_ids=res.token_ids if req.return_token_ids else None,
             ))
         return _json(ChatCompletionResponse(
-            id=rid, created=int(time.time()), model=self.model, choices=choices, usage=usage_of(job),
+            id=rid, created=int(time.time()), model=self.model, choices=choices,
+            usage=usage_of(job, bool(req.speculative_usage)),
             prompt_token_ids=job.prompts[0].ids if req.return_token_ids else None,
             prompt_logprobs=prompt_logprobs(self.strings, job.runs[0].prompt_logprobs),
         ))
@@ -132,7 +140,8 @@ class Responder:
                 yield sse_event(payload)
             if req.include_usage:
                 cls = ChatCompletionChunk if chat else CompletionChunk
-                final = cls(id=rid, created=int(time.time()), model=self.model, choices=[], usage=usage_of(job))
+                final = cls(id=rid, created=int(time.time()), model=self.model, choices=[],
+                            usage=usage_of(job, bool(req.speculative_usage)))
                 yield sse_event(final.model_dump_json())
         except Exception as e:  # the stream has started: report in-band, then [DONE]
             if isinstance(e, BackendError):
@@ -147,7 +156,7 @@ class Responder:
         yield SSE_DONE
 
     def _running_usage(self, job: Job, req: AnyRequest) -> Usage | None:
-        return usage_of(job) if req.include_usage and req.continuous_usage else None
+        return usage_of(job, bool(req.speculative_usage)) if req.include_usage and req.continuous_usage else None
 
     async def _completion_chunks(self, job: Job, req: CompletionRequest, rid: str) -> AsyncIterator[str]:
         created = int(time.time())

@@ -45,6 +45,7 @@ def _batch(t: pb.Tokens) -> TokenBatch:
         prompt_tokens=t.usage.prompt_tokens, cached_tokens=t.usage.cached_tokens,
         completion_tokens=t.usage.completion_tokens,
         prompt_logprobs=[logprobs_from_pb(x) for x in t.prompt_logprobs] or None,
+        draft_tokens=t.usage.draft_tokens, accepted_tokens=t.usage.accepted_tokens,
     )
 
 

@@ -21,6 +21,7 @@ def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
         msg.seed = p.seed
     if p.prompt_logprobs is not None:
         msg.prompt_logprobs = p.prompt_logprobs
+    msg.no_speculation = not p.speculative
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
     return msg
@@ -38,6 +39,7 @@ def params_from_pb(m: pb.SamplingParams) -> SamplingParams:
         ignore_eos=m.ignore_eos, min_tokens=m.min_tokens,
         guided=GuidedSpec(m.guided_kind, m.guided_value) if m.guided_kind else None,
         logit_bias=tuple((b.token_id, b.bias) for b in m.logit_bias),
+        speculative=not m.no_speculation,
     )
 
 
@@ -71,7 +73,8 @@ def token_events_to_pb(evs: list[TokenEvent]) -> pb.DecodeEvent:
             t.prompt_logprobs.extend(logprobs_to_pb(lp) for lp in e.prompt_logprobs)
     if last.finished:
         t.usage.CopyFrom(pb.Usage(prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens,
-                                  cached_tokens=last.num_cached_tokens))
+                                  cached_tokens=last.num_cached_tokens, draft_tokens=last.num_draft_tokens,
+                                  accepted_tokens=last.num_accepted_tokens))
     return pb.DecodeEvent(tokens=t)
 
 

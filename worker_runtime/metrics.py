@@ -42,6 +42,38 @@ class _StatsCollector(Collector):
             yield fam
 
 
+class _SpecCollector(Collector):
+    """Speculative decoding's counters (vLLM's names, in tandem's namespace), read off the
+    engine's SpecStats at scrape time."""
+
+    def __init__(self, labels: list[str], read: Callable[[], object]) -> None:
+        self.labels = labels
+        self.read = read
+
+    def collect(self):
+        st = self.read()
+        lab = ["worker_id", "role"]
+        for name, value, doc in (
+            ("num_drafts", st.num_drafts, "Sequence-steps that verified a draft."),
+            ("num_draft_tokens", st.num_draft_tokens, "Tokens proposed."),
+            ("num_accepted_tokens", st.num_accepted_tokens, "Proposed tokens that verification kept."),
+        ):
+            fam = CounterMetricFamily(f"tandem:spec_decode_{name}", doc, labels=lab)
+            fam.add_metric(self.labels, value)
+            yield fam
+        fam = CounterMetricFamily("tandem:spec_decode_num_accepted_tokens_per_pos",
+                                  "Proposed tokens kept, by their position in the draft (0: the first).",
+                                  labels=[*lab, "position"])
+        for i, n in enumerate(st.accepted_per_pos or ()):
+            fam.add_metric([*self.labels, str(i)], n)
+        yield fam
+        g = GaugeMetricFamily("tandem:spec_decode_mean_accepted_length",
+                              "Tokens a verified draft step emitted on average (kept + the target's own), "
+                              "since the worker started.", labels=lab)
+        g.add_metric(self.labels, st.mean_accepted_length)
+        yield g
+
+
 class WorkerMetrics:
     def __init__(self, worker_id: str, role: Role, read_stats: Callable[[], WorkerStats]) -> None:
         self.registry = reg = CollectorRegistry()
@@ -82,6 +114,10 @@ class WorkerMetrics:
         self.address = f"{advertise or host}:{server.server_port}"
         log.info("metrics at http://%s/metrics", self.address)
         return self.address
+
+    def add_spec(self, read: Callable[[], object]) -> None:
+        """Export speculative decoding's counters (`read` returns the engine's SpecStats)."""
+        self.registry.register(_SpecCollector(self.labels, read))
 
     def on_step(self, num_tokens: int, forward_s: float) -> None:
         self.step_tokens.observe(num_tokens)
