@@ -42,6 +42,7 @@ class LLMEngine:
         self.eos_ids = eos_ids
         self.stats = StepStats()
         self.seqs: dict[str, Sequence] = {}
+        self._last_plan = None
         self.on_forward = None  # optional (num_tokens, forward_s) -> None, e.g. metrics
 
     @classmethod
@@ -121,10 +122,19 @@ class LLMEngine:
 
     # ---- one iteration -------------------------------------------------------
     def step(self) -> list[TokenEvent]:
+        if self.spec is None:
+            return self._step()
+        t0 = time.perf_counter()
+        self.spec.propose(self.scheduler.running, self.max_model_len)
+        events = self._step()
+        decode_only = bool(self._last_plan) and not self._last_plan.prefills
+        self.spec.observe_step(sum(ev.token_id is not None for ev in events), time.perf_counter() - t0, decode_only)
+        return events
+
+    def _step(self) -> list[TokenEvent]:
         events: list[TokenEvent] = []
-        if self.spec is not None:
-            self.spec.propose(self.scheduler.running, self.max_model_len)
         out: SchedulerOutput = self.scheduler.schedule()
+        self._last_plan = out.plan
         if not out.plan:
             return events
         if self.spec is not None:
@@ -137,8 +147,6 @@ class LLMEngine:
         self.stats.last_step_s = result.forward_s
         if self.on_forward is not None:
             self.on_forward(result.num_tokens, result.forward_s)
-        if self.spec is not None and not out.plan.prefills:
-            self.spec.observe_step(out.plan.num_decode_rows, result.forward_s)
         if result.accepted:
             return self._spec_events(out, result)
         for seq in self.scheduler.update(out, result.token_ids, result.prompt_logprobs):

@@ -60,8 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the draft model's checkpoint, same tokenizer as --model (default with --speculative-method "
                    "draft: the built-in draft, when the built-in model is served)")
     g.add_argument("--no-adaptive-speculation", action="store_true",
-                   help="always propose K tokens (default: a request's draft length follows the batch size and its "
-                   "acceptance, down to none)")
+                   help="always propose K tokens (default: speculate where it measured faster at the current batch "
+                   "size, each request as deep as its acceptance warrants)")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:

@@ -1,92 +1,117 @@
-"""Adaptive speculation: how many tokens to propose for each decoding sequence this step.
+"""Adaptive speculation: whether to speculate this step, and how deep for each request.
 
 Speculation pays while a decode step is bound by something other than its token count
 (weights read once for the whole batch, fixed per-step costs): verifying k more tokens
 then costs little against the tokens it may add. At large batches the step's time grows
-with its tokens and speculation costs more than it saves. The policy states that trade
-directly.
+with its rows, and the engine's own per-token work (proposing, verifying, the events
+of several tokens a step) grows with them, so speculation can cost more than it saves.
+Where the line falls depends on the model, the machine, the proposer and the text, so
+the policy measures it instead of predicting it:
 
-The model, refit as steps run:
-- a decode step of N token rows takes `a + b * N` seconds (least squares through the
-  recent mean time of each row count seen in decode-only steps, see StepCost); a draft
-  model adds `c` a draft position (one batched draft forward per position);
-- a sequence whose drafts are kept at rate `alpha` (per token: its recent rate, smoothed
-  toward the engine's, floored; see AdaptivePolicy) gains alpha**j expected tokens from
-  its j-th draft token (the first j must all be kept).
+- **Whether** (per batch size, in buckets of powers of two): the engine's output tokens
+  a second over whole decode-only steps (proposing, the forward, verification and
+  bookkeeping), compared in pairs of adjacent steps, one with drafts and one without
+  (ModeChooser). A bucket alternates until it has a few pairs, then runs the better
+  mode, and runs the other one step in EXPLORE_EVERY to keep the comparison current (so
+  a wrong choice is found again as the text or the load changes; exploring costs at
+  most 1/EXPLORE_EVERY of the difference). One stream on a CPU, where a step is mostly
+  fixed cost, settles on speculating; a full batch settles on whichever is faster.
+- **How deep** (per request, when speculating): the j-th draft token of a request is
+  kept only if the j before it were, so with a per-token acceptance `alpha` it is worth
+  alpha**j expected tokens; a request drafts the tokens worth at least MIN_GAIN. `alpha`
+  is the request's recent rate (drafted and kept tokens, decayed by SEQ_DECAY a
+  verification) smoothed toward the engine's (PRIOR_WEIGHT pseudo-tokens), floored at
+  ALPHA_FLOOR = MIN_GAIN: a request whose drafts fail still drafts one token, so its
+  rate is measured again and can recover (whether that is worth it is the first
+  question's business).
 
-The choice maximises expected tokens per second, greedily: starting from no drafts (the
-batch's B tokens in `a + b * B` seconds), add the draft token of highest gain while its
-gain exceeds what its cost would otherwise buy (gain > cost * tokens / time). So one
-stream on a machine where a step is mostly fixed cost gets the full K; a full batch on
-the same machine gets none; a sequence whose drafts keep failing gets none while the
-others keep theirs. A request can opt out (`SamplingParams.speculative=False`).
+A request can opt out (`SamplingParams.speculative=False`).
 """
 
 from __future__ import annotations
 
-import heapq
+import math
 from dataclasses import dataclass, field
 
 
+def _bucket(batch: int) -> int:
+    return 1 << max(0, batch - 1).bit_length() if batch > 1 else 1
+
+
 @dataclass
-class StepCost:
-    """Step time against token rows: a recent mean time for each row count (exact up to
-    8 rows, then by powers of two), and a weighted least-squares line through those means
-    once at least two row counts have MIN_SAMPLES steps each. (A line through raw steps
-    let one slow step among one-row steps set the slope: the means smooth that, and the
-    fit waits for steps of more than one size.)"""
+class ModeChooser:
+    """Speculate or not, per batch-size bucket, from paired measurements.
 
-    DECAY = 0.9  # weight of a bucket's previous mean when a step of its size comes
-    MIN_SAMPLES = 3
-    buckets: dict[int, list[float]] = field(default_factory=dict)  # key -> [mean rows, mean time, steps]
+    A step's speed drifts as the batch's contexts grow and requests come and go, far more
+    than the difference being looked for, so two modes are never compared across minutes:
+    each step run in one mode right after a step of the other mode in the same bucket
+    gives one paired sample, log(rate on / rate off), and the bucket keeps their recent
+    mean. A bucket alternates until it has MIN_PAIRS pairs, then runs the mode the mean
+    favours, and runs the other for one step in EXPLORE_EVERY (its pair with the step
+    before keeps the mean current)."""
 
-    @staticmethod
-    def _key(n: int) -> int:
-        return n if n <= 8 else 1 << (n - 1).bit_length()
+    MIN_PAIRS = 6
+    EXPLORE_EVERY = 32
+    DECAY = 0.85  # weight of the mean's past when a pair adds to it
+    buckets: dict[int, list] = field(default_factory=dict)  # key -> [mean log ratio, pairs, last (spec, rate)]
+    steps: int = 0
+    pending: tuple[int, bool] | None = None  # the choice the current step runs under
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        b = self.buckets.get(self._key(num_tokens))
-        if b is None:
-            self.buckets[self._key(num_tokens)] = [float(num_tokens), float(seconds), 1]
+    def choose(self, batch: int) -> bool:
+        key = _bucket(batch)
+        b = self.buckets.setdefault(key, [0.0, 0, None])
+        self.steps += 1
+        if b[1] < self.MIN_PAIRS:  # trying both: the other mode than the bucket's last step
+            spec = True if b[2] is None else not b[2][0]
+        else:
+            spec = b[0] >= 0.0
+            if self.steps % self.EXPLORE_EVERY == 0:
+                spec = not spec
+        self.pending = (key, spec)
+        return spec
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """The step chosen for ended: `tokens` emitted in `seconds`."""
+        if self.pending is None or seconds <= 0 or tokens <= 0:
+            self.pending = None
             return
-        d = self.DECAY
-        b[0] = d * b[0] + (1 - d) * num_tokens
-        b[1] = d * b[1] + (1 - d) * seconds
-        b[2] += 1
+        key, spec = self.pending
+        self.pending = None
+        b = self.buckets[key]
+        rate = tokens / seconds
+        if b[2] is not None and b[2][0] != spec:
+            on, off = (rate, b[2][1]) if spec else (b[2][1], rate)
+            x = math.log(on / off)
+            b[0] = x if b[1] == 0 else self.DECAY * b[0] + (1 - self.DECAY) * x
+            b[1] += 1
+        b[2] = (spec, rate)
 
-    def model(self) -> tuple[float, float] | None:
-        """(a, b): seconds a step = a + b * rows; None until two sizes were measured."""
-        pts = [(n, t, min(c, 10)) for n, t, c in self.buckets.values() if c >= self.MIN_SAMPLES]
-        if len(pts) < 2:
+    def discard(self) -> None:
+        """The step was not a plain decode step: it breaks the pairing."""
+        if self.pending is not None:
+            self.buckets[self.pending[0]][2] = None
+        self.pending = None
+
+    def choice(self, batch: int) -> bool | None:
+        """What the bucket of `batch` runs now (None while it is still trying both)."""
+        b = self.buckets.get(_bucket(batch))
+        if b is None or b[1] < self.MIN_PAIRS:
             return None
-        w = sum(c for _, _, c in pts)
-        mn = sum(n * c for n, _, c in pts) / w
-        mt = sum(t * c for _, t, c in pts) / w
-        var = sum(c * (n - mn) ** 2 for n, _, c in pts) / w
-        if var <= 0:
-            return None
-        slope = max(0.0, sum(c * (n - mn) * (t - mt) for n, t, c in pts) / w / var)
-        return max(0.0, mt - slope * mn), slope
+        return b[0] >= 0.0
 
 
 @dataclass
 class AdaptivePolicy:
-    """Acceptance rates are kept-over-drafted token counts, decayed (a request's by
-    SEQ_DECAY a verification, the engine's by ENGINE_DECAY), a request's smoothed toward
-    the engine's with PRIOR_WEIGHT pseudo-tokens, and never below ALPHA_FLOOR: a rate
-    that fell to zero would stop drafting for good and never be measured again; at the
-    floor, drafting goes on only where it costs next to nothing (one stream)."""
-
     SEQ_DECAY = 0.7
     ENGINE_DECAY = 0.98
     PRIOR_WEIGHT = 2.0
-    ALPHA_FLOOR = 0.05
+    MIN_GAIN = 0.2
+    ALPHA_FLOOR = MIN_GAIN
 
     num_speculative_tokens: int
     adaptive: bool = True
     prior_alpha: float = 0.6  # before any draft was verified
-    cost: StepCost = field(default_factory=StepCost)
-    draft_cost: float = 0.0  # seconds a draft position costs the step (draft model), measured
+    chooser: ModeChooser = field(default_factory=ModeChooser)
     drafted: float = 0.0  # the engine's recent drafted and kept tokens (decayed)
     accepted: float = 0.0
 
@@ -100,48 +125,29 @@ class AdaptivePolicy:
         w = self.PRIOR_WEIGHT
         return max(self.ALPHA_FLOOR, (accepted + w * self.alpha) / (drafted + w))
 
-    def observe_step(self, num_tokens: int, seconds: float, draft_seconds: float, draft_positions: int) -> None:
-        self.cost.observe(num_tokens, seconds)
-        if draft_positions:
-            per = draft_seconds / draft_positions
-            self.draft_cost = per if not self.draft_cost else 0.9 * self.draft_cost + 0.1 * per
-
     def observe_accept(self, drafted: int, accepted: int) -> None:
         self.drafted = self.ENGINE_DECAY * self.drafted + drafted
         self.accepted = self.ENGINE_DECAY * self.accepted + accepted
 
-    def lengths(self, caps: list[int], alphas: list[float | None]) -> list[int]:
-        """Draft length for each sequence (caps: the most each may take: K, or less near
-        its end; alphas: its acceptance rate (`seq_alpha`), None for the engine's)."""
+    def lengths(self, caps: list[int], alphas: list[float]) -> list[int]:
+        """Draft length for each decoding sequence (caps: the most each may take: K, or
+        less near its end; alphas: `seq_alpha` of each)."""
         if not self.adaptive:
             return list(caps)
-        fit = self.cost.model()
-        if fit is None:  # not measured yet: speculate fully (the fit needs varied steps)
-            return list(caps)
-        a, b = fit
-        prior = self.alpha
-        ks = [0] * len(caps)
-        tokens = float(len(caps))
-        time = a + b * len(caps)
-        if time <= 0:
-            return list(caps)
-        depth = 0  # deepest draft position in use: each new one costs a draft forward
-        heap = []
-        for i, cap in enumerate(caps):
-            al = min(0.99, alphas[i] if alphas[i] is not None else prior)
-            if cap > 0 and al > 0:
-                heapq.heappush(heap, (-al, i, al))
-        while heap:
-            neg_gain, i, al = heapq.heappop(heap)
-            gain = -neg_gain
-            j = ks[i] + 1
-            cost = b + (self.draft_cost if j > depth else 0.0)
-            if gain * time <= cost * tokens:  # adding it lowers tokens per second
-                continue  # (a cheaper candidate, at a depth already paid for, may still pay)
-            ks[i] = j
-            tokens += gain
-            time += cost
-            depth = max(depth, j)
-            if j < caps[i]:
-                heapq.heappush(heap, (-gain * al, i, al))
+        if not caps or not self.chooser.choose(len(caps)):
+            return [0] * len(caps)
+        ks = []
+        for cap, al in zip(caps, alphas):
+            k, gain = 0, 1.0
+            while k < cap and gain * al >= self.MIN_GAIN:
+                gain *= al
+                k += 1
+            ks.append(k)
         return ks
+
+    def observe_step(self, tokens: int, seconds: float, decode_only: bool) -> None:
+        """A step ended: its emitted tokens and wall time (whole: proposing included)."""
+        if self.adaptive and decode_only:
+            self.chooser.observe(tokens, seconds)
+        else:
+            self.chooser.discard()

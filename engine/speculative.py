@@ -29,7 +29,6 @@ verification is exact for any sampling parameters: see Sampler.verify.
 
 from __future__ import annotations
 
-import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,15 +77,19 @@ class NgramProposer:
         st = seq.spec_state
         if not isinstance(st, _NgramIndex):
             st = seq.spec_state = _NgramIndex()
-        ids = seq.all_ids
-        end = len(ids) - 1  # the gram ending at the last token is looked up, not indexed yet
-        st.extend(ids, end, self.min_n, self.max_n)
-        for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
-            j = st.last.get(tuple(ids[len(ids) - n:]))
+        total = seq.num_tokens
+        end = total - 1  # the gram ending at the last token is looked up, not indexed yet
+        # only the tokens the index has not seen (and the grams they end) are read: no copy
+        # of the whole sequence a step
+        lo = max(0, st.upto - self.max_n + 1)
+        st.extend(seq.token_slice(lo, end), lo, self.min_n, self.max_n)
+        tail = seq.token_slice(max(0, total - self.max_n), total)
+        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
+            j = st.last.get(tuple(tail[len(tail) - n:]))
             if j is not None:
                 # what followed, repeated when it runs into the end: the text since the
                 # earlier occurrence is one period of a loop the sequence is in
-                cont = ids[j + 1:]
+                cont = seq.token_slice(j + 1, min(total, j + 1 + k))
                 return (cont * -(-k // len(cont)))[:k]
         return []
 
@@ -100,11 +103,13 @@ class _NgramIndex:
         self.last: dict[tuple[int, ...], int] = {}
         self.upto = 0
 
-    def extend(self, ids: list[int], end: int, min_n: int, max_n: int) -> None:
+    def extend(self, ids: list[int], base: int, min_n: int, max_n: int) -> None:
+        """Index the grams ending at positions upto.. of `ids` (tokens base.. of the sequence)."""
+        end = base + len(ids)
         for i in range(self.upto, end):
             for n in range(min_n, max_n + 1):
-                if i + 1 >= n:
-                    self.last[tuple(ids[i + 1 - n: i + 1])] = i
+                if i + 1 - n >= base:
+                    self.last[tuple(ids[i + 1 - n - base: i + 1 - base])] = i
         self.upto = max(self.upto, end)
 
 
@@ -148,14 +153,19 @@ class SuffixProposer:
         st = seq.spec_state
         if not isinstance(st, _SuffixState):
             st = seq.spec_state = _SuffixState(_Counts(self.max_depth))
-        ids = seq.all_ids
-        st.counts.add(ids, st.upto, len(ids))
-        st.upto = len(ids)
-        low = max(st.low, len(ids) - self.window)
+        total, d = seq.num_tokens, self.max_depth
+        # read only the new tokens, those leaving the window, and the contexts before them
+        # (never the whole sequence); a slice starting d tokens early gives every counted
+        # position its full contexts, so what is taken out equals what was put in
+        b = max(0, st.upto - d)
+        st.counts.add(seq.token_slice(b, total), st.upto - b, total - b)
+        st.upto = total
+        low = max(st.low, total - self.window)
         if low > st.low:  # tokens that left the window leave the model
-            st.counts.add(ids, st.low, low, sign=-1)
+            b = max(0, st.low - d)
+            st.counts.add(seq.token_slice(b, low), st.low - b, low - b, sign=-1)
             st.low = low
-        ctx = list(ids[-self.max_depth:])
+        ctx = seq.token_slice(max(0, total - d), total)
         out: list[int] = []
         prob = 1.0
         while len(out) < k:
@@ -182,6 +192,13 @@ class SuffixProposer:
             tok, c = total.most_common(1)[0]
             return tok, c / sum(total.values())
         return None
+
+    def forget_history(self) -> None:
+        """Drop what finished requests taught the shared model (benchmarks: each run starts
+        from nothing, so a prompt repeated from an earlier run is not a free hit)."""
+        self.shared = _Counts(self.max_depth)
+        self.history.clear()
+        self.num_history_tokens = 0
 
     def finished(self, seq: Sequence) -> None:
         """A request ended: its last tokens join the shared history (the oldest leave)."""
@@ -238,8 +255,6 @@ class SpecDecoding:
         self.proposer = proposer
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self.policy = AdaptivePolicy(config.num_speculative_tokens, config.adaptive)
-        self.last_draft_s = 0.0  # the draft model's time in the last step
-        self.last_draft_positions = 0
 
     def draft_len(self, seq: Sequence, max_model_len: int) -> int:
         """How many tokens to propose for `seq` now: K, cut to what the request can still
@@ -272,16 +287,12 @@ class SpecDecoding:
         if not getattr(self.proposer, "needs_blocks", False):
             return
         works = [(seq, w) for seq, w in decodes if w.sample is not None and w.sample.draft]
-        self.last_draft_s, self.last_draft_positions = 0.0, 0
         if works:
-            t0 = time.perf_counter()
             self.proposer.fill(works)
-            self.last_draft_s = time.perf_counter() - t0
-            self.last_draft_positions = max(len(w.sample.draft) for _, w in works)
 
-    def observe_step(self, num_decode_rows: int, seconds: float) -> None:
-        """A decode-only step ran (its time feeds the policy's cost model)."""
-        self.policy.observe_step(num_decode_rows, seconds, self.last_draft_s, self.last_draft_positions)
+    def observe_step(self, tokens: int, seconds: float, decode_only: bool) -> None:
+        """A step ended: the tokens it emitted and its whole wall time (the policy's measure)."""
+        self.policy.observe_step(tokens, seconds, decode_only)
 
     def book(self, seq: Sequence, accepted: int) -> None:
         drafted = len(seq.draft_ids)

@@ -19,6 +19,16 @@ def builtin_dir() -> Path:
     return builtin_model_path()
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """The tiny models are overhead-bound: extra intra-op threads only contend for cores
+    (for a module: `pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def random_dir() -> Path:
     """tandem-tiny-v1: the built-in shape with random weights (greedy output is noise)."""

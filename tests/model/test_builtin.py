@@ -14,7 +14,7 @@ from engine.attention import AttentionMetadata, TorchAttention
 from engine.models.builtin import RANDOM_VERSION, build_random_checkpoint, random_model_path
 from engine.models.loader import build_model, load_checkpoint
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.usefixtures("one_thread")]
 
 # SHA-256 of every file of tandem-tiny-v1. Another machine, OS or Python version must
 # produce exactly these; a change here needs a new RANDOM_VERSION.
@@ -37,15 +37,6 @@ PROMPTS = [
 
 def _digests(path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model is overhead-bound: extra intra-op threads only contend for cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

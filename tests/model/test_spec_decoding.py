@@ -8,14 +8,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from decode_worker.llm import LLM
 from engine.models.builtin import builtin_draft_path, random_model_path
 from engine.sampling_params import GuidedSpec, SamplingParams
 from tests.oracle import hf_greedy, random_prompts
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.usefixtures("one_thread")]
 
 METHODS = ["ngram", "suffix", "draft"]
 CODE = [
@@ -26,14 +25,6 @@ CODE = [
     # "edit or repeat this code": prompt lookup's best case
     "x = [1, 2, 3]\nfor i in range(len(x)):\n    print(i, x[i])\n\n# the same loop again:\nx = [1, 2, 3]\nfor",
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +148,7 @@ def test_adaptive_keeps_outputs_and_speculates_at_one_stream(builtin_dir, prompt
     greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     for p in prompts[:4]:  # one stream at a time
         assert _ids(llm.generate([p], greedy, use_tqdm=False)) == [hf_greedy(builtin_dir, p, 48, ignore_eos=True)]
-    assert llm.engine.spec.policy.cost.model() is not None  # the cost model was fitted
+    assert llm.engine.spec.policy.chooser.buckets[1][1] > 0  # one stream measured both ways, in pairs
     assert llm.engine.spec.stats.num_accepted_tokens > 0
     _clean(llm)
 

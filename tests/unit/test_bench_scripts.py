@@ -1,4 +1,4 @@
-"""bench.engine, bench.decode and bench.profile run end to end on the built-in model with tiny sizes:
+"""bench.engine, bench.decode, bench.profile and bench.spec run end to end on the built-in model with tiny sizes:
 the structure of their reports, never their speed. vLLM itself is not started."""
 
 from __future__ import annotations
@@ -217,3 +217,21 @@ def test_profile_groups():
     assert bench_profile.group_of("mkldnn::_linear_pointwise") == "matmul"
     assert bench_profile.group_of("aten::argmax") == "sampling"
     assert bench_profile.group_of("aten::silu_") == "other"
+
+
+def test_spec_bench_report(tmp_path):
+    from bench import spec as bench_spec
+
+    out, md = tmp_path / "spec.json", tmp_path / "spec.md"
+    assert bench_spec.main(["--concurrency", "1,2", "--methods", "off,ngram,adaptive-suffix", "--max-tokens", "12",
+                            "--rounds", "2", "--workloads", "code,repeat", "--threads", "1", "--json", str(out),
+                            "--markdown", str(md)]) == 0
+    doc = json.loads(out.read_text())
+    rows = {(r["method"], r["workload"], r["concurrency"]): r for r in doc["rows"]}
+    assert len(rows) == 3 * 2 * 2 and doc["rounds"] == 2
+    for (method, _, _), r in rows.items():
+        assert r["tok_s"] > 0 and r["ms_per_token_p50"] > 0
+        assert r["speedup_tok_s"] == 1.0 if method == "off" else r["speedup_tok_s"] > 0
+        assert ("acceptance" in r) == (method != "off")
+    assert rows[("ngram", "repeat", 1)]["draft_tokens"] > 0  # a repeated function is found in its prompt
+    assert "| ngram | 2 |" in md.read_text()

@@ -1,65 +1,71 @@
-"""The adaptive speculation policy (engine/spec_policy.py) on step costs of known shape."""
+"""The adaptive speculation policy (engine/spec_policy.py): the measured on/off choice
+per batch size, and each request's draft depth from its acceptance."""
 
 from __future__ import annotations
 
-from engine.spec_policy import AdaptivePolicy, StepCost
+from engine.spec_policy import AdaptivePolicy, ModeChooser
 
 
-def _policy(a: float, b: float, draft_cost: float = 0.0, alpha: float | None = None) -> AdaptivePolicy:
+def _feed(c: ModeChooser, batch: int, on_rate: float, off_rate: float, steps: int) -> list[bool]:
+    """Run `steps` steps at `batch` whose speed is on_rate or off_rate tokens/s."""
+    seen = []
+    for _ in range(steps):
+        spec = c.choose(batch)
+        c.observe(int(on_rate if spec else off_rate), 1.0)
+        seen.append(spec)
+    return seen
+
+
+def test_the_chooser_tries_both_then_keeps_the_faster_and_keeps_checking():
+    c = ModeChooser()
+    n = c.MIN_PAIRS
+    seen = _feed(c, 1, on_rate=900, off_rate=300, steps=n + 1)
+    assert seen == [True, False] * (n // 2) + [True] and c.choice(1) is True  # alternating: n pairs
+    later = _feed(c, 1, on_rate=900, off_rate=300, steps=4 * c.EXPLORE_EVERY)
+    assert later.count(False) == 4  # one step in EXPLORE_EVERY runs the other choice
+    # the other way round in another bucket, decided on its own
+    _feed(c, 64, on_rate=3000, off_rate=4000, steps=n + 10)
+    assert c.choice(64) is False and c.choice(40) is False and c.choice(1) is True
+    # when the text changes and speculating starts to pay, the exploration finds it
+    _feed(c, 64, on_rate=6000, off_rate=4000, steps=8 * c.EXPLORE_EVERY)
+    assert c.choice(64) is True
+
+
+def test_pairs_are_immune_to_drift():
+    # every step gets 1% slower, whatever the mode; speculating is 5% faster than not
+    c = ModeChooser()
+    speed = 1000.0
+    for _ in range(400):
+        spec = c.choose(16)
+        c.observe(int(speed * (1.05 if spec else 1.0)), 1.0)
+        speed *= 0.99
+    assert c.choice(16) is True
+
+
+def test_steps_that_are_not_plain_decodes_teach_nothing():
     p = AdaptivePolicy(4)
-    for n in (1, 2, 4, 8, 16, 32, 64, 5, 9, 3) * 3:  # steps of varied size on the line a + b * n
-        p.observe_step(n, a + b * n, draft_cost * 4, 4 if draft_cost else 0)
-    if alpha is not None:
-        p.observe_accept(100, int(alpha * 100))
-    return p
+    p.lengths([4], [0.9])
+    p.observe_step(5, 1.0, decode_only=False)
+    assert p.chooser.buckets[1] == [0.0, 0, None]
 
 
-def test_the_cost_model_recovers_a_line():
-    c = StepCost()
-    for n in (1, 3, 8, 20, 40, 64, 2, 7):
-        c.observe(n, 0.002 + 0.0001 * n)
-    assert c.model() is None  # one step of each size is not enough
-    for n in (1, 3, 8, 20, 40, 64, 2, 7) * 2:
-        c.observe(n, 0.002 + 0.0001 * n)
-    a, b = c.model()
-    assert abs(a - 0.002) < 1e-9 and abs(b - 0.0001) < 1e-9
-    flat = StepCost()
-    for _ in range(20):
-        flat.observe(8, 0.01)  # one size only: no slope to see
-    assert flat.model() is None
-    # one slow step among many of one row does not make a slope
-    one = StepCost()
-    for _ in range(30):
-        one.observe(1, 0.002)
-    one.observe(5, 0.02)
-    assert one.model() is None
+def test_depth_follows_acceptance_and_caps():
+    p = AdaptivePolicy(4)
+    assert p.lengths([4, 4, 4, 2], [0.9, 0.5, p.ALPHA_FLOOR, 0.9]) == [4, 2, 1, 2]
+    assert AdaptivePolicy(4, adaptive=False).lengths([4, 3], [0.2, 0.2]) == [4, 3]
 
 
-def test_one_stream_with_fixed_cost_steps_speculates_fully():
-    p = _policy(a=0.010, b=0.0001, alpha=0.6)
-    assert p.lengths([4], [None]) == [4]
-    assert p.lengths([4, 2], [0.7, 0.7]) == [4, 2]  # a cap (near max_tokens) is kept
+def test_a_bucket_that_chose_off_drafts_nothing():
+    p = AdaptivePolicy(4)
+    _feed(p.chooser, 8, on_rate=100, off_rate=200, steps=20)  # the next step is not an exploring one
+    assert p.lengths([4] * 8, [0.9] * 8) == [0] * 8
 
 
-def test_a_full_batch_of_token_bound_steps_does_not_speculate():
-    p = _policy(a=0.002, b=0.001, alpha=0.6)
-    assert p.lengths([4] * 64, [None] * 64) == [0] * 64
-    # the same machine at one stream still speculates, if less deep
-    assert 1 <= p.lengths([4], [None])[0] <= 4
-
-
-def test_requests_with_poor_acceptance_drop_out_first():
-    p = _policy(a=0.010, b=0.0004, alpha=0.5)
-    ks = p.lengths([4] * 8, [0.95] * 4 + [0.05] * 4)
-    assert all(k >= 3 for k in ks[:4]) and ks[4:] == [0] * 4
-
-
-def test_draft_model_positions_cost_a_forward_each():
-    cheap = _policy(a=0.010, b=0.0001, draft_cost=0.0005, alpha=0.5)
-    dear = _policy(a=0.010, b=0.0001, draft_cost=0.008, alpha=0.5)
-    assert cheap.lengths([4], [None])[0] > dear.lengths([4], [None])[0]
-
-
-def test_not_adaptive_or_not_measured_means_k():
-    assert AdaptivePolicy(4, adaptive=False).lengths([4, 3], [0.0, 0.0]) == [4, 3]
-    assert AdaptivePolicy(4).lengths([4], [0.1]) == [4]  # no step measured yet
+def test_acceptance_is_smoothed_toward_the_engine_and_floored():
+    p = AdaptivePolicy(4)
+    assert abs(p.alpha - p.prior_alpha) < 1e-9  # nothing verified yet
+    p.observe_accept(100, 80)
+    assert 0.75 < p.alpha < 0.8
+    assert p.seq_alpha(0, 0) == p.alpha  # a new request starts at the engine's rate
+    assert p.seq_alpha(20, 0) == p.ALPHA_FLOOR  # failing drafts: the floor, never 0
+    assert 0.9 < p.seq_alpha(40, 40) < 1.0
