@@ -7,10 +7,7 @@ raised here name the field and say what to change.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from engine.speculative import SpeculativeConfig
+from typing import Any
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -277,6 +274,31 @@ class DeviceConfig:
         _require(self.serial_step_work is None or self.serial_step_work >= 0, "serial_step_work must be >= 0")
 
 
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-method`, `--num-speculative-tokens`, `--speculative-model`."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 4
+    model: str | None = None  # the draft model's checkpoint (method "draft"; default: the built-in draft)
+    adaptive: bool = True  # measure whether speculating pays, and size each request's draft (engine/spec_policy.py)
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative method {self.method!r}: use one of {', '.join(SPECULATIVE_METHODS)}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError("num_speculative_tokens must be in 1..16")
+        if self.model is not None and self.method != "draft":
+            raise ConfigError("--speculative-model needs --speculative-method draft")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine needs; each part goes to its own component."""
@@ -287,10 +309,5 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     seed: int | None = None
-    speculative: "SpeculativeConfig" = field(default_factory=lambda: _speculative_default())
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
-
-def _speculative_default():
-    from engine.speculative import SpeculativeConfig
-
-    return SpeculativeConfig()

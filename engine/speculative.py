@@ -33,38 +33,14 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.config import SpeculativeConfig
 from engine.sequence import Sequence
 
-METHODS = ("ngram", "suffix", "draft")
 NGRAM_MIN, NGRAM_MAX = 2, 4
 SUFFIX_MAX_DEPTH = 6
 SUFFIX_MIN_PROB = 0.1
 SUFFIX_WINDOW = 512  # a request's latest tokens its own suffix model covers
 SUFFIX_HISTORY_TOKENS = 16384  # finished requests' tokens the shared suffix model keeps
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """`--speculative-method`, `--num-speculative-tokens`, `--speculative-model`."""
-
-    method: str | None = None
-    num_speculative_tokens: int = 4
-    model: str | None = None  # the draft model's checkpoint (method "draft"; default: the built-in draft)
-    adaptive: bool = True  # choose each request's draft length a step (engine/spec_policy.py)
-
-    def __post_init__(self) -> None:
-        from engine.config import ConfigError
-
-        if self.method is not None and self.method not in METHODS:
-            raise ConfigError(f"speculative method {self.method!r}: use one of {', '.join(METHODS)}")
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise ConfigError("num_speculative_tokens must be in 1..16")
-        if self.model is not None and self.method != "draft":
-            raise ConfigError("--speculative-model needs --speculative-method draft")
-
-    @property
-    def enabled(self) -> bool:
-        return self.method is not None
 
 
 class NgramProposer:
