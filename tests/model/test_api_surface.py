@@ -121,7 +121,10 @@ def test_prompt_logprobs_equal_transformers(client, server, tok, builtin_dir):
             entry = plp[i]
             own = entry[str(ids[i])]
             assert abs(own["logprob"] - hf[i - 1, ids[i]].item()) < 1e-3, (attempt, i)
-            assert own["rank"] == int((hf[i - 1] > hf[i - 1, ids[i]]).sum()) + 1
+            # the rank, up to tokens within float noise of this one (deep in the tail of a
+            # trained model's distribution, hundreds of logprobs lie within 1e-3 of each other)
+            chosen, row = hf[i - 1, ids[i]], hf[i - 1]
+            assert int((row > chosen + 1e-4).sum()) + 1 <= own["rank"] <= int((row > chosen - 1e-4).sum()) + 1
             assert own["decoded_token"] == tok.backend.id_to_token(ids[i]) or own["decoded_token"]
             top = torch.topk(hf[i - 1], 3).indices.tolist()
             assert set(map(int, entry)) == set(top) | {ids[i]}
