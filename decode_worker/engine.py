@@ -170,12 +170,7 @@ class LLMEngine:
             new = seq.output_ids[before[seq.seq_id]:]
             n0 = before[seq.seq_id]
             for i, tok in enumerate(new):
-                last = i == len(new) - 1
-                events.append(TokenEvent(
-                    seq.seq_id, tok, lps[i] if i < len(lps) else None, seq.is_finished and last,
-                    seq.finish_reason if last else None, None, len(seq.prompt_ids), seq.num_cached_tokens, n0 + i + 1,
-                    list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None and n0 + i == 0 else None,
-                    seq.num_drafted, seq.num_accepted))
+                events.append(self._event(seq, tok, lps[i] if i < len(lps) else None, num_output=n0 + i + 1))
             if not new:  # a dead end: no token, only the end
                 events.append(self._event(seq, None))
             self._forget_if_done(seq)
@@ -183,11 +178,16 @@ class LLMEngine:
             seq.draft_ids = []
         return events
 
-    def _event(self, seq: Sequence, token: int | None, logprobs: TokenLogprobs | None = None) -> TokenEvent:
-        first = seq.params.prompt_logprobs is not None and len(seq.output_ids) == 1 and token is not None
+    def _event(self, seq: Sequence, token: int | None, logprobs: TokenLogprobs | None = None,
+               num_output: int | None = None) -> TokenEvent:
+        """`num_output`: this token's place in the output, when a step gave the sequence
+        several (only the last one, which is the sequence's newest, carries its end)."""
+        n = len(seq.output_ids) if num_output is None else num_output
+        last = n == len(seq.output_ids)
+        first = seq.params.prompt_logprobs is not None and n == 1 and token is not None
         return TokenEvent(
-            seq.seq_id, token, logprobs, seq.is_finished, seq.finish_reason, None,
-            len(seq.prompt_ids), seq.num_cached_tokens, len(seq.output_ids),
+            seq.seq_id, token, logprobs, seq.is_finished and last, seq.finish_reason if last else None, None,
+            len(seq.prompt_ids), seq.num_cached_tokens, n,
             list(seq.prompt_logprobs) if first else None, seq.num_drafted, seq.num_accepted,
         )
 

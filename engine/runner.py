@@ -243,6 +243,12 @@ class ModelRunner:
             draft = w.sample.draft if w.sample is not None else ()
             p = w.start_pos
             ids.append(w.token_ids[0])
+            if not draft:
+                positions.append(p)
+                slots.append(w.block_table[p // bs] * bs + p % bs)
+                decode_lens.append(p + 1)
+                dec_tables.append(w.block_table)
+                continue
             ids.extend(draft)
             for q in range(p, p + 1 + len(draft)):
                 positions.append(q)
