@@ -137,7 +137,7 @@ class LLMEngine:
         self._last_plan = out.plan
         if not out.plan:
             return events
-        if self.spec is not None:
+        if self.spec is not None and self.spec.fills_after_schedule:
             by_id = {seq.seq_id: seq for seq, _ in out.scheduled}
             self.spec.fill([(by_id[w.seq_id], w) for w in out.plan.decodes])
         result = self.runner.execute(out.plan)

@@ -257,6 +257,10 @@ class SpecDecoding:
             elif k:
                 seq.draft_ids = list(self.proposer.propose(seq, k))[:k]
 
+    @property
+    def fills_after_schedule(self) -> bool:
+        return getattr(self.proposer, "needs_blocks", False)
+
     def fill(self, decodes) -> None:
         """After scheduling: a proposer that needs the draft's slots allocated (the draft
         model) proposes into the step's decode works now."""
