@@ -44,7 +44,8 @@ class AsyncEngine:
         self.abort = abort or engine.abort  # engine thread; must be idempotent
         self.on_step: Callable[[list[TokenEvent]], None] | None = None  # engine thread (metrics)
         self._subs: dict[str, asyncio.Queue] = {}
-        self.loop = EngineLoop(self._step, self._wait_s, self._fan_out, self._fail_all, name="decode-engine")
+        self.loop = EngineLoop(self._step, self._wait_s, self._fan_out, self._fail_all, name="decode-engine",
+                               on_idle=engine.runner.mark_idle)
 
     # ---- lifecycle -------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:

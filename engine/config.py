@@ -259,6 +259,11 @@ class DeviceConfig:
     # a row-major copy of the weights (engine/models/packed.py). Prefill workers, whose steps
     # are whole prompts, turn it off and keep only oneDNN's packed copy.
     small_batch_linear: bool = True
+    # CPU, several workers on one host's cores (router/pool.py): a step also runs threads on
+    # the cores of `shared_cores` whose owners are idle, as the ledger file at `core_ledger`
+    # says (engine/cores.py). None: the worker uses its own cores only.
+    core_ledger: str | None = None
+    shared_cores: tuple[int, ...] | None = None
     # CUDA: replay decode steps from graphs captured per batch-size bucket (engine/graphs.py)
     cuda_graphs: bool = False
 

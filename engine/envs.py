@@ -53,6 +53,11 @@ def cpu_bind_threads() -> bool:
     return _on("TANDEM_CPU_BIND_THREADS")
 
 
+def cpu_lend_cores() -> bool:
+    """Workers sharing one host's cores lend idle ones to each other (engine/cores.py)."""
+    return _on("TANDEM_CPU_LEND_CORES")
+
+
 def cpu_small_batch_linear() -> str:
     """"auto", "on" or "off" (TANDEM_CPU_SMALL_BATCH_LINEAR)."""
     raw = os.environ.get("TANDEM_CPU_SMALL_BATCH_LINEAR", "auto").strip().lower()

@@ -22,6 +22,7 @@ import torch
 from engine import envs
 from engine.attention import AttentionBackend, AttentionMetadata, get_backend
 from engine.config import CacheConfig, ConfigError, DeviceConfig, ModelConfig
+from engine.cores import open_ledger
 from engine.cpu_kernels import build
 from engine.events import TokenLogprobs
 from engine.graphs import DecodeGraphs
@@ -98,9 +99,19 @@ class ModelRunner:
         self.serial_step_work = (device_config.serial_step_work or 0) if self.device.type == "cpu" else 0
         # CPU cores the worker owns: its steps' OpenMP threads are bound one to a core, from
         # the thread that runs the steps (bound on its first step; see threads.cpp)
-        cores = device_config.cpu_affinity if self.device.type == "cpu" and envs.cpu_bind_threads() else None
-        self.bind_cores = list(cores[: self.max_threads]) if cores and len(cores) >= self.max_threads > 1 else None
-        self.bound_thread: int | None = None
+        cpu = self.device.type == "cpu"
+        cores = device_config.cpu_affinity if cpu and envs.cpu_bind_threads() else None
+        self.own_cores = tuple(cores[: self.max_threads]) if cores and len(cores) >= self.max_threads else None
+        self.bind_cores = list(self.own_cores) if self.own_cores and self.max_threads > 1 else None
+        # idle cores of other workers on this host, borrowed for a step (engine/cores.py); a
+        # thread can run on a borrowed core only once bound to it, so lending needs binding
+        self.ledger = (open_ledger(device_config.core_ledger, self.own_cores, device_config.shared_cores)
+                       if self.own_cores else None)
+        if self.ledger is not None:
+            log.info("steps run on cores %s and borrow any of %s whose owners are idle", list(self.own_cores),
+                     list(self.ledger.others))
+        self.bound: tuple[int, tuple[int, ...]] | None = None  # (engine thread, cores of its bound team)
+        self.lent_steps = 0  # steps that ran threads on borrowed cores
         self.kv_sizing: KVSizing | None = None
         self.graphs: DecodeGraphs | None = None  # made last: the sizing step below runs eagerly
         if memory is None and self.device.type == "cuda":
@@ -150,11 +161,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan, on_layer_done: Callable[[int], None] | None = None) -> StepResult:
         t0 = time.perf_counter()
-        if self.bind_cores is not None and self.bound_thread != threading.get_ident():
-            self._bind_threads()
-        if self.serial_step_work and self.max_threads > 1:  # costs ~0.2 us a call
-            small = plan.num_tokens * self.weight_params <= self.serial_step_work
-            torch.set_num_threads(1 if small else self.max_threads)
+        if self.bind_cores is not None or self.ledger is not None or self.serial_step_work:
+            self._size_team(plan.num_tokens)
         b = self._prepare(plan)
         if (self.graphs is not None and not plan.prefills and on_layer_done is None
                 and plan.num_decode_rows == len(plan.decodes) and self.graphs.bucket(len(plan.decodes)) is not None):
@@ -216,14 +224,42 @@ class ModelRunner:
         event.record()
         return event
 
-    def _bind_threads(self) -> None:
-        self.bound_thread = threading.get_ident()
+    def _size_team(self, num_tokens: int) -> None:
+        """This step's OpenMP team: the worker's own cores plus the idle ones it may
+        borrow, one thread bound to each; one thread for a small step (`serial_step_work`).
+        Costs a few microseconds; rebinding (a parallel region) only when the cores change."""
+        cores = self.bind_cores
+        threads = self.max_threads
+        if self.ledger is not None:
+            self.ledger.busy()
+            lent = self.ledger.borrowable()
+            if lent:
+                cores = [*self.own_cores, *lent]
+                threads = len(cores)
+                self.lent_steps += 1
+        if self.serial_step_work and threads > 1 and num_tokens * self.weight_params <= self.serial_step_work:
+            threads = 1
+        if cores is not None and threads > 1:
+            team = tuple(cores[:threads])
+            me = threading.get_ident()
+            if self.bound is None or self.bound[0] != me or self.bound[1][:threads] != team:
+                self._bind_threads(me, team)
+        torch.set_num_threads(threads)  # ~0.2 us
+
+    def mark_idle(self) -> None:
+        """The engine has no work: its cores may be lent (engine/cores.py). Any thread."""
+        if self.ledger is not None:
+            self.ledger.idle()
+
+    def _bind_threads(self, me: int, team: tuple[int, ...]) -> None:
+        self.bound = (me, team)
         ops = build.load_or_none()
         if ops is None:  # threads left floating
             return
-        torch.set_num_threads(self.max_threads)
-        got = ops.bind_threads(self.bind_cores)
-        log.info("step threads bound to cores %s (each now on %s)", self.bind_cores, got)
+        torch.set_num_threads(len(team))
+        got = ops.bind_threads(list(team))
+        log.log(logging.INFO if self.ledger is None else logging.DEBUG,
+                "step threads bound to cores %s (each now on %s)", list(team), got)
 
     def _prepare(self, plan: StepPlan) -> _Batch:
         """Every tensor of the step, built here and nowhere else."""

@@ -75,7 +75,8 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
         self.engine.metrics = self.metrics
         if cfg.metrics_port is not None:
             self.metrics.serve(self.endpoint.bind, cfg.metrics_port, self.endpoint.advertise)
-        self.loop = EngineLoop(self._step, self._wait_s, lambda _: None, self._on_fatal, name="prefill-engine")
+        self.loop = EngineLoop(self._step, self._wait_s, lambda _: None, self._on_fatal, name="prefill-engine",
+                               on_idle=self.engine.runner.mark_idle)
         self.engine_loop = self.loop
         self.loop.start(loop)
         self.server, port = await start_server(

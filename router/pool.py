@@ -17,9 +17,12 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
+from engine import envs
+from engine.cores import create_ledger
 from router.admin import AdminInterface
 from router.autoscale import AutoscaleConfig, WorkerLoad
 from worker_runtime.client import RPC_ERRORS, WorkerClient, wait_ready
@@ -166,6 +169,9 @@ class PoolManager(AdminInterface):
         self._reconcile_lock = asyncio.Lock()
         self.events: list[tuple[float, str]] = []  # (time, what happened), for status and tests
         self.replaced = 0
+        # workers pinned to shares of `cores` lend each other their idle ones (engine/cores.py)
+        lend = bool(config.cores) and len(config.cores) > 1 and config.template.engine.device.device == "cpu"
+        self.core_ledger = create_ledger() if lend and envs.cpu_lend_cores() else None
 
     # ---- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
@@ -188,6 +194,9 @@ class PoolManager(AdminInterface):
         await asyncio.gather(
             *(self._remove(w, drain=False) for w in list(self.workers.values())), return_exceptions=True
         )
+        if self.core_ledger is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.core_ledger)
 
     # ---- queries -------------------------------------------------------------------
     def ready(self, role: Role) -> list[Worker]:
@@ -248,7 +257,8 @@ class PoolManager(AdminInterface):
             # the router and local clients run on these cores too: small steps on one thread
             serial = device.serial_step_work if device.serial_step_work is not None else LOCAL_SERIAL_STEP_WORK
             device = dataclasses.replace(device, cpu_affinity=cores, num_threads=device.num_threads or len(cores),
-                                         serial_step_work=serial)
+                                         serial_step_work=serial, core_ledger=self.core_ledger,
+                                         shared_cores=self.config.cores if self.core_ledger else None)
         return dataclasses.replace(
             t, role=role, worker_id=worker_id, engine=dataclasses.replace(t.engine, device=device)
         )

@@ -33,16 +33,19 @@ class EngineLoop:
         on_results: Callable[[list], None],
         on_fatal: Callable[[str], None],
         name: str = "engine",
+        on_idle: Callable[[], None] | None = None,
     ) -> None:
         """`step` runs one iteration and returns results for `on_results` (called on
         the event loop). `wait_s` says how long to wait for a command before the next
         step: 0 when there is work, a short poll while waiting on remote input, None
-        when idle (then the loop sleeps until a command or the idle tick)."""
+        when idle (then the loop sleeps until a command or the idle tick). `on_idle`
+        (optional) runs on the engine thread before each wait that is not 0."""
         self._step = step
         self._wait_s = wait_s
         self._on_results = on_results
         self._on_fatal = on_fatal
         self._name = name
+        self._on_idle = on_idle
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -89,6 +92,8 @@ class EngineLoop:
         try:
             while not self._stop.is_set():
                 wait = self._wait_s()
+                if wait != 0 and self._on_idle is not None:
+                    self._on_idle()
                 if not self._drain(self.idle_tick_s if wait is None else wait):
                     break
                 self.deliver(self._step())

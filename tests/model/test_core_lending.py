@@ -1,0 +1,65 @@
+"""Core lending (engine/cores.py) on a real engine: a worker pinned to one core runs its
+steps on two threads while the other core's owner is idle, on one while it is busy, gives
+its own core back when it goes idle, and makes the same greedy tokens as transformers
+either way."""
+
+import concurrent.futures as cf
+import os
+
+import pytest
+import torch
+
+from decode_worker.engine import EngineConfig, LLMEngine
+from engine.config import CacheConfig, DeviceConfig
+from engine.cores import CoreLedger, create_ledger
+from engine.cpu_kernels import build
+from engine.sampling_params import SamplingParams
+from tests.oracle import hf_greedy
+
+pytestmark = pytest.mark.model
+
+CORES = sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="needs two cores")
+def test_steps_borrow_the_idle_core_and_give_it_back(builtin_dir):
+    if build.load_or_none() is None:
+        pytest.skip("no cpu kernels build here (threads cannot be bound)")
+    own, other = (CORES[0],), (CORES[1],)
+    path = create_ledger("tandem-cores-test")
+    peer = CoreLedger(path, other, own + other)  # the other worker on this host
+    prompt = list(range(40, 70))
+    before = torch.get_num_threads()
+
+    def run(peer_busy: bool):
+        """On a thread of its own, as a worker's engine loop: binding pins that thread."""
+        torch.set_num_threads(1)  # what a worker pinned to one core starts with
+        engine = LLMEngine.from_config(EngineConfig(
+            model=str(builtin_dir), cache=CacheConfig(num_blocks=64),
+            device=DeviceConfig(num_threads=1, cpu_affinity=own, core_ledger=path, shared_cores=own + other)))
+        runner = engine.runner
+        seen: list[int] = []
+        real = runner._prepare
+        runner._prepare = lambda plan: (seen.append(torch.get_num_threads()), real(plan))[1]
+        (peer.busy if peer_busy else peer.idle)()
+        engine.add_request("a", prompt, SamplingParams(max_tokens=12, temperature=0))
+        out: list[int] = []
+        while engine.has_work():
+            out += [ev.token_id for ev in engine.step() if ev.token_id is not None]
+            assert peer.borrowable() == ()  # its own core is busy while it works
+        runner.mark_idle()
+        assert peer.borrowable() == own  # and lendable once it is idle
+        return out, seen, runner.lent_steps
+
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            lent_tokens, lent_threads, lent_steps = pool.submit(run, False).result(timeout=300)
+        with cf.ThreadPoolExecutor(1) as pool:
+            own_tokens, own_threads, own_steps = pool.submit(run, True).result(timeout=300)
+    finally:
+        peer.close()
+        os.unlink(path)
+        torch.set_num_threads(before)
+    assert lent_threads == [2] * len(lent_threads) and lent_steps == len(lent_threads) == 12
+    assert own_threads == [1] * len(own_threads) and own_steps == 0
+    assert lent_tokens == own_tokens == hf_greedy(builtin_dir, prompt, 12, ignore_eos=True)
