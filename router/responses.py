@@ -50,6 +50,48 @@ from router.tools import FunctionCallOut, ToolCallOut, ToolStream, new_call_id
 
 log = logging.getLogger(__name__)
 
+_MARK_TEXT, _MARK_REASON = "\x01text\x02", "\x01reason\x02"
+_json_str = json.JSONEncoder(ensure_ascii=False).encode  # as pydantic-core writes strings: UTF-8, not \u escapes
+
+
+class ChunkTemplate:
+    """The common stream chunk (one choice: its text, or none, and its finish_reason)
+    as a string, without building and serialising the pydantic models per token. The
+    template is made once per (choice, with text) by serialising the models themselves
+    with marker values and cutting at the markers, so it has the models' fields and
+    order; only the text and the reason are filled in per chunk (equality with the
+    models' JSON: tests/unit/test_chunk_template.py). `build(index, text or None,
+    reason)` returns the models' JSON."""
+
+    def __init__(self, build) -> None:
+        self._build = build
+        self._parts: dict[tuple[int, bool], tuple[str, ...]] = {}
+
+    def render(self, index: int, text: str | None, reason: str | None) -> str:
+        key = (index, text is not None)
+        parts = self._parts.get(key)
+        if parts is None:
+            whole = self._build(index, _MARK_TEXT if text is not None else None, _MARK_REASON)
+            head, _, tail = whole.partition(_json_str(_MARK_REASON))
+            parts = self._parts[key] = (*head.split(_json_str(_MARK_TEXT)), tail)
+        reason_json = "null" if reason is None else _json_str(reason)
+        if text is None:
+            return f"{parts[0]}{reason_json}{parts[1]}"
+        return f"{parts[0]}{_json_str(text)}{parts[1]}{reason_json}{parts[2]}"
+
+
+def completion_template(rid: str, created: int, model: str) -> ChunkTemplate:
+    return ChunkTemplate(lambda index, text, reason: CompletionChunk(
+        id=rid, created=created, model=model,
+        choices=[CompletionChoice(index=index, text=text, finish_reason=reason)]).model_dump_json())
+
+
+def chat_template(rid: str, created: int, model: str) -> ChunkTemplate:
+    return ChunkTemplate(lambda index, text, reason: ChatCompletionChunk(
+        id=rid, created=created, model=model,
+        choices=[ChatChunkChoice(index=index, delta=ChatDelta() if text is None else ChatDelta(content=text),
+                                 finish_reason=reason)]).model_dump_json())
+
 
 def usage_of(job: Job, speculative: bool = False) -> Usage:
     prompt = sum(len(p.ids) for p in job.prompts)
@@ -161,11 +203,17 @@ class Responder:
     async def _completion_chunks(self, job: Job, req: CompletionRequest, rid: str) -> AsyncIterator[str]:
         created = int(time.time())
         offsets: dict[int, TextOffsets] = {}  # per choice (logprobs' text_offset)
+        # chunks of text and finish_reason only (the common case) skip the models
+        plain = (completion_template(rid, created, self.model) if req.logprobs is None and not req.return_token_ids
+                 and self._running_usage(job, req) is None else None)
         async for run, d in merge(job.runs):
             offset = offsets.get(run.index)
             first = offset is None
             if first:
                 offset = offsets[run.index] = TextOffsets()
+            if plain is not None and not (first and (req.echo or run.prompt_logprobs)):
+                yield plain.render(run.index, d.text, d.finish_reason)
+                continue
             prompt = job.prompts[run.prompt_index]
             text = (prompt.text or "") + d.text if first and req.echo else d.text
             lp = None if req.logprobs is None else completion_logprobs(self.strings, d.logprobs, offset)
@@ -188,12 +236,18 @@ class Responder:
 
         plan = req._tool_plan
         tools: dict[int, ToolStream] = {}
+        # chunks of content and finish_reason only (the common case) skip the models
+        plain = (chat_template(rid, created, self.model) if not req.logprobs and not req.return_token_ids
+                 and self._running_usage(job, req) is None and not (plan is not None and plan.active) else None)
         async for run, d in merge(job.runs):
             if run.index not in started:
                 started.add(run.index)
                 if plan is not None and plan.active:
                     tools[run.index] = ToolStream(plan)
                 yield chunk(ChatChunkChoice(index=run.index, delta=ChatDelta(role="assistant", content="")))
+            if plain is not None:
+                yield plain.render(run.index, d.text if d.text or not d.finish_reason else None, d.finish_reason)
+                continue
             lp = ChatLogprobs(content=chat_logprobs(self.strings, d.logprobs)) if req.logprobs else None
             text, calls, reason = d.text, None, d.finish_reason
             if (ts := tools.get(run.index)) is not None:
