@@ -95,7 +95,11 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.backend: AttentionBackend = get_backend(device_config.attention_backend, self.device)
         self.sampler = Sampler(self.device, sampler_seed)
-        self.max_threads = torch.get_num_threads()
+        # a step's threads: as configured (a worker's main thread keeps one: worker_runtime/rpc.py
+        # setup_process), else as many as torch has now
+        self.max_threads = (device_config.num_threads or len(device_config.cpu_affinity or ())
+                            or torch.get_num_threads()) if self.device.type == "cpu" else torch.get_num_threads()
+        self.sized = self.device.type == "cpu" and (device_config.num_threads or device_config.cpu_affinity)
         self.serial_step_work = (device_config.serial_step_work or 0) if self.device.type == "cpu" else 0
         # CPU cores the worker owns: its steps' OpenMP threads are bound one to a core, from
         # the thread that runs the steps (bound on its first step; see threads.cpp)
@@ -161,7 +165,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan, on_layer_done: Callable[[int], None] | None = None) -> StepResult:
         t0 = time.perf_counter()
-        if self.bind_cores is not None or self.ledger is not None or self.serial_step_work:
+        if self.sized or self.serial_step_work:
             self._size_team(plan.num_tokens)
         b = self._prepare(plan)
         if (self.graphs is not None and not plan.prefills and on_layer_done is None
