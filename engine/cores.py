@@ -14,9 +14,9 @@ engine loop goes to sleep, and before each step adds the idle cores of the share
 its OpenMP team, one thread bound to each (engine/runner.py). An owner that wakes up
 takes its core back at the borrower's next step: the two share it for at most one of
 the borrower's steps. Two borrowers may pick the same idle core in the same instant;
-they then share it for a step. Numerics do not depend on it: a thread count changes how
-rows are split between threads, not how a row is summed (the small-batch kernel), and
-the same greedy tokens come out (tests/model/test_core_lending.py).
+they then share it for a step. A step's thread count already changed from step to step
+(`serial_step_work`); greedy tokens are the same lent or not, and equal transformers'
+(tests/model/test_core_lending.py).
 
 Only workers pinned by the pool to cores of a shared set take part; a worker on a host
 of its own (a Kubernetes pod, a GPU) has no ledger.
@@ -63,10 +63,12 @@ class CoreLedger:
         self._busy = False
 
     def busy(self) -> None:
-        if not self._busy:
-            self._busy = True
-            for c in self.own:
-                self._mm[c] = 1
+        """Written at every step, not only when the worker wakes: where the pool gives a core
+        to two workers (more workers than cores), one going idle clears the byte the other
+        set, and the busy one sets it again at its next step."""
+        self._busy = True
+        for c in self.own:
+            self._mm[c] = 1
 
     def idle(self) -> None:
         if self._busy:
