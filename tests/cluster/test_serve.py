@@ -305,7 +305,9 @@ def test_sigterm_drains_streams_in_flight_then_exits_0(serve, model_path):
     srv = serve("--colocated", "--decode", "1", "--num-blocks", "4096", "--shutdown-grace-s", "120")
     pids = [w["pid"] for pool in srv.pools().values() for w in pool["workers"]]
     assert pids and all(psutil.pid_exists(p) for p in pids)
-    n_streams, n_tokens = 12, 1200
+    # long enough that the drain is seen while they run, however fast the engine (4096 blocks
+    # of 16 hold all of them, and each fits the served context)
+    n_streams, n_tokens = 24, 1900
     body = {"model": "tandem-tiny-v2", "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
 
