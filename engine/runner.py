@@ -95,15 +95,16 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.backend: AttentionBackend = get_backend(device_config.attention_backend, self.device)
         self.sampler = Sampler(self.device, sampler_seed)
+        cpu = self.device.type == "cpu"
         # a step's threads: as configured (a worker's main thread keeps one: worker_runtime/rpc.py
         # setup_process), else as many as torch has now
-        self.max_threads = (device_config.num_threads or len(device_config.cpu_affinity or ())
-                            or torch.get_num_threads()) if self.device.type == "cpu" else torch.get_num_threads()
-        self.sized = self.device.type == "cpu" and (device_config.num_threads or device_config.cpu_affinity)
-        self.serial_step_work = (device_config.serial_step_work or 0) if self.device.type == "cpu" else 0
+        self.max_threads = (cpu and (device_config.num_threads or len(device_config.cpu_affinity or ()))
+                            or torch.get_num_threads())
+        self.serial_step_work = (device_config.serial_step_work or 0) if cpu else 0
+        # whether each step sets its own team (_size_team)
+        self.sized = cpu and bool(device_config.num_threads or device_config.cpu_affinity or self.serial_step_work)
         # CPU cores the worker owns: its steps' OpenMP threads are bound one to a core, from
         # the thread that runs the steps (bound on its first step; see threads.cpp)
-        cpu = self.device.type == "cpu"
         cores = device_config.cpu_affinity if cpu and envs.cpu_bind_threads() else None
         self.own_cores = tuple(cores[: self.max_threads]) if cores and len(cores) >= self.max_threads else None
         self.bind_cores = list(self.own_cores) if self.own_cores and self.max_threads > 1 else None
@@ -165,7 +166,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan, on_layer_done: Callable[[int], None] | None = None) -> StepResult:
         t0 = time.perf_counter()
-        if self.sized or self.serial_step_work:
+        if self.sized:
             self._size_team(plan.num_tokens)
         b = self._prepare(plan)
         if (self.graphs is not None and not plan.prefills and on_layer_done is None

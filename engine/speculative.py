@@ -264,7 +264,7 @@ class SpecDecoding:
     def fill(self, decodes) -> None:
         """After scheduling: a proposer that needs the draft's slots allocated (the draft
         model) proposes into the step's decode works now."""
-        if not getattr(self.proposer, "needs_blocks", False):
+        if not self.fills_after_schedule:
             return
         works = [(seq, w) for seq, w in decodes if w.sample is not None and w.sample.draft]
         if works:
