@@ -472,7 +472,7 @@ def test_sigterm_to_a_worker_actor_drains_it_and_it_is_replaced(serve, model_pat
     import psutil
 
     srv = serve("--colocated", "--decode", "2", "--num-blocks", "4096", "--worker-shutdown-grace-s", "120")
-    n_streams, n_tokens = 32, 2000
+    n_streams, n_tokens = 48, 2000  # 24 a worker: 3,000 of its 4,096 blocks
     body = {"model": "tandem-tiny-v2", "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     # both workers routable by the router itself (the controller's "ready" can come first)
@@ -481,12 +481,13 @@ def test_sigterm_to_a_worker_actor_drains_it_and_it_is_replaced(serve, model_pat
     victim = srv.pools()["decode"]["workers"][0]
 
     def signal_soon() -> None:
-        # From a thread, 5 s after the streams were sent, by the clock alone: on 2 cores
+        # From a thread, 2 s after the streams were sent, by the clock alone: on 2 cores
         # this client's loop, the router's and the workers' fall behind 32 fast streams
         # (by up to their ~40 s length), so any state read through them comes too late.
-        # The streams reach the workers within a second and last ~40 s; the victim's
+        # The streams reach the workers within a second and last several seconds (steps got
+        # faster: 32 streams once ended before a signal at 5 s); the victim's
         # own log line below says how many it held when the signal came.
-        time.sleep(5)
+        time.sleep(2)
         os.kill(victim["pid"], signal.SIGTERM)
 
     async def scenario():
