@@ -26,6 +26,7 @@ from kv_transfer.base import (
     TransferError,
     TransportConfig,
 )
+from kv_transfer.nixl_agent import import_nixl
 from kv_transfer.registry import create_transport
 
 pytestmark = pytest.mark.cluster
@@ -210,9 +211,15 @@ def _thread_state(pid: int, tid: str) -> str:
 
 
 def _nixl_works() -> str | None:
+    """Why NIXL cannot be tested here, or None. The same import the transport does
+    (nixl-cu13 is the declared dependency; the `nixl` meta package is optional). In CI
+    (CI=true) NIXL is installed by .ci/run, so an import failure fails the test there
+    instead of skipping it."""
     try:
-        import nixl._api  # noqa: F401
+        import_nixl()
     except Exception as e:
+        if os.environ.get("CI") == "true":
+            raise
         return f"nixl does not import here: {e}"
     return None
 
