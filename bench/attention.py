@@ -35,7 +35,7 @@ class Shape:
     head_dim: int
 
 
-SHAPES = [Shape("builtin", 4, 2, 64), Shape("llama8b", 32, 8, 128)]
+SHAPES = [Shape("builtin", 4, 2, 64), Shape("small", 16, 4, 64), Shape("llama8b", 32, 8, 128)]
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
