@@ -5,6 +5,11 @@
     TANDEM_LOG_LEVEL   log level of workers and the router (default INFO)
     TANDEM_CPU_PACKED_WEIGHTS  0 turns off oneDNN pre-packed bf16 linear layers on
                        CPU (engine/models/packed.py; default on where supported)
+    TANDEM_CPU_HUGE_PAGES  0 leaves torch's CPU allocator on 4 KB pages; by default the
+                       `tandem` command sets THP_MEM_ALLOC_ENABLE=1 (torch's own switch:
+                       allocations of 2 MB and more are aligned and madvised for
+                       transparent huge pages) before torch loads, for itself and the
+                       local Ray workers it starts (use_huge_pages below)
     TANDEM_FAULTS      fault injection for failure tests, comma-separated key=value:
                          prefill_step_delay_s=F  sleep F s in every prefill step
                          transfer_delay_s=F      hold every KV write F s before it completes
@@ -51,6 +56,20 @@ def cpu_fused_ops() -> bool:
 
 def cpu_bind_threads() -> bool:
     return _on("TANDEM_CPU_BIND_THREADS")
+
+
+def use_huge_pages() -> bool:
+    """Ask torch's CPU allocator for transparent huge pages, unless TANDEM_CPU_HUGE_PAGES
+    is off or THP_MEM_ALLOC_ENABLE is already set. torch reads THP_MEM_ALLOC_ENABLE once,
+    at its first allocation, so this must run before torch allocates anything in the
+    process (the `tandem` command calls it first thing); processes started later from
+    this one (a local Ray runtime's workers) inherit it. A decode step reads every weight
+    once, hundreds of MB for a 200M model, and with 4 KB pages every page is a TLB miss:
+    one-stream decode of the 200M model took 16.6-16.8 ms/token with huge pages against
+    18.1-18.2 without (docs/performance.md). Returns whether the variable is on."""
+    if _on("TANDEM_CPU_HUGE_PAGES"):
+        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    return os.environ.get("THP_MEM_ALLOC_ENABLE", "0").strip() not in ("", *OFF)
 
 
 def cpu_lend_cores() -> bool:

@@ -25,6 +25,7 @@ import time
 from importlib.metadata import entry_points
 from pathlib import Path
 
+from engine import envs
 from engine.cli_args import add_engine_args
 from router.admission import ORDERS
 from router.checks import CommandError
@@ -412,6 +413,7 @@ def _drift_line(d: dict | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    envs.use_huge_pages()  # before anything imports torch (engine/envs.py)
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)
