@@ -177,8 +177,10 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(plan, hidden) if any(w.prompt_targets for w in plan.prefills) else {}
         if not b.sample_ids:
             return StepResult({}, {}, time.perf_counter() - t0, plan.num_tokens, prompt_lps)
-        logits = self.model.compute_logits(hidden[b.logits_index])
-        if len(b.logits_index) == len(b.sample_ids):
+        plain = len(b.logits_index) == len(b.sample_ids)  # no speculative rows to verify
+        greedy = plain and Sampler.plain_greedy(b.sample_rows)  # the head's own dtype will do
+        logits = self.model.compute_logits(hidden[b.logits_index], fp32=not greedy)
+        if plain:
             out: SamplerOutput = self.sampler(logits, b.sample_rows)
             return StepResult(
                 dict(zip(b.sample_ids, out.token_ids)),

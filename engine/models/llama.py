@@ -205,10 +205,10 @@ class LlamaForCausalLM(nn.Module):
                 on_layer_done(i)
         return self.norm(residual, ops) if delta is None else self.norm.add_forward(residual, delta, ops)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] fp32
-        if self.lm_head is None:  # tied to the embedding
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """[S, hidden] -> [S, V], float32 unless `fp32` is False (then the model's dtype)."""
+        logits = F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
+        return logits.float() if fp32 else logits
 
     @torch.no_grad()
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
