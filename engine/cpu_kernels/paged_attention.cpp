@@ -184,17 +184,9 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
 
   // Pass 1: scores, 16 tokens at a time: one query head's row stays in registers
   // while the tile's K rows stream past (from memory for the first head, then L1),
-  // and the 16 dot products are reduced together.
-#if defined(__AVX512BF16__)
-  // bf16 query and cache: the query row stays bf16 (unscaled, so exactly the model's
-  // values) and each K row is multiplied in its own format by the dot-product
-  // instruction, 32 pairs per instruction into fp32 sums, with no conversion of K to
-  // fp32 first; the scale is applied to the fp32 score. Products of two bf16 values
-  // are exact in fp32, so only the order of the fp32 additions differs from pass 1
-  // below.
-  if constexpr (std::is_same_v<KV, BFloat16> && std::is_same_v<Q, BFloat16> && C > 0 && C % 2 == 0) {
-    constexpr int CB = C / 2;  // 32-value bf16 vectors per row
-    const __m512 vscale = _mm512_set1_ps(P.scale);
+  // and the 16 dot products are reduced together. `tile(rows, h, nt)` returns the
+  // scores of query head h against the nt (<= 16) K rows at `rows`, in lanes 0..nt-1.
+  auto score_tiles = [&](auto&& tile) {
     for (int64_t i = 0; i < nblk; ++i) {
       const KV* kb = block_of(kc, i);
       prefetch_block(kc, i + 1);
@@ -203,62 +195,62 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
         const int nt = static_cast<int>(std::min<int64_t>(16, n - t0));
         for (int64_t gg = 0; gg < ng; ++gg) {
           const KV* rows = kb + t0 * P.kv_token + gg * P.kv_head;
-          for (int64_t h = gg * G; h < (gg + 1) * G; ++h) {
-            const Q* qh = qb + h * P.q_head;
-            __m512bh qr[CB];
-            for (int c = 0; c < CB; ++c) qr[c] = (__m512bh)_mm512_loadu_si512(qh + 32 * c);
-            V16 a[16];
-            for (int t = 0; t < 16; ++t) {
-              if (t >= nt) { a[t] = vzero(); continue; }
-              const KV* row = rows + t * P.kv_token;
-              __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), qr[0], (__m512bh)_mm512_loadu_si512(row));
-              for (int c = 1; c < CB; ++c)
-                x = _mm512_dpbf16_ps(x, qr[c], (__m512bh)_mm512_loadu_si512(row + 32 * c));
-              a[t] = {x};
-            }
-            vstore_n(s + h * Lp + i * bs + t0, {_mm512_mul_ps(vsum16(a).v, vscale)}, nt);
-          }
+          for (int64_t h = gg * G; h < (gg + 1) * G; ++h) vstore_n(s + h * Lp + i * bs + t0, tile(rows, h, nt), nt);
         }
       }
     }
+  };
+#if defined(__AVX512BF16__)
+  // bf16 query and cache: the query row stays bf16 (unscaled, so exactly the model's
+  // values) and each K row is multiplied in its own format by the dot-product
+  // instruction, 32 pairs per instruction into fp32 sums, with no conversion of K to
+  // fp32 first; the scale is applied to the fp32 score. Products of two bf16 values
+  // are exact in fp32, so only the order of the fp32 additions differs from the
+  // general path below.
+  if constexpr (std::is_same_v<KV, BFloat16> && std::is_same_v<Q, BFloat16> && C > 0 && C % 2 == 0) {
+    constexpr int CB = C / 2;  // 32-value bf16 vectors per row
+    const __m512 vscale = _mm512_set1_ps(P.scale);
+    score_tiles([&](const KV* rows, int64_t h, int nt) -> V16 {
+      const Q* qh = qb + h * P.q_head;
+      __m512bh qr[CB];
+      for (int c = 0; c < CB; ++c) qr[c] = (__m512bh)_mm512_loadu_si512(qh + 32 * c);
+      V16 a[16];
+      for (int t = 0; t < 16; ++t) {
+        if (t >= nt) { a[t] = vzero(); continue; }
+        const KV* row = rows + t * P.kv_token;
+        __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), qr[0], (__m512bh)_mm512_loadu_si512(row));
+        for (int c = 1; c < CB; ++c) x = _mm512_dpbf16_ps(x, qr[c], (__m512bh)_mm512_loadu_si512(row + 32 * c));
+        a[t] = {x};
+      }
+      return {_mm512_mul_ps(vsum16(a).v, vscale)};
+    });
   } else
 #endif
-  for (int64_t i = 0; i < nblk; ++i) {
-    const KV* kb = block_of(kc, i);
-    prefetch_block(kc, i + 1);
-    const int64_t n = std::min(bs, L - i * bs);
-    for (int64_t t0 = 0; t0 < n; t0 += 16) {
-      const int nt = static_cast<int>(std::min<int64_t>(16, n - t0));
-      for (int64_t gg = 0; gg < ng; ++gg) {
-        const KV* rows = kb + t0 * P.kv_token + gg * P.kv_head;
-        for (int64_t h = gg * G; h < (gg + 1) * G; ++h) {
-          const float* qh = q + h * D;
-          V16 a[16];
-          if constexpr (C > 0) {
-            V16 qr[C];
-            for (int c = 0; c < C; ++c) qr[c] = vload(qh + 16 * c);
-            for (int t = 0; t < 16; ++t) {
-              if (t >= nt) { a[t] = vzero(); continue; }
-              const KV* row = rows + t * P.kv_token;
-              V16 x = vmul(qr[0], vload(row)), y = C > 1 ? vmul(qr[1], vload(row + 16)) : vzero();
-              for (int c = 2; c < C; c += 2) {  // two chains: half the FMA latency per token
-                x = vfma(qr[c], vload(row + 16 * c), x);
-                if (c + 1 < C) y = vfma(qr[c + 1], vload(row + 16 * c + 16), y);
-              }
-              a[t] = vadd(x, y);
-            }
-          } else {
-            for (int t = 0; t < 16; ++t) {
-              a[t] = vzero();
-              for (int c = 0; t < nt && c < nc; ++c)
-                a[t] = vfma(vload(qh + 16 * c), vload(rows + t * P.kv_token + 16 * c), a[t]);
-            }
-          }
-          vstore_n(s + h * Lp + i * bs + t0, vsum16(a), nt);
+  score_tiles([&](const KV* rows, int64_t h, int nt) -> V16 {
+    const float* qh = q + h * D;
+    V16 a[16];
+    if constexpr (C > 0) {
+      V16 qr[C];
+      for (int c = 0; c < C; ++c) qr[c] = vload(qh + 16 * c);
+      for (int t = 0; t < 16; ++t) {
+        if (t >= nt) { a[t] = vzero(); continue; }
+        const KV* row = rows + t * P.kv_token;
+        V16 x = vmul(qr[0], vload(row)), y = C > 1 ? vmul(qr[1], vload(row + 16)) : vzero();
+        for (int c = 2; c < C; c += 2) {  // two chains: half the FMA latency per token
+          x = vfma(qr[c], vload(row + 16 * c), x);
+          if (c + 1 < C) y = vfma(qr[c + 1], vload(row + 16 * c + 16), y);
         }
+        a[t] = vadd(x, y);
+      }
+    } else {
+      for (int t = 0; t < 16; ++t) {
+        a[t] = vzero();
+        for (int c = 0; t < nt && c < nc; ++c)
+          a[t] = vfma(vload(qh + 16 * c), vload(rows + t * P.kv_token + 16 * c), a[t]);
       }
     }
-  }
+    return vsum16(a);
+  });
 
   prefetch_block(vc, 0);
   // Softmax numerators per head, stable (minus the max). Padding up to Lp is set to
