@@ -197,6 +197,19 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         residual = self.embed_tokens(input_ids)  # a new tensor: the layers add into it in place
         ops = self.cpu_ops if residual.is_cpu else None
+        if (ops is not None and on_layer_done is None and meta.num_decode_tokens == residual.shape[0]
+                and backend.name == "cpu"):
+            stack = self._decode_stack(ops, kv_caches, residual.dtype)
+            if stack is not None:
+                # the layers in one C++ call, the same kernels and rounding (cpu_kernels/decode_layers.cpp)
+                cfg = self.cfg
+                tables = meta.decode_block_tables.to(torch.int32).contiguous()  # no copy when they already are
+                lens = meta.decode_seq_lens.to(torch.int32).contiguous()
+                delta = ops.decode_layers(residual, *stack, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],
+                                          positions, self.rotary.cos, self.rotary.sin, meta.slot_mapping.contiguous(),
+                                          tables, lens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                          self.layers[0].self_attn.scale, self.layers[0].input_layernorm.eps)
+                return self.norm.add_forward(residual, delta, ops)
         rope = self.rotary.rotation(positions, residual.dtype, ops)
         delta = None
         for i, layer in enumerate(self.layers):
@@ -204,6 +217,36 @@ class LlamaForCausalLM(nn.Module):
             if on_layer_done is not None:
                 on_layer_done(i)
         return self.norm(residual, ops) if delta is None else self.norm.add_forward(residual, delta, ops)
+
+    def _decode_stack(self, ops, kv_caches, dtype: torch.dtype):
+        """The weights `ops.decode_layers` takes: (norms, 2 a layer; packed linear
+        weights, 5 a layer; their row-major copies, 5 a layer or none), or None where
+        that operator cannot run this model: no such operator in the build, a linear
+        layer not packed for oneDNN or with a bias, a head_dim the attention kernel does
+        not walk, a cache dtype other than the model's. Decided once."""
+        if getattr(self, "_stack_checked", False):
+            return self._stack
+        self._stack_checked, self._stack = True, None
+        if not hasattr(ops, "decode_layers") or self.cfg.head_dim % 16 or any(
+                k.dtype != dtype or not k.is_contiguous() or not v.is_contiguous() for k, v in kv_caches):
+            return None
+        norms, packed, plain = [], [], []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            linears = (a.qkv_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+            if any(getattr(x, "packed", None) is None or x.bias is not None for x in linears):
+                return None
+            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            packed += [x.packed for x in linears]
+            plain += [x.plain for x in linears]
+        if any(w is None for w in plain):
+            if any(w is not None for w in plain):
+                return None
+            plain = []
+        if any(w.dtype != dtype or not w.is_contiguous() for w in norms + plain):
+            return None
+        self._stack = (norms, packed, plain)
+        return self._stack
 
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """[S, hidden] -> [S, V], float32 unless `fp32` is False (then the model's dtype)."""

@@ -1,0 +1,129 @@
+// A Llama model's decoder layers for a step of decode tokens only, in one call.
+//
+// A decode step's layers call a dozen operators each from Python (about 10 us each with
+// dispatch); at one stream of a 200M model that came to about 2 ms of a 16.7 ms step on
+// the development machine, and more of a small model's batched step. This runs the same
+// operators in the same order from C++:
+//
+//   h = rms_norm(residual) (first layer) or add_rms_norm(residual += delta)
+//   qkv = h Wqkv^T; rotary_(q, k); store_kv(k, v); o = paged_decode_attention(q)
+//   h = add_rms_norm(residual += o Wo^T)
+//   delta = (silu_(h Wg^T) *= h Wu^T) Wd^T
+//
+// with the kernels this extension registers (small_batch_linear, rms_norm, add_rms_norm,
+// rotary_, store_kv, paged_decode_attention) and oneDNN's packed linear layer, reached
+// through the dispatcher, and torch's own silu_ and mul_, so every value is rounded where
+// engine/models/llama.py rounds it and the outputs are bitwise the same. Layers without
+// biases only (the caller checks).
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace {
+
+#define TANDEM_STR2(x) #x
+#define TANDEM_STR(x) TANDEM_STR2(x)
+
+template <typename Fn>
+c10::TypedOperatorHandle<Fn> sibling(const char* name) {
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow((std::string(TANDEM_STR(TORCH_EXTENSION_NAME)) + "::" + name).c_str(), "")
+      .typed<Fn>();
+}
+
+using Linear = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
+using Norm = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+using AddNorm = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+using Rotary = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using Store = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using Attend = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                    const at::Tensor&, double);
+
+constexpr int64_t kLinears = 5;  // qkv, o, gate, up, down
+constexpr int64_t kSmallBatchRows = 2;  // engine/models/packed.py SMALL_BATCH_ROWS
+
+// oneDNN's linear layer on a weight packed by mkldnn::_reorder_linear_weight, as
+// PackedLinear calls it from Python (no bias, no post-op)
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, w, c10::IValue(), std::string("none"), c10::List<std::optional<at::Scalar>>(),
+                          std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// `residual` [M, hidden] holds the embedded tokens and is updated in place, as the
+// Python layers update it; returns the last layer's MLP output (the next delta).
+at::Tensor decode_layers(const at::Tensor& residual, at::TensorList norms,
+                   at::TensorList packed, at::TensorList plain,
+                   at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& positions,
+                   const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t head_dim, double scale, double eps) {
+  static const auto linear = sibling<Linear>("small_batch_linear");
+  static const auto norm = sibling<Norm>("rms_norm");
+  static const auto add_norm = sibling<AddNorm>("add_rms_norm");
+  static const auto rotary = sibling<Rotary>("rotary_");
+  static const auto store = sibling<Store>("store_kv");
+  static const auto attend = sibling<Attend>("paged_decode_attention");
+
+  const int64_t L = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(L > 0 && static_cast<int64_t>(norms.size()) == 2 * L &&
+                  static_cast<int64_t>(packed.size()) == kLinears * L &&
+                  (plain.empty() || static_cast<int64_t>(plain.size()) == kLinears * L) &&
+                  static_cast<int64_t>(v_caches.size()) == L,
+              "decode_layers: 2 norms, ", kLinears, " packed (and optionally ", kLinears,
+              " row-major) weights and one K and V cache per layer");
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "decode_layers: residual must be contiguous [M, hidden]");
+  const int64_t M = residual.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const auto opts = residual.options();
+  // the linear layers as engine/models/packed.py runs them: the small-batch kernel on
+  // the row-major copy for one or two rows, oneDNN on the packed weight otherwise
+  const bool small = M <= kSmallBatchRows && !plain.empty();
+  auto project = [&](const at::Tensor& x, int64_t layer, int64_t j, int64_t n_out) -> at::Tensor {
+    if (small) {
+      at::Tensor y = at::empty({M, n_out}, opts);
+      linear.call(y, x, plain[kLinears * layer + j], std::nullopt);
+      return y;
+    }
+    return packed_linear(x, packed[kLinears * layer + j]);
+  };
+  at::Tensor d;  // the previous layer's MLP output
+  for (int64_t l = 0; l < L; ++l) {
+    at::Tensor h = at::empty_like(residual);
+    if (l == 0) norm.call(h, residual, norms[2 * l], eps);
+    else add_norm.call(h, residual, d, norms[2 * l], eps);
+    at::Tensor qkv = project(h, l, 0, q_size + 2 * kv_size);
+    at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({M, num_heads + num_kv_heads, head_dim});
+    rotary.call(qk, positions, cos, sin);
+    at::Tensor k = qk.narrow(1, num_heads, num_kv_heads);
+    at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({M, num_kv_heads, head_dim});
+    store.call(k_caches[l], v_caches[l], k, v, slots);
+    at::Tensor o = at::empty({M, num_heads, head_dim}, opts);
+    attend.call(o, qk.narrow(1, 0, num_heads), k_caches[l], v_caches[l], block_tables, seq_lens, scale);
+    at::Tensor attn = project(o.view({M, q_size}), l, 1, residual.size(1));
+    h = at::empty_like(residual);
+    add_norm.call(h, residual, attn, norms[2 * l + 1], eps);
+    const int64_t inter = packed[kLinears * l + 2].size(0);
+    at::Tensor gate = project(h, l, 2, inter);
+    at::Tensor up = project(h, l, 3, inter);
+    at::silu_(gate);
+    gate.mul_(up);
+    d = project(gate, l, 4, residual.size(1));
+  }
+  return d;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_layers(Tensor(a!) residual, Tensor[] norms, Tensor[] packed, Tensor[] plain, "
+        "Tensor[] k_caches, Tensor[] v_caches, Tensor positions, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, "
+        "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float scale, float eps) -> Tensor",
+        &decode_layers);
+}

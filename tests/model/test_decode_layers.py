@@ -1,0 +1,64 @@
+"""A step of decode tokens only runs the decoder layers in one C++ call
+(engine/cpu_kernels/decode_layers.cpp) with the same kernels and rounding as the Python
+layers: tokens and logprobs bitwise equal to the same engine with the call turned off,
+for one stream (one-token steps on the small-batch kernel), a pair (two-token steps)
+and four at once (oneDNN's packed linear layers)."""
+
+import pytest
+
+from decode_worker.engine import EngineConfig, LLMEngine
+from engine.config import CacheConfig, DeviceConfig, SchedulerConfig
+from engine.sampling_params import SamplingParams
+from tests.oracle import random_prompts
+
+pytestmark = pytest.mark.model
+
+
+class Counting:
+    """The compiled ops, counting decode_layers calls (a wrapper, the real operator runs)."""
+
+    def __init__(self, ops) -> None:
+        self._ops, self.calls = ops, 0
+
+    def __getattr__(self, name):
+        if name == "decode_layers":
+            self.calls += 1
+        return getattr(self._ops, name)
+
+
+def run(builtin_dir, fused: bool):
+    engine = LLMEngine.from_config(EngineConfig(
+        model=str(builtin_dir), dtype="bfloat16", device=DeviceConfig(), cache=CacheConfig(num_blocks=256),
+        scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_model_len=1024)))
+    model = engine.runner.model
+    if model.cpu_ops is None:
+        pytest.skip("no compiled CPU kernels here")
+    model.cpu_ops = counting = Counting(model.cpu_ops)
+    if not fused:
+        model._stack_checked, model._stack = True, None
+    params = SamplingParams(max_tokens=20, temperature=0, logprobs=2)
+    out = []
+    prompts = random_prompts([9, 23, 17, 40, 5, 33, 64], seed=11)
+    for g, group in enumerate(([0], [1], [2, 3], [3, 4, 5, 6])):  # one stream twice, two at once, four
+        for i in group:
+            engine.add_request(f"g{g}r{i}", prompts[i], params)
+        got = {f"g{g}r{i}": [] for i in group}
+        for _ in range(1000):
+            if not engine.has_work():
+                break
+            for ev in engine.step():
+                if ev.token_id is not None:
+                    got[ev.seq_id].append((ev.token_id, ev.logprobs))
+        out.append(got)
+    engine.check_integrity()
+    return out, counting.calls, model._stack is not None
+
+
+def test_fused_decode_layers_equal_the_python_layers_bitwise(builtin_dir):
+    got, calls, available = run(builtin_dir, fused=True)
+    if not available:
+        pytest.skip("no small-batch kernel here (AVX512-BF16): the layers stay in Python")
+    want, python_calls, _ = run(builtin_dir, fused=False)
+    assert calls >= 4 * 19  # every decode step of the four groups took the one call
+    assert python_calls == 0
+    assert got == want
