@@ -5,6 +5,8 @@
     TANDEM_LOG_LEVEL   log level of workers and the router (default INFO)
     TANDEM_CPU_PACKED_WEIGHTS  0 turns off oneDNN pre-packed bf16 linear layers on
                        CPU (engine/models/packed.py; default on where supported)
+    TANDEM_CPU_PREFILL_KERNEL  0 sends bf16 prefill attention on CPU to torch's SDPA
+                       instead of tandem's paged prefill kernel (engine/attention/cpu)
     TANDEM_CPU_HUGE_PAGES  0 leaves torch's CPU allocator on 4 KB pages; by default the
                        `tandem` command sets THP_MEM_ALLOC_ENABLE=1 (torch's own switch:
                        allocations of 2 MB and more are aligned and madvised for
@@ -52,6 +54,10 @@ def cpu_packed_weights() -> bool:
 
 def cpu_fused_ops() -> bool:
     return _on("TANDEM_CPU_FUSED_OPS")
+
+
+def cpu_prefill_kernel() -> bool:
+    return _on("TANDEM_CPU_PREFILL_KERNEL")
 
 
 def cpu_bind_threads() -> bool:

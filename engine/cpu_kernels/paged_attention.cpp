@@ -392,6 +392,208 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query, cons
   }
 }
 
+// ---- Prefill (and chunked prefill) attention over the paged cache, bf16 only.
+//
+//   query, out:   [T, H, D]        the step's prefill rows, sequence after sequence
+//   query_start:  [Bp + 1] int32   rows of sequence i: query_start[i] .. query_start[i+1]
+//   seq_lens:     [Bp] int32       context length of sequence i, this chunk included
+//   block_tables: [Bp, M] int32    the chunk's K/V are already stored in the cache
+//
+// Row j of sequence i sits at position seq_len - q_len + j and sees keys 0 .. that
+// position. Work item = (sequence, kv head): its context's K and V are copied once
+// from the cache blocks into per-thread scratch in the layouts AVX512-BF16's
+// dot-product instruction wants, and reused by every query row of the G heads:
+//   kt[tile][c] = 16 tokens' pairs (k[t][2c], k[t][2c+1]): q . k for 16 tokens is 32
+//                 dot-product instructions with a broadcast query pair, no horizontal sums;
+//   vp[s][d]    = the pair (v[2s][d], v[2s+1][d]): p . v over two tokens per instruction.
+// Per row: exact softmax over the scores in fp32 (max, exp, sum), the probabilities
+// rounded to bf16 for the product with V (as torch's flash kernel does for bf16), the
+// output divided by the fp32 sum.
+#if defined(__AVX512BF16__)
+struct PrefillProblem {
+  int64_t num_heads, num_kv_heads, block_size, max_blocks, num_cache_blocks;
+  int64_t q_tok, q_head, o_tok, o_head, kv_block, kv_token, kv_head, bt_row;
+  const int32_t* query_start;
+  const int32_t* seq_lens;
+  const int32_t* block_tables;
+  float scale;
+};
+
+template <int C>  // C = D / 16
+void prefill_item(const PrefillProblem& P, const BFloat16* kc, const BFloat16* vc, const BFloat16* query,
+                  BFloat16* out, int64_t b, int64_t g) {
+  constexpr int D = 16 * C, NP = D / 2;  // NP: dim pairs per row
+  const int64_t G = P.num_heads / P.num_kv_heads, bs = P.block_size;
+  const int64_t r0 = P.query_start[b], q_len = P.query_start[b + 1] - r0, L = P.seq_lens[b];
+  if (q_len <= 0) return;
+  TORCH_CHECK(L >= q_len && L <= P.max_blocks * bs, "sequence ", b, ": seq_len ", L, " with ", q_len,
+              " new tokens does not fit its block table (", P.max_blocks, " blocks of ", bs, ")");
+  const int32_t* table = P.block_tables + b * P.bt_row;
+  const int64_t nblk = (L + bs - 1) / bs;
+  for (int64_t i = 0; i < nblk; ++i)
+    TORCH_CHECK(table[i] >= 0 && table[i] < P.num_cache_blocks, "block id ", table[i], " of sequence ", b,
+                " is outside the cache (", P.num_cache_blocks, " blocks)");
+  const int64_t ntile = (L + 15) / 16, Lp = ntile * 16;  // keys padded to whole tiles
+  // scratch (floats): kt [ntile][NP][16] u32, vp [Lp/2][D] u32, scores [G][Lp], p [G][Lp/2] u32
+  float* base = thread_scratch(ntile * NP * 16 + (Lp / 2) * D + G * Lp + G * (Lp / 2) + 16);
+  uint32_t* kt = reinterpret_cast<uint32_t*>(base);
+  uint32_t* vp = kt + ntile * NP * 16;
+  float* sc = reinterpret_cast<float*>(vp + (Lp / 2) * D);
+  uint32_t* pp = reinterpret_cast<uint32_t*>(sc + G * Lp);
+  // Copy the context: token t's K row as NP uint32 pairs goes to column t % 16 of its tile;
+  // V rows t and t+1 are interleaved element by element. Padding tokens are zeros.
+  for (int64_t t = 0; t < Lp; ++t) {
+    uint32_t* kdst = kt + (t / 16) * NP * 16 + (t % 16);
+    if (t < L) {
+      const uint32_t* krow = reinterpret_cast<const uint32_t*>(
+          kc + table[t / bs] * P.kv_block + (t % bs) * P.kv_token + g * P.kv_head);
+      for (int c = 0; c < NP; ++c) kdst[c * 16] = krow[c];
+    } else {
+      for (int c = 0; c < NP; ++c) kdst[c * 16] = 0;
+    }
+  }
+  for (int64_t s = 0; s < Lp / 2; ++s) {
+    uint16_t* dst = reinterpret_cast<uint16_t*>(vp + s * D);
+    for (int u = 0; u < 2; ++u) {
+      const int64_t t = 2 * s + u;
+      if (t < L) {
+        const uint16_t* vrow = reinterpret_cast<const uint16_t*>(
+            vc + table[t / bs] * P.kv_block + (t % bs) * P.kv_token + g * P.kv_head);
+        for (int d = 0; d < D; ++d) dst[2 * d + u] = vrow[d];
+      } else {
+        for (int d = 0; d < D; ++d) dst[2 * d + u] = 0;
+      }
+    }
+  }
+  const __m512 vscale = _mm512_set1_ps(P.scale), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  constexpr int RH = 4;  // query heads whose scores are computed together
+  for (int64_t j = 0; j < q_len; ++j) {
+    const int64_t pos = L - q_len + j, nk = pos + 1, nt = (nk + 15) / 16;
+    const BFloat16* qrow = query + (r0 + j) * P.q_tok + g * G * P.q_head;
+    // Scores, RH heads x one tile at a time: RH chains of NP dot products.
+    for (int64_t h0 = 0; h0 < G; h0 += RH) {
+      const int nh = static_cast<int>(std::min<int64_t>(RH, G - h0));
+      const uint32_t* qp[RH];
+      for (int h = 0; h < RH; ++h)
+        qp[h] = reinterpret_cast<const uint32_t*>(qrow + (h0 + std::min(h, nh - 1)) * P.q_head);
+      for (int64_t tt = 0; tt < nt; ++tt) {
+        const uint32_t* kb = kt + tt * NP * 16;
+        __m512 acc[RH];
+        for (int h = 0; h < RH; ++h) acc[h] = _mm512_setzero_ps();
+        for (int c = 0; c < NP; ++c) {
+          const __m512bh kv = (__m512bh)_mm512_loadu_si512(kb + c * 16);
+          for (int h = 0; h < RH; ++h)
+            acc[h] = _mm512_dpbf16_ps(acc[h], kv, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[h][c])));
+        }
+        const __mmask16 valid = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(nk - tt * 16)));
+        for (int h = 0; h < nh; ++h)
+          _mm512_storeu_ps(sc + (h0 + h) * Lp + tt * 16, _mm512_mask_blend_ps(valid, ninf, _mm512_mul_ps(acc[h], vscale)));
+      }
+    }
+    // Softmax numerators per head; p rounded to bf16, packed in token pairs.
+    float inv_sum[64];
+    for (int64_t h = 0; h < G; ++h) {
+      float* sh = sc + h * Lp;
+      __m512 m = ninf;
+      for (int64_t t = 0; t < nt * 16; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sh + t));
+      const V16 neg_max = vset1(-_mm512_reduce_max_ps(m));
+      __m512 sum = _mm512_setzero_ps();
+      __m256i* ph = reinterpret_cast<__m256i*>(pp + h * (Lp / 2));
+      for (int64_t t = 0; t < nt * 16; t += 16) {
+        const __m512 e = vexp(vadd(V16{_mm512_loadu_ps(sh + t)}, neg_max)).v;
+        sum = _mm512_add_ps(sum, e);
+        _mm256_storeu_si256(ph + t / 16, (__m256i)_mm512_cvtneps_pbh(e));
+      }
+      inv_sum[h] = 1.f / _mm512_reduce_add_ps(sum);
+    }
+    // Output: RO heads at a time, C accumulators each, two tokens per instruction.
+    constexpr int RO = std::max(1, 16 / C);
+    const int64_t npair = (nk + 1) / 2;  // an odd last token pairs with a zero p (and zero V)
+    for (int64_t h0 = 0; h0 < G; h0 += RO) {
+      const int nh = static_cast<int>(std::min<int64_t>(RO, G - h0));
+      __m512 acc[RO][C];
+      for (int h = 0; h < RO; ++h)
+        for (int c = 0; c < C; ++c) acc[h][c] = _mm512_setzero_ps();
+      const uint32_t* ph[RO];
+      for (int h = 0; h < RO; ++h) ph[h] = pp + (h0 + std::min(h, nh - 1)) * (Lp / 2);
+      for (int64_t s = 0; s < npair; ++s) {
+        const uint32_t* vrow = vp + s * D;
+        for (int c = 0; c < C; ++c) {
+          const __m512bh v = (__m512bh)_mm512_loadu_si512(vrow + 16 * c);
+          for (int h = 0; h < RO; ++h)
+            acc[h][c] = _mm512_dpbf16_ps(acc[h][c], v, (__m512bh)_mm512_set1_epi32(static_cast<int>(ph[h][s])));
+        }
+      }
+      for (int h = 0; h < nh; ++h) {
+        BFloat16* o = out + (r0 + j) * P.o_tok + (g * G + h0 + h) * P.o_head;
+        const __m512 inv = _mm512_set1_ps(inv_sum[h0 + h]);
+        for (int c = 0; c < C; ++c)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[h][c], inv)));
+      }
+    }
+  }
+}
+#endif
+
+bool paged_prefill_attention_supported() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& block_tables,
+                             const at::Tensor& query_start, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(paged_prefill_attention_supported(), "paged_prefill_attention needs AVX512-BF16");
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [T, H, D] alike");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
+              k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
+              "paged_prefill_attention is bf16 only");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides(),
+              "k/v cache must be [N, bs, Hkv, D] with equal strides");
+  TORCH_CHECK(query.device().is_cpu() && out.device().is_cpu() && k_cache.device().is_cpu() &&
+              v_cache.device().is_cpu() && block_tables.device().is_cpu() && query_start.device().is_cpu() &&
+              seq_lens.device().is_cpu(), "all tensors must be on the CPU");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1,
+              "query, out and caches need a contiguous last (head_dim) dimension");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.stride(1) == 1,
+              "block_tables must be [B, M] int32, rows contiguous");
+  const int64_t Bp = block_tables.size(0);
+  TORCH_CHECK(query_start.scalar_type() == at::kInt && query_start.dim() == 1 && query_start.is_contiguous() &&
+              query_start.size(0) == Bp + 1, "query_start must be a contiguous [B + 1] int32 tensor");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.is_contiguous() &&
+              seq_lens.size(0) == Bp, "seq_lens must be a contiguous [B] int32 tensor");
+  const int64_t H = query.size(1), D = query.size(2), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && (D == 64 || D == 128), "head_dim ", D, " must match the cache and be 64 or 128");
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && H / Hkv <= 64, "num_heads ", H, " and num_kv_heads ", Hkv, " do not group");
+  const int32_t* qs = query_start.data_ptr<int32_t>();
+  TORCH_CHECK(qs[0] == 0 && qs[Bp] == query.size(0), "query_start must run from 0 to the number of rows");
+  for (int64_t i = 0; i < Bp; ++i) TORCH_CHECK(qs[i + 1] >= qs[i], "query_start must not decrease");
+  if (Bp == 0) return;
+  PrefillProblem P{H, Hkv, k_cache.size(1), block_tables.size(1), k_cache.size(0),
+                   query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+                   k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+                   qs, seq_lens.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(), static_cast<float>(scale)};
+  const BFloat16* kc = reinterpret_cast<const BFloat16*>(k_cache.data_ptr());
+  const BFloat16* vc = reinterpret_cast<const BFloat16*>(v_cache.data_ptr());
+  const BFloat16* q = reinterpret_cast<const BFloat16*>(query.data_ptr());
+  BFloat16* o = reinterpret_cast<BFloat16*>(out.data_ptr());
+  const int64_t items = Bp * Hkv, threads = at::get_num_threads();
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1)) {
+      if (D == 64) prefill_item<4>(P, kc, vc, q, o, it / Hkv, it % Hkv);
+      else prefill_item<8>(P, kc, vc, q, o, it / Hkv, it % Hkv);
+    }
+  });
+#endif
+}
+
 int64_t simd_lanes() { return kAvx512 ? 16 : 0; }
 
 }  // namespace
@@ -401,5 +603,8 @@ int64_t simd_lanes() { return kAvx512 ? 16 : 0; }
 TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor seq_lens, float scale) -> ()", &paged_decode_attention);
+  m.def("paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor query_start, Tensor seq_lens, float scale) -> ()", &paged_prefill_attention);
+  m.def("paged_prefill_attention_supported() -> bool", &paged_prefill_attention_supported);
   m.def("simd_lanes() -> int", &simd_lanes);  // 16 with AVX-512, 0 for the portable build
 }

@@ -117,3 +117,42 @@ def test_bf16_packed_weights_change_no_token(builtin_dir, monkeypatch):
     if not packed:
         pytest.skip("no native oneDNN bf16 here: nothing was packed")
     assert got == want
+
+
+def test_bf16_prefill_kernel_changes_no_token(builtin_dir, monkeypatch):
+    """bf16 prefill on CPU runs tandem's paged prefill kernel (where the CPU has
+    AVX512-BF16): the greedy tokens are those of the same engine on torch's SDPA, for
+    whole prompts, chunked prompts (chunks over a cached prefix) and prefix-cache hits."""
+    import inspect
+    import json
+
+    from engine.attention.cpu.backend import CpuAttention
+    from engine.config import DeviceConfig
+    from engine.tokenizer import Tokenizer
+
+    # Python source, which the model writes with confidence: random ids would leave
+    # near-ties that any change in the order of bf16 sums can flip either way
+    ids = Tokenizer.from_dir(builtin_dir).encode(inspect.getsource(json.decoder))
+    prompts = [ids[31 * i: 31 * i + n] for i, n in enumerate(LENGTHS + [130, 257])]
+    hits = [ids[:40] + ids[600: 600 + n] for n in (3, 20)]
+
+    def tokens():
+        out = []
+        for budget in (4096, 48):  # whole prompts, then chunks of at most 48 tokens
+            engine = LLMEngine.from_config(EngineConfig(
+                model=str(builtin_dir), dtype="bfloat16", device=DeviceConfig(),
+                cache=CacheConfig(num_blocks=256),
+                scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_model_len=1024)))
+            greedy = SamplingParams(max_tokens=NEW, temperature=0)
+            out.append(run(engine, prompts, greedy))
+            out.append([run(engine, [p], greedy)[0] for p in hits])  # the second hits the first's prefix
+            kernel = isinstance(engine.runner.backend, CpuAttention) and engine.runner.backend._bf16_prefill
+        return kernel, out
+
+    kernel, got = tokens()
+    monkeypatch.setenv("TANDEM_CPU_PREFILL_KERNEL", "0")
+    sdpa, want = tokens()
+    assert not sdpa
+    if not kernel:
+        pytest.skip("no AVX512-BF16 here: prefill stayed on SDPA")
+    assert got == want

@@ -176,6 +176,115 @@ def test_backend_forward_mixed_batch_matches_torch():
     torch.testing.assert_close(got, want[:2], **TOL[torch.float32])
 
 
+needs_bf16_prefill = pytest.mark.skipif(
+    not build.load_or_none() or not build.load().paged_prefill_attention_supported(),
+    reason="the paged prefill kernel needs AVX512-BF16")
+
+
+def prefill_case(group, head_dim, chunks, num_kv_heads=2, block_size=16, seed=0):
+    """chunks: (query_len, seq_len) per sequence. A bf16 cache with distinct shuffled
+    blocks per sequence (table tails poisoned), the chunk's rows; returns the kernel's
+    inputs and, per sequence, its new rows' keys/values as stored in the cache."""
+    g = torch.Generator().manual_seed(seed)
+    m = max((s + block_size - 1) // block_size for _, s in chunks) + 1
+    num_blocks = len(chunks) * m + 5
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).bfloat16()
+    v_cache = torch.randn(shape, generator=g).bfloat16()
+    tables = torch.randperm(num_blocks, generator=g)[: len(chunks) * m].view(len(chunks), m).to(torch.int32)
+    keys, values = [], []
+    for i, (q_len, s_len) in enumerate(chunks):
+        tables[i, (s_len + block_size - 1) // block_size:] = -1
+        pos = torch.arange(s_len - q_len, s_len)
+        blocks = tables[i, pos // block_size].long()
+        keys.append(k_cache[blocks, pos % block_size])
+        values.append(v_cache[blocks, pos % block_size])
+    rows = sum(q for q, _ in chunks)
+    query = torch.randn(rows, group * num_kv_heads, head_dim, generator=g).bfloat16()
+    starts = torch.tensor([0] + [sum(q for q, _ in chunks[: i + 1]) for i in range(len(chunks))], dtype=torch.int32)
+    seq_lens = torch.tensor([s for _, s in chunks], dtype=torch.int32)
+    return query, k_cache, v_cache, tables, starts, seq_lens, torch.cat(keys), torch.cat(values)
+
+
+@needs_bf16_prefill
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_prefill_kernel_matches_reference_as_closely_as_sdpa(group, head_dim):
+    """Fresh prompts (1 row, block edges, a few hundred) and chunks over a cached prefix
+    (odd and even context lengths), in one call: within bf16 tolerance of the fp32
+    reference, and no further from it than torch's own bf16 SDPA."""
+    chunks = [(1, 1), (15, 15), (16, 16), (17, 17), (300, 300), (1, 40), (33, 100), (64, 257), (7, 333)]
+    query, kc, vc, tables, starts, seq_lens, key, value = prefill_case(group, head_dim, chunks, seed=group + head_dim)
+    scale = head_dim**-0.5
+    q_lens, s_lens = [q for q, _ in chunks], [s for _, s in chunks]
+    got = kernels.paged_prefill_attention(query, kc, vc, tables, starts, seq_lens, scale)
+    ref_tables = tables.clamp(min=0)
+    want = reference.varlen_attention(query.float(), key.float(), value.float(), kc.float(), vc.float(),
+                                      ref_tables, q_lens, s_lens, scale)
+    sdpa = reference.varlen_attention(query, key, value, kc, vc, ref_tables, q_lens, s_lens, scale)
+    assert got.dtype == torch.bfloat16 and got.shape == query.shape
+    torch.testing.assert_close(got.float(), want, **TOL[torch.bfloat16])
+    err, sdpa_err = (got.float() - want).abs(), (sdpa.float() - want).abs()
+    assert err.mean() <= 1.1 * sdpa_err.mean() and err.max() <= 1.5 * sdpa_err.max()
+
+
+@needs_bf16_prefill
+def test_prefill_kernel_is_bitwise_independent_of_threads():
+    case = prefill_case(4, 64, [(50, 50), (20, 90), (1, 17)], num_kv_heads=4)[:6]
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            outs.append(kernels.paged_prefill_attention(*case, scale=0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+
+
+@needs_bf16_prefill
+def test_prefill_kernel_rejects_bad_input():
+    query, kc, vc, tables, starts, seq_lens, _, _ = prefill_case(2, 64, [(10, 40), (5, 5)])
+    bad = tables.clone()
+    bad[0, 1] = kc.shape[0]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.paged_prefill_attention(query, kc, vc, bad, starts, seq_lens, 0.125)
+    with pytest.raises(RuntimeError, match="does not fit its block table"):
+        kernels.paged_prefill_attention(query, kc, vc, tables, starts, seq_lens * 0 + 4, 0.125)
+    with pytest.raises(RuntimeError, match="query_start must run from 0"):
+        kernels.paged_prefill_attention(query, kc, vc, tables, starts + 1, seq_lens, 0.125)
+    with pytest.raises(RuntimeError, match="bf16 only"):
+        kernels.paged_prefill_attention(query.float(), kc.float(), vc.float(), tables, starts, seq_lens, 0.125)
+
+
+@needs_bf16_prefill
+def test_backend_prefill_uses_the_kernel_for_bf16_only(monkeypatch):
+    """bf16 prefill goes to the kernel, fp32 stays on torch's SDPA (transformers' own
+    attention), and TANDEM_CPU_PREFILL_KERNEL=0 sends bf16 back to SDPA too."""
+    calls = []
+    real = kernels.paged_prefill_attention
+    monkeypatch.setattr(kernels, "paged_prefill_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    query, kc, vc, tables, starts, seq_lens, key, value = prefill_case(4, 64, [(20, 20), (6, 30)])
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.int64), num_decode_tokens=0,
+        decode_block_tables=torch.zeros(0, 1, dtype=torch.int32), decode_seq_lens=torch.zeros(0, dtype=torch.int32),
+        decode_max_seq_len=0, prefill_block_tables=tables.clamp(min=0), prefill_query_lens=[20, 6],
+        prefill_seq_lens=[20, 30], prefill_query_start_loc=starts, prefill_seq_lens_tensor=seq_lens)
+    backend = CpuAttention()
+    assert backend.prefill_tensors
+    got = backend.prefill(query, key, value, kc, vc, meta, 0.125)
+    assert calls == [1]
+    want = reference.varlen_attention(query, key, value, kc, vc, meta.prefill_block_tables, [20, 6], [20, 30], 0.125)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[torch.bfloat16])
+    backend.prefill(query.float(), key.float(), value.float(), kc.float(), vc.float(), meta, 0.125)
+    assert calls == [1]
+    monkeypatch.setenv("TANDEM_CPU_PREFILL_KERNEL", "0")
+    off = CpuAttention()
+    assert not off.prefill_tensors
+    off.prefill(query, key, value, kc, vc, meta, 0.125)
+    assert calls == [1]
+
+
 def test_get_backend_picks_cpu_on_cpu():
     assert get_backend("auto", torch.device("cpu")).name == "cpu"
     assert get_backend("cpu", torch.device("cpu")).name == "cpu"

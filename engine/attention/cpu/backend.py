@@ -1,10 +1,13 @@
 """CPU attention backend: paged decode and the KV store run the C++ kernels (kernels.py,
-engine/cpu_kernels); prefill stays on the torch reference via AttentionBackend.forward."""
+engine/cpu_kernels). Prefill runs the C++ paged prefill kernel for bf16 models where the
+CPU has AVX512-BF16 (head_dim 64 or 128), and the torch reference (SDPA) otherwise: fp32
+models keep torch's own attention, the same as transformers'."""
 
 from __future__ import annotations
 
 import torch
 
+from engine import envs
 from engine.attention import AttentionBackend, reference
 from engine.attention.cpu import kernels
 from engine.cpu_kernels import build
@@ -15,6 +18,8 @@ class CpuAttention(AttentionBackend):
 
     def __init__(self) -> None:
         self.ops = build.load()  # compile (or load the cached build) now, not on the first step
+        self._bf16_prefill = envs.cpu_prefill_kernel() and bool(self.ops.paged_prefill_attention_supported())
+        self.prefill_tensors = self._bf16_prefill  # the runner then builds the int32 lengths
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         fits = (key.dtype == k_cache.dtype and value.dtype == k_cache.dtype and k_cache.is_contiguous()
@@ -30,3 +35,11 @@ class CpuAttention(AttentionBackend):
         if query.shape[-1] % 16 or query.stride(-1) != 1:  # the kernel walks D in 16-lane steps
             return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
         return kernels.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
+
+    def prefill(self, query, key, value, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+        if (self._bf16_prefill and query.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
+                and query.shape[-1] in (64, 128) and query.stride(-1) == 1 and k_cache.is_contiguous()
+                and v_cache.is_contiguous() and meta.prefill_query_start_loc is not None):
+            return kernels.paged_prefill_attention(query, k_cache, v_cache, meta.prefill_block_tables,
+                                                   meta.prefill_query_start_loc, meta.prefill_seq_lens_tensor, scale)
+        return super().prefill(query, key, value, k_cache, v_cache, meta, scale)
