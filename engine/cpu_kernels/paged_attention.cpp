@@ -129,6 +129,10 @@ float* thread_scratch(size_t n) {
   return buf.data();
 }
 
+// Blocks loaded ahead of each pass's compute: 16 tokens x 8 kv heads x 128 dims of bf16
+// is 32 KB a block, so a segment stays well inside a 1-2 MB L2.
+constexpr int64_t kSegBlocks = 16;
+
 inline int64_t round16(int64_t n) { return (n + 15) & ~int64_t(15); }
 
 // One work item: sequence b, kv heads [g0, g0 + ng) and their ng * G query heads.
@@ -162,25 +166,35 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
   for (int64_t h = 0; h < GT; ++h)
     for (int64_t d = 0; d < D; ++d) q[h * D + d] = static_cast<float>(qb[h * P.q_head + d]) * P.scale;
   auto block_of = [&](const KV* cache, int64_t i) { return cache + table[i] * P.kv_block + g0 * P.kv_head; };
-  // Blocks sit wherever the allocator put them, so the hardware prefetchers cannot
-  // run ahead across a block boundary and a lone thread waits on DRAM latency at every
-  // block (measured 10-11 GB/s on 2 threads with random block tables). Each block's
-  // successor is requested while the current one is computed: its ng head slices of
-  // every token, 64-byte lines.
+  // Reading K and V in the loops that compute on them leaves few loads in flight: the
+  // compute fills the out-of-order window, and a thread got 9 GB/s out of a memory
+  // system that gives it 36 GB/s on a stream (AMD Zen 5, 2 cores; software prefetches
+  // a block ahead changed nothing there). So each pass first loads a segment of up to
+  // kSegBlocks blocks with nothing but loads, which the core issues back to back, and
+  // then computes on the segment from L2. Measured on B=200, L=320, H=16, Hkv=4, D=64:
+  // 3.3 -> 1.9 ms with each sequence's blocks in address order, 4.2 -> 2.6 ms scattered.
   const int64_t row_bytes = ng * P.kv_head * static_cast<int64_t>(sizeof(KV));
-  auto prefetch_block = [&](const KV* cache, int64_t i) {
-    if (i >= nblk) return;
-    const char* base = reinterpret_cast<const char*>(block_of(cache, i));
-    const int64_t n = std::min(bs, L - i * bs);
-    if (ng == P.num_kv_heads && P.kv_token == P.num_kv_heads * P.kv_head) {  // one contiguous run
-      for (int64_t off = 0; off < n * row_bytes; off += 64) __builtin_prefetch(base + off);
-    } else {
-      for (int64_t t = 0; t < n; ++t)
-        for (int64_t off = 0; off < row_bytes; off += 64)
-          __builtin_prefetch(base + t * P.kv_token * static_cast<int64_t>(sizeof(KV)) + off);
+  const bool whole_rows = ng == P.num_kv_heads && P.kv_token == P.num_kv_heads * P.kv_head;
+  auto load_blocks = [&](const KV* cache, int64_t i0, int64_t i1) {
+#if defined(__AVX512F__)
+    __m512i sink = _mm512_setzero_si512();
+    for (int64_t i = i0; i < i1; ++i) {
+      const char* base = reinterpret_cast<const char*>(block_of(cache, i));
+      const int64_t n = std::min(bs, L - i * bs);
+      if (whole_rows) {  // one contiguous run
+        for (int64_t off = 0; off + 64 <= n * row_bytes; off += 64)
+          sink = _mm512_or_si512(sink, _mm512_loadu_si512(base + off));
+      } else {
+        for (int64_t t = 0; t < n; ++t)
+          for (int64_t off = 0; off + 64 <= row_bytes; off += 64)
+            sink = _mm512_or_si512(sink, _mm512_loadu_si512(base + t * P.kv_token * int64_t(sizeof(KV)) + off));
+      }
     }
+    asm volatile("" : : "v"(sink));  // the loads are the point: keep them
+#else
+    (void)cache, (void)i0, (void)i1;
+#endif
   };
-  prefetch_block(kc, 0);
 
   // Pass 1: scores, 16 tokens at a time: one query head's row stays in registers
   // while the tile's K rows stream past (from memory for the first head, then L1),
@@ -188,8 +202,8 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
   // scores of query head h against the nt (<= 16) K rows at `rows`, in lanes 0..nt-1.
   auto score_tiles = [&](auto&& tile) {
     for (int64_t i = 0; i < nblk; ++i) {
+      if (i % kSegBlocks == 0) load_blocks(kc, i, std::min(nblk, i + kSegBlocks));
       const KV* kb = block_of(kc, i);
-      prefetch_block(kc, i + 1);
       const int64_t n = std::min(bs, L - i * bs);
       for (int64_t t0 = 0; t0 < n; t0 += 16) {
         const int nt = static_cast<int>(std::min<int64_t>(16, n - t0));
@@ -252,7 +266,6 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
     return vsum16(a);
   });
 
-  prefetch_block(vc, 0);
   // Softmax numerators per head, stable (minus the max). Padding up to Lp is set to
   // -inf (exp -> 0) so the vector loops need no tails.
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -277,8 +290,8 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
   constexpr int CR = C > 0 ? C : 1;
   for (int64_t x = 0; x < GT * D; ++x) acc[x] = 0.f;
   for (int64_t i = 0; i < nblk; ++i) {
+    if (i % kSegBlocks == 0) load_blocks(vc, i, std::min(nblk, i + kSegBlocks));
     const KV* vb = block_of(vc, i);
-    prefetch_block(vc, i + 1);
     const int64_t n = std::min(bs, L - i * bs);
     for (int64_t gg = 0; gg < ng; ++gg) {
       for (int64_t h0 = gg * G; h0 < (gg + 1) * G; h0 += NH) {
