@@ -7,6 +7,8 @@
                        CPU (engine/models/packed.py; default on where supported)
     TANDEM_CPU_PREFILL_KERNEL  0 sends bf16 prefill attention on CPU to torch's SDPA
                        instead of tandem's paged prefill kernel (engine/attention/cpu)
+    TANDEM_UVLOOP      0 runs the router's and workers' event loops on the standard
+                       library's asyncio loop instead of uvloop's (worker_runtime/eventloop.py)
     TANDEM_CPU_HUGE_PAGES  0 leaves torch's CPU allocator on 4 KB pages; by default the
                        `tandem` command sets THP_MEM_ALLOC_ENABLE=1 (torch's own switch:
                        allocations of 2 MB and more are aligned and madvised for
@@ -54,6 +56,10 @@ def cpu_packed_weights() -> bool:
 
 def cpu_fused_ops() -> bool:
     return _on("TANDEM_CPU_FUSED_OPS")
+
+
+def use_uvloop() -> bool:
+    return _on("TANDEM_UVLOOP")
 
 
 def cpu_prefill_kernel() -> bool:

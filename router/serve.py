@@ -16,6 +16,7 @@ from engine import envs
 from engine.cli_args import engine_config_from_args, parse_cores
 from router.access import use_log_format
 from router.checks import CommandError, check_model
+from worker_runtime import eventloop
 from worker_runtime.args import worker_config_from_args
 from worker_runtime.config import Role
 from worker_runtime.host import LOG_FORMAT
@@ -201,7 +202,7 @@ def serve(args: argparse.Namespace, attach: bool = False) -> int:
             await _quietly(backend.stop())
             return 1
         signals = SignalDrain(app.state.drain, exit_server, lambda: exit_server(force=True))
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", http="h11", ws="none",
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", http="httptools", ws="none",
                                 timeout_graceful_shutdown=5)
         server = uvicorn.Server(config)
         try:
@@ -220,7 +221,7 @@ def serve(args: argparse.Namespace, attach: bool = False) -> int:
         return 0 if server.started else 1
 
     try:
-        code = asyncio.run(run())
+        code = eventloop.run(run())
     finally:
         sock.close()
     if signals is not None and signals.result is not None:

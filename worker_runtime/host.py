@@ -23,6 +23,7 @@ import time
 from typing import Callable, Protocol
 
 from engine.cli_args import add_engine_args, engine_config_from_args
+from worker_runtime import eventloop
 from worker_runtime.args import add_worker_args, worker_config_from_args
 from worker_runtime.config import Role, WorkerConfig
 from worker_runtime.rpc import setup_process
@@ -52,7 +53,7 @@ class WorkerHost:
     def __init__(self, config: WorkerConfig, make_service: ServiceFactory) -> None:
         self.config = config
         self.worker = make_service(config)
-        self.loop = asyncio.new_event_loop()
+        self.loop = eventloop.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=f"{config.worker_id}-loop", daemon=True)
 
     def start(self, timeout: float = 600.0) -> str:
@@ -192,5 +193,5 @@ def main(role: Role, make_service: ServiceFactory, argv: list[str] | None = None
         log.info("%s %s stopped on %s after draining for %.1f s (requests live: %d, %s)", role.value,
                  config.worker_id, got[0], asyncio.get_running_loop().time() - t0, start, how)
 
-    asyncio.run(serve())
+    eventloop.run(serve())
     return 0
