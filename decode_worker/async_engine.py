@@ -69,9 +69,11 @@ class AsyncEngine:
         self.loop.post(fn, *args)
 
     # ---- requests ----------------------------------------------------------------
-    def subscribe(self, seq_id: str) -> asyncio.Queue:
+    def subscribe(self, seq_id: str, sink=None) -> asyncio.Queue:
+        """Where `seq_id`'s events go: a new queue, returned, or `sink` (anything with
+        `put_nowait`, e.g. a token feed's FeedSink; then the queue returned stays empty)."""
         q: asyncio.Queue = asyncio.Queue()
-        self._subs[seq_id] = q
+        self._subs[seq_id] = q if sink is None else sink
         return q
 
     def unsubscribe(self, seq_id: str) -> None:

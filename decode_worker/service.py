@@ -25,6 +25,7 @@ import grpc
 
 from decode_worker.async_engine import AsyncEngine
 from decode_worker.engine import LLMEngine
+from decode_worker.feed import TokenFeed
 from engine.events import TokenEvent
 from engine.sampling_params import SamplingParamsError
 from engine.scheduler import AdmissionError, NoCapacity
@@ -54,6 +55,7 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         self.draining = False
         self.server: grpc.aio.Server | None = None
         self.address = ""
+        self.feeds: dict[str, TokenFeed] = {}  # the routers' token feeds, by id
 
     # ---- lifecycle -----------------------------------------------------------------
     async def start(self) -> str:
@@ -185,7 +187,9 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         except SamplingParamsError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.param}: {e}")
         prompt, prio = list(request.prompt_ids), int(request.priority)
-        q = self.aengine.subscribe(rid)
+        feed = self.feeds.get(request.feed_id) if request.feed_id else None
+        sink = feed.bind(rid) if feed is not None and not feed.closed else None
+        q = self.aengine.subscribe(rid, sink)
         finished = False
         try:  # any exit before the request finished (cancelled anywhere, even mid-yield) aborts it
             if request.mode == pb.REMOTE_PREFILL:
@@ -197,6 +201,10 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
             else:
                 await self.aengine.call(self.engine.add_request, rid, prompt, params, prio, None,
                                         list(request.output_ids))
+            if sink is not None:  # the tokens go on the feed; this stream ends with the request
+                if not await sink.done:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"token feed {feed.feed_id} closed")
+                finished = True
             held = None  # an event that could not join the previous message
             while not finished:
                 evs = [held if held is not None else await q.get()]
@@ -219,11 +227,26 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finally:
             self.aengine.unsubscribe(rid)
+            if sink is not None:
+                feed.unbind(rid)
+                finished = finished or sink.saw_finished  # its last event is out: nothing to abort
             if not finished and self.aengine.healthy:
                 # the router closed the stream: its client went away, or a stop string or
                 # a failure elsewhere ended the request first
                 log.info("request %s: stream closed by the router before the request finished; aborted", rid)
                 self.aengine.post(self._abort, rid)  # idempotent; queued after the reserve/add
+
+    async def Feed(self, request: pb.FeedRequest, context):
+        """A router's token feed (decode_worker/feed.py): open until the router closes it."""
+        if not request.feed_id or request.feed_id in self.feeds:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"feed id {request.feed_id!r} is empty or in use")
+        feed = self.feeds[request.feed_id] = TokenFeed(request.feed_id)
+        try:
+            async for batch in feed.batches():
+                yield batch
+        finally:
+            feed.close()
+            self.feeds.pop(request.feed_id, None)
 
     async def Abort(self, request, context):
         return pb.AbortReply(found=await self.aengine.call(self._abort_by_rpc, request.request_id))

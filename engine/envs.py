@@ -7,6 +7,8 @@
                        CPU (engine/models/packed.py; default on where supported)
     TANDEM_CPU_PREFILL_KERNEL  0 sends bf16 prefill attention on CPU to torch's SDPA
                        instead of tandem's paged prefill kernel (engine/attention/cpu)
+    TANDEM_TOKEN_FEED  0 has the router read each request's tokens from its own Decode
+                       stream instead of one token feed per decode worker (router/token_feed.py)
     TANDEM_UVLOOP      0 runs the router's and workers' event loops on the standard
                        library's asyncio loop instead of uvloop's (worker_runtime/eventloop.py)
     TANDEM_CPU_HUGE_PAGES  0 leaves torch's CPU allocator on 4 KB pages; by default the
@@ -56,6 +58,10 @@ def cpu_packed_weights() -> bool:
 
 def cpu_fused_ops() -> bool:
     return _on("TANDEM_CPU_FUSED_OPS")
+
+
+def token_feed() -> bool:
+    return _on("TANDEM_TOKEN_FEED")
 
 
 def use_uvloop() -> bool:

@@ -90,7 +90,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "params", "priority", "mode", "lease_s", "output_ids")
+    __slots__ = ("request_id", "prompt_ids", "params", "priority", "mode", "lease_s", "output_ids", "feed_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class DecodeRequest(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    FEED_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -105,7 +106,8 @@ class DecodeRequest(_message.Message):
     mode: PrefillMode
     lease_s: float
     output_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[Priority, str]] = ..., mode: _Optional[_Union[PrefillMode, str]] = ..., lease_s: _Optional[float] = ..., output_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    feed_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[Priority, str]] = ..., mode: _Optional[_Union[PrefillMode, str]] = ..., lease_s: _Optional[float] = ..., output_ids: _Optional[_Iterable[int]] = ..., feed_id: _Optional[str] = ...) -> None: ...
 
 class Reservation(_message.Message):
     __slots__ = ("block_ids", "num_cached_tokens", "lease_s", "worker_id", "epoch")
@@ -162,6 +164,26 @@ class DecodeEvent(_message.Message):
     reservation: Reservation
     tokens: Tokens
     def __init__(self, reservation: _Optional[_Union[Reservation, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ...) -> None: ...
+
+class FeedRequest(_message.Message):
+    __slots__ = ("feed_id",)
+    FEED_ID_FIELD_NUMBER: _ClassVar[int]
+    feed_id: str
+    def __init__(self, feed_id: _Optional[str] = ...) -> None: ...
+
+class FeedItem(_message.Message):
+    __slots__ = ("request_id", "tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tokens: Tokens
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ...) -> None: ...
+
+class FeedBatch(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[FeedItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[FeedItem, _Mapping]]] = ...) -> None: ...
 
 class KVLanded(_message.Message):
     __slots__ = ("request_id", "first_token", "logprobs", "failed", "error")

@@ -39,6 +39,11 @@ class DecodeWorkerStub:
                 request_serializer=protos_dot_tandem__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=protos_dot_tandem__pb2.DecodeEvent.FromString,
                 _registered_method=True)
+        self.Feed = channel.unary_stream(
+                '/tandem.v1.DecodeWorker/Feed',
+                request_serializer=protos_dot_tandem__pb2.FeedRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem__pb2.FeedBatch.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.DecodeWorker/Abort',
                 request_serializer=protos_dot_tandem__pb2.AbortRequest.SerializeToString,
@@ -80,6 +85,12 @@ class DecodeWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Decode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Feed(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -135,6 +146,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=protos_dot_tandem__pb2.DecodeRequest.FromString,
                     response_serializer=protos_dot_tandem__pb2.DecodeEvent.SerializeToString,
+            ),
+            'Feed': grpc.unary_stream_rpc_method_handler(
+                    servicer.Feed,
+                    request_deserializer=protos_dot_tandem__pb2.FeedRequest.FromString,
+                    response_serializer=protos_dot_tandem__pb2.FeedBatch.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -199,6 +215,33 @@ class DecodeWorker:
             '/tandem.v1.DecodeWorker/Decode',
             protos_dot_tandem__pb2.DecodeRequest.SerializeToString,
             protos_dot_tandem__pb2.DecodeEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Feed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.DecodeWorker/Feed',
+            protos_dot_tandem__pb2.FeedRequest.SerializeToString,
+            protos_dot_tandem__pb2.FeedBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,6 +14,7 @@ D.Decode(LOCAL) only.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import grpc
 
 from protos import tandem_pb2 as pb
+from router import token_feed
 from router.backend import BackendError, GenerateRequest, TokenBatch
 from worker_runtime.client import RPC_ERRORS, WorkerClient
 from worker_runtime.convert import logprobs_from_pb, params_to_pb
@@ -49,9 +51,10 @@ def _batch(t: pb.Tokens) -> TokenBatch:
     )
 
 
-def _decode_request(req: GenerateRequest, mode: int, lease_s: float) -> pb.DecodeRequest:
+def _decode_request(req: GenerateRequest, mode: int, lease_s: float, feed_id: str = "") -> pb.DecodeRequest:
     return pb.DecodeRequest(request_id=req.request_id, prompt_ids=req.prompt_ids, params=params_to_pb(req.params),
-                            priority=req.priority, mode=mode, lease_s=lease_s, output_ids=req.output_ids)
+                            priority=req.priority, mode=mode, lease_s=lease_s, output_ids=req.output_ids,
+                            feed_id=feed_id)
 
 
 def rpc_error(e: grpc.aio.AioRpcError | grpc.aio.UsageError, who: str) -> BackendError:
@@ -70,23 +73,83 @@ def rpc_error(e: grpc.aio.AioRpcError | grpc.aio.UsageError, who: str) -> Backen
     return BackendError(f"{who} failed: {code.name}: {e.details()}", 500)
 
 
-def _open_decode(decode: WorkerClient, req: GenerateRequest, mode: int, lease_s: float):
-    try:
-        return decode.stub.Decode(_decode_request(req, mode, lease_s), metadata=decode.metadata)
-    except grpc.aio.UsageError as e:
-        raise rpc_error(e, f"decode worker {decode.worker_id}") from e
+class _DecodeCall:
+    """One request's Decode call and, when this router has a token feed open to the
+    worker (router/token_feed.py), the queue its tokens arrive on."""
+
+    def __init__(self, decode: WorkerClient, req: GenerateRequest, mode: int, lease_s: float) -> None:
+        self.decode, self.rid = decode, req.request_id
+        self.reader = token_feed.reader_for(decode)
+        self.queue, feed_id = self.reader.register(self.rid) if self.reader is not None else (None, "")
+        try:
+            self.call = decode.stub.Decode(_decode_request(req, mode, lease_s, feed_id), metadata=decode.metadata)
+        except grpc.aio.UsageError as e:
+            self.close()
+            raise rpc_error(e, f"decode worker {decode.worker_id}") from e
+        self._pump: asyncio.Task | None = None
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.release(self.rid)
+        if getattr(self, "call", None) is not None:
+            self.call.cancel()
+        if getattr(self, "_pump", None) is not None:
+            self._pump.cancel()
+
+    async def tokens(self) -> AsyncIterator[TokenBatch]:
+        """The request's token batches up to its finished one, from the feed and from
+        its own stream alike (the first message, a reservation, already read)."""
+        if self.queue is None:
+            async for batch in _decode_tokens(self.call, self.decode):
+                yield batch
+            return
+        self._pump = asyncio.get_running_loop().create_task(self._pump_stream())
+        ended = False  # the Decode stream closed: the last tokens may still be on the feed
+        while True:
+            if not ended:
+                item = await self.queue.get()
+            else:
+                try:
+                    item = await asyncio.wait_for(self.queue.get(), FEED_GRACE_S)
+                except TimeoutError:
+                    raise BackendError(f"decode worker {self.decode.worker_id} ended the stream early", 500) from None
+            if item is _STREAM_END:
+                ended = True
+            elif item is token_feed.FEED_LOST:
+                continue  # the Decode stream's own status tells what became of the request
+            elif isinstance(item, BaseException):
+                raise rpc_error(item, f"decode worker {self.decode.worker_id}")
+            else:
+                yield _batch(item)
+                if item.finished:
+                    return
+
+    async def _pump_stream(self) -> None:
+        try:
+            while True:
+                ev = await self.call.read()
+                if ev is grpc.aio.EOF:
+                    self.queue.put_nowait(_STREAM_END)
+                    return
+                if ev.WhichOneof("kind") == "tokens":
+                    self.queue.put_nowait(ev.tokens)
+        except RPC_ERRORS as e:
+            self.queue.put_nowait(e)
+
+
+_STREAM_END = object()
+FEED_GRACE_S = 10.0  # a Decode stream that ended waits this long for its last tokens on the feed
 
 
 async def local_stream(decode: WorkerClient, req: GenerateRequest) -> AsyncIterator[TokenBatch]:
     """The decode worker prefills and decodes by itself."""
-    call = _open_decode(decode, req, pb.LOCAL_PREFILL, 0.0)
+    dc = _DecodeCall(decode, req, pb.LOCAL_PREFILL, 0.0)
     try:
-        async for ev in call:
-            yield _batch(ev.tokens)
-    except RPC_ERRORS as e:
-        raise rpc_error(e, f"decode worker {decode.worker_id}") from e
+        async with contextlib.aclosing(dc.tokens()) as tokens:
+            async for batch in tokens:
+                yield batch
     finally:
-        call.cancel()
+        dc.close()
 
 
 async def run_prefill(prefill: WorkerClient, decode: WorkerClient, req: GenerateRequest, res: pb.Reservation,
@@ -108,7 +171,8 @@ async def disaggregated_stream(prefill: WorkerClient, decode: WorkerClient, req:
                                on_prefill=None) -> AsyncIterator[TokenBatch]:
     """Reserve on D, prefill on P into the reservation, then stream D's tokens.
     `on_prefill(outcome)` (optional) sees the prefill's reply or error (for metrics)."""
-    call = _open_decode(decode, req, pb.REMOTE_PREFILL, lease_s)
+    dc = _DecodeCall(decode, req, pb.REMOTE_PREFILL, lease_s)
+    call = dc.call
     try:
         try:
             first = await call.read()
@@ -133,14 +197,14 @@ async def disaggregated_stream(prefill: WorkerClient, decode: WorkerClient, req:
         r = outcome.reply
         if r.first_token >= 0:  # < 0: the grammar left no first token; the decode worker ends it
             yield TokenBatch(0, [r.first_token], [logprobs_from_pb(r.logprobs)] if r.HasField("logprobs") else [])
-        async with contextlib.aclosing(_decode_tokens(call, decode)) as tokens:
+        async with contextlib.aclosing(dc.tokens()) as tokens:
             async for ev in tokens:
                 if ev.token_ids and ev.first_index == 0:  # D's copy of the first token
                     ev.token_ids, ev.logprobs, ev.first_index = ev.token_ids[1:], ev.logprobs[1:], 1
                 if ev.token_ids or ev.finished:
                     yield ev
     finally:
-        call.cancel()
+        dc.close()
 
 
 async def _decode_tokens(call, decode: WorkerClient) -> AsyncIterator[TokenBatch]:

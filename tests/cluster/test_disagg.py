@@ -5,6 +5,7 @@ every failure path ends with both workers' integrity checks clean."""
 import asyncio
 import time
 
+import grpc
 import pytest
 
 from engine.sampling_params import SamplingParams
@@ -238,3 +239,70 @@ async def test_sigterm_drains_a_decode_worker(spawn, model_path):
     log = d.log.read_text()
     assert "decode decode-0 stopped on SIGTERM" in log and "all 8 finished" in log, log[-2000:]
     assert "Traceback" not in log
+
+
+async def test_token_feed_carries_every_token_and_the_decode_stream_ends_with_the_request(spawn, model_path):
+    """With a Feed open and named in the DecodeRequest, the tokens of all requests come
+    on the feed (equal to transformers'), their Decode streams carry nothing and end
+    cleanly; an unknown feed id sends the tokens on the request's own stream; a feed
+    closed mid-request ends that request's stream with UNAVAILABLE and frees its blocks."""
+    d = spawn("decode", "decode-0")
+    dc = d.client()
+    await wait_ready(dc)
+    prompts = random_prompts([5, 17, 40, 90], seed=41)
+    feed = dc.stub.Feed(pb.FeedRequest(feed_id="f1"), metadata=dc.metadata)
+    got: dict[str, list[int]] = {}
+
+    async def read_feed():
+        async for batch in feed:
+            for item in batch.items:
+                got.setdefault(item.request_id, []).extend(item.tokens.token_ids)
+
+    reader = asyncio.create_task(read_feed())
+    await asyncio.sleep(0.5)  # the worker has registered the feed
+
+    async def decode(rid, prompt, feed_id):
+        call = dc.stub.Decode(_decode_request(req(rid, prompt), pb.LOCAL_PREFILL, 0.0, feed_id), metadata=dc.metadata)
+        return [ev async for ev in call]
+
+    on_stream = await asyncio.gather(*(decode(f"f{i}", p, "f1") for i, p in enumerate(prompts)))
+    assert on_stream == [[] for _ in prompts]
+    for i, p in enumerate(prompts):
+        assert got[f"f{i}"] == hf_greedy(model_path, p, 12, ignore_eos=True), f"request {i}"
+    fallback = await decode("u", prompts[0], "no-such-feed")
+    assert [t for ev in fallback for t in ev.tokens.token_ids] == got["f0"]
+
+    long = dc.stub.Decode(_decode_request(req("long", prompts[3], n=2000), pb.LOCAL_PREFILL, 0.0, "f1"),
+                          metadata=dc.metadata)
+    deadline = time.monotonic() + 30
+    while len(got.get("long", [])) < 5:
+        assert time.monotonic() < deadline, "the long request's tokens never came on the feed"
+        await asyncio.sleep(0.05)
+    feed.cancel()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in long:
+            pass
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "feed" in err.value.details()
+    reader.cancel()
+    await assert_clean(dc)
+
+
+async def test_router_streams_through_the_feed(spawn, model_path):
+    """local_stream and disaggregated_stream open this client's feed on first use and
+    read their tokens from it; the results equal transformers'."""
+    from router import token_feed
+
+    d = spawn("decode", "decode-0")
+    p = spawn("prefill", "prefill-0")
+    dc, pc = d.client(), p.client()
+    await wait_ready(dc)
+    await wait_ready(pc)
+    prompts = random_prompts([3, 33, 70], seed=42)
+    outs = await asyncio.gather(*(collect(local_stream(dc, req(f"l{i}", pr))) for i, pr in enumerate(prompts)))
+    outs += await asyncio.gather(*(collect(disaggregated_stream(pc, dc, req(f"d{i}", pr), fallback_local=False))
+                                   for i, pr in enumerate(prompts)))
+    for i, out in enumerate(outs):
+        assert out == hf_greedy(model_path, prompts[i % 3], 12, ignore_eos=True), f"request {i}"
+    reader = token_feed.reader_for(dc)
+    assert reader.feed_id and reader._task is not None and not reader._task.done()
+    await assert_clean(dc, pc)
