@@ -92,20 +92,25 @@ def test_sliding_window_caps_the_context(mistral_window_dir):
     ]
 
 
+def bf16_engine(path, max_num_batched_tokens: int = 4096) -> LLMEngine:
+    """The model in bf16 on this machine's default device settings (kernels as they come)."""
+    from engine.config import DeviceConfig
+
+    return LLMEngine.from_config(EngineConfig(
+        model=str(path), dtype="bfloat16", device=DeviceConfig(), cache=CacheConfig(num_blocks=256),
+        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_model_len=1024)))
+
+
 def test_bf16_packed_weights_change_no_token(builtin_dir, monkeypatch):
     """bf16 on CPU runs its linear layers on oneDNN-packed weights (where supported),
     and steps of one or two tokens on the small-batch kernel: the greedy tokens are
     those of the same engine on plain F.linear, for a batch and for one stream alone."""
-    from engine.config import DeviceConfig
     from engine.models.packed import PackedLinear
 
     prompts = random_prompts(LENGTHS, seed=6)
 
     def tokens():
-        engine = LLMEngine.from_config(EngineConfig(
-            model=str(builtin_dir), dtype="bfloat16", device=DeviceConfig(),
-            cache=CacheConfig(num_blocks=256), scheduler=SchedulerConfig(max_num_batched_tokens=4096,
-                                                                         max_model_len=1024)))
+        engine = bf16_engine(builtin_dir)
         packed = any(isinstance(m, PackedLinear) for m in engine.runner.model.modules())
         greedy = SamplingParams(max_tokens=NEW, temperature=0)
         return packed, (run(engine, prompts, greedy), [run(engine, [p], greedy)[0] for p in prompts[:3]])
@@ -127,7 +132,6 @@ def test_bf16_prefill_kernel_changes_no_token(builtin_dir, monkeypatch):
     import json
 
     from engine.attention.cpu.backend import CpuAttention
-    from engine.config import DeviceConfig
     from engine.tokenizer import Tokenizer
 
     # Python source, which the model writes with confidence: random ids would leave
@@ -139,10 +143,7 @@ def test_bf16_prefill_kernel_changes_no_token(builtin_dir, monkeypatch):
     def tokens():
         out = []
         for budget in (4096, 48):  # whole prompts, then chunks of at most 48 tokens
-            engine = LLMEngine.from_config(EngineConfig(
-                model=str(builtin_dir), dtype="bfloat16", device=DeviceConfig(),
-                cache=CacheConfig(num_blocks=256),
-                scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_model_len=1024)))
+            engine = bf16_engine(builtin_dir, budget)
             greedy = SamplingParams(max_tokens=NEW, temperature=0)
             out.append(run(engine, prompts, greedy))
             out.append([run(engine, [p], greedy)[0] for p in hits])  # the second hits the first's prefix
