@@ -43,7 +43,9 @@ def reader_for(client: WorkerClient) -> "FeedReader | None":
 
 class FeedReader:
     def __init__(self, client: WorkerClient) -> None:
-        self.client = client
+        # the stub and metadata, not the client: `_readers` holds the client weakly, and
+        # a reader that referred to it would keep its entry alive after the pool dropped it
+        self.stub, self.metadata, self.worker_id = client.stub, client.metadata, client.worker_id
         self.feed_id = ""
         self._queues: dict[str, asyncio.Queue] = {}
         self._task: asyncio.Task | None = None
@@ -67,7 +69,7 @@ class FeedReader:
     def _open(self) -> None:
         self.feed_id = uuid.uuid4().hex
         try:
-            call = self.client.stub.Feed(pb.FeedRequest(feed_id=self.feed_id), metadata=self.client.metadata)
+            call = self.stub.Feed(pb.FeedRequest(feed_id=self.feed_id), metadata=self.metadata)
         except grpc.aio.UsageError:  # the client was closed: its worker left the pool
             self._ended_at, self.feed_id = time.monotonic(), ""
             return
@@ -82,7 +84,7 @@ class FeedReader:
                         q.put_nowait(item.tokens)
         except RPC_ERRORS as e:
             if not isinstance(e, grpc.aio.AioRpcError) or e.code() != grpc.StatusCode.CANCELLED:
-                log.info("token feed from %s ended: %s", self.client.worker_id, e)
+                log.info("token feed from %s ended: %s", self.worker_id, e)
         finally:
             self._ended_at = time.monotonic()
             call.cancel()

@@ -54,3 +54,20 @@ async def test_events_that_cannot_join_go_as_separate_items_in_order():
     assert toks == [([10], False), ([12], True)]
     assert batch.items[1].tokens.finish_reason == "abort" and batch.items[1].tokens.error == "x"
     await batches.aclose()
+
+
+async def test_the_routers_reader_does_not_outlive_its_worker_client():
+    """The router keeps one reader per decode worker client, weakly: a client the pool
+    dropped takes its reader with it."""
+    import gc
+
+    from router import token_feed
+    from worker_runtime.client import WorkerClient
+
+    client = WorkerClient("decode-x", "decode", "127.0.0.1:1")
+    reader = token_feed.reader_for(client)
+    assert reader is not None and token_feed.reader_for(client) is reader
+    await client.close()
+    del client, reader
+    gc.collect()
+    assert not any(r.worker_id == "decode-x" for r in token_feed._readers.values())
