@@ -69,11 +69,11 @@ class AsyncEngine:
         self.loop.post(fn, *args)
 
     # ---- requests ----------------------------------------------------------------
-    def subscribe(self, seq_id: str, sink=None) -> asyncio.Queue:
-        """Where `seq_id`'s events go: a new queue, returned, or `sink` (anything with
-        `put_nowait`, e.g. a token feed's FeedSink; then the queue returned stays empty)."""
-        q: asyncio.Queue = asyncio.Queue()
-        self._subs[seq_id] = q if sink is None else sink
+    def subscribe(self, seq_id: str, sink=None):
+        """Send `seq_id`'s events to `sink` (anything with `put_nowait`, e.g. a token
+        feed's FeedSink), or to a new queue; returns where they go."""
+        q = asyncio.Queue() if sink is None else sink
+        self._subs[seq_id] = q
         return q
 
     def unsubscribe(self, seq_id: str) -> None:

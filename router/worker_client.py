@@ -79,6 +79,7 @@ class _DecodeCall:
 
     def __init__(self, decode: WorkerClient, req: GenerateRequest, mode: int, lease_s: float) -> None:
         self.decode, self.rid = decode, req.request_id
+        self.call = self._pump = None
         self.reader = token_feed.reader_for(decode)
         self.queue, feed_id = self.reader.register(self.rid) if self.reader is not None else (None, "")
         try:
@@ -86,14 +87,13 @@ class _DecodeCall:
         except grpc.aio.UsageError as e:
             self.close()
             raise rpc_error(e, f"decode worker {decode.worker_id}") from e
-        self._pump: asyncio.Task | None = None
 
     def close(self) -> None:
         if self.reader is not None:
             self.reader.release(self.rid)
-        if getattr(self, "call", None) is not None:
+        if self.call is not None:
             self.call.cancel()
-        if getattr(self, "_pump", None) is not None:
+        if self._pump is not None:
             self._pump.cancel()
 
     async def tokens(self) -> AsyncIterator[TokenBatch]:
@@ -104,17 +104,14 @@ class _DecodeCall:
                 yield batch
             return
         self._pump = asyncio.get_running_loop().create_task(self._pump_stream())
-        ended = False  # the Decode stream closed: the last tokens may still be on the feed
+        wait_s = None  # until the Decode stream closes; then its last tokens may still be on the feed
         while True:
-            if not ended:
-                item = await self.queue.get()
-            else:
-                try:
-                    item = await asyncio.wait_for(self.queue.get(), FEED_GRACE_S)
-                except TimeoutError:
-                    raise BackendError(f"decode worker {self.decode.worker_id} ended the stream early", 500) from None
+            try:
+                item = await asyncio.wait_for(self.queue.get(), wait_s)
+            except TimeoutError:
+                raise BackendError(f"decode worker {self.decode.worker_id} ended the stream early", 500) from None
             if item is _STREAM_END:
-                ended = True
+                wait_s = FEED_GRACE_S
             elif item is token_feed.FEED_LOST:
                 continue  # the Decode stream's own status tells what became of the request
             elif isinstance(item, BaseException):

@@ -1,5 +1,6 @@
-// Paged decode attention on CPU: one query token per sequence, reading K/V in place
-// from the paged cache (no gather, no mask, no padded copies).
+// Paged attention on CPU, reading K/V in place from the paged cache (no gather, no
+// mask, no padded copies): decode (one query token per sequence) below, prefill chunks
+// (bf16, AVX512-BF16) further down.
 //
 //   query, out:  [B, H, D]            (last dim contiguous)
 //   k/v_cache:   [N, bs, Hkv, D]      (last dim contiguous; K and V share strides)
@@ -197,7 +198,7 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
   };
 
   // Pass 1: scores, 16 tokens at a time: one query head's row stays in registers
-  // while the tile's K rows stream past (from memory for the first head, then L1),
+  // while the tile's K rows stream past (from L2, loaded by load_blocks, then L1),
   // and the 16 dot products are reduced together. `tile(rows, h, nt)` returns the
   // scores of query head h against the nt (<= 16) K rows at `rows`, in lanes 0..nt-1.
   auto score_tiles = [&](auto&& tile) {
