@@ -31,6 +31,7 @@ from kv_transfer.ledger import Entry, Ledger
 from prefill_worker.scheduler import PrefillScheduler
 from protos import tandem_pb2 as pb
 from worker_runtime.convert import logprobs_to_pb
+from worker_runtime.stats import RateMeter
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class PrefillEngine:
         self.ledger = Ledger(self._on_free, default_lease_s=transfer_timeout_s, exclusive_blocks=False)
         self.metrics = None  # optional worker_runtime.metrics.WorkerMetrics
         self.faults = envs.faults()
+        self.rate = RateMeter()  # prompt tokens per second of forward time (WorkerStats)
 
     # ---- requests (engine thread) ---------------------------------------------------
     def submit(
@@ -160,6 +162,7 @@ class PrefillEngine:
             job.scheduled_at = job.scheduled_at or now
         hook = self._layer_hook(finishing) if self.layerwise and finishing else None
         result = self.runner.execute(out.plan, on_layer_done=hook)
+        self.rate.add(result.num_tokens, result.forward_s)
         if self.metrics is not None:
             self.metrics.on_step(result.num_tokens, result.forward_s)
         self.scheduler.update(out, result.token_ids)

@@ -113,6 +113,7 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
             num_handoffs=len(s.handoff),
             draining=self.draining,
             transport=self.transport.name,
+            prefill_tokens_per_s=self.engine.rate.value,
         )
 
     # ---- engine thread ------------------------------------------------------------------

@@ -316,7 +316,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "epoch", "role", "num_running", "num_waiting", "num_awaiting_kv", "num_blocks", "num_free_blocks", "num_reserved_blocks", "queued_prefill_tokens", "max_num_seqs", "block_size", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "draining", "transport", "max_model_len", "num_quarantined_blocks", "num_handoffs")
+    __slots__ = ("worker_id", "epoch", "role", "num_running", "num_waiting", "num_awaiting_kv", "num_blocks", "num_free_blocks", "num_reserved_blocks", "queued_prefill_tokens", "max_num_seqs", "block_size", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "draining", "transport", "max_model_len", "num_quarantined_blocks", "num_handoffs", "prefill_tokens_per_s")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -337,6 +337,7 @@ class WorkerStats(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     NUM_QUARANTINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     role: str
@@ -357,7 +358,8 @@ class WorkerStats(_message.Message):
     max_model_len: int
     num_quarantined_blocks: int
     num_handoffs: int
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_awaiting_kv: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_reserved_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., draining: _Optional[bool] = ..., transport: _Optional[str] = ..., max_model_len: _Optional[int] = ..., num_quarantined_blocks: _Optional[int] = ..., num_handoffs: _Optional[int] = ...) -> None: ...
+    prefill_tokens_per_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_awaiting_kv: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_reserved_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., draining: _Optional[bool] = ..., transport: _Optional[str] = ..., max_model_len: _Optional[int] = ..., num_quarantined_blocks: _Optional[int] = ..., num_handoffs: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("drain",)

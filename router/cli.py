@@ -168,6 +168,13 @@ def _routing_args(c) -> None:
         default=8.0,
         help="decode routing: cost of a prompt block to prefill, against a block of decode load",
     )
+    c.add_argument(
+        "--spill-prefill-s",
+        type=float,
+        default=2.0,
+        help="seconds of prefill backlog (on the least-loaded prefill worker, at its measured rate) from which a "
+             "prompt prefills on its decode worker when that one's own backlog is shorter; 0: never",
+    )
 
 
 def _pool_args(p: argparse.ArgumentParser, c) -> None:

@@ -117,7 +117,8 @@ class ClusterBackend(Backend):
 
     async def _run(self, req: GenerateRequest, d: Worker, p: Worker | None, reason: str) -> AsyncIterator[TokenBatch]:
         need = math.ceil((len(req.prompt_ids) + len(req.output_ids) + 1) / self.block_size)
-        claims = [d.load.claim(blocks=need)]
+        # a local prefill is prompt tokens on the decode worker's queue (spill weighs them)
+        claims = [d.load.claim(blocks=need, tokens=0 if p is not None else len(req.prompt_ids) + len(req.output_ids))]
         if p is not None:
             claims.append(p.load.claim(tokens=len(req.prompt_ids)))
             self.metrics.waiting_for_kv.inc()
@@ -204,4 +205,5 @@ class ClusterBackend(Backend):
             in_flight_tokens=w.load.tokens,
             max_num_seqs=s.max_num_seqs if s else 1,
             cached_blocks=self.pool.index.overlap_blocks(w.worker_id, hashes),
+            prefill_tokens_per_s=s.prefill_tokens_per_s if s else 0.0,
         )

@@ -47,6 +47,11 @@ class _WorkerCollector(Collector):
             "qpt": GaugeMetricFamily(
                 "tandem:worker_queued_prefill_tokens", "Prompt tokens waiting to be prefilled.", labels=labels
             ),
+            "rate": GaugeMetricFamily(
+                "tandem:worker_prefill_tokens_per_second",
+                "A prefill worker's measured rate: prompt tokens per second of forward time (0 before its first step).",
+                labels=labels,
+            ),
         }
         counters = {
             "q": CounterMetricFamily(
@@ -74,6 +79,7 @@ class _WorkerCollector(Collector):
                 ("res", s.num_reserved_blocks),
                 ("awk", s.num_awaiting_kv),
                 ("qpt", s.queued_prefill_tokens),
+                ("rate", s.prefill_tokens_per_s),
             ):
                 gauges[key].add_metric(lv, val)
             for key, val in (("q", s.prefix_cache_queries), ("h", s.prefix_cache_hits), ("p", s.num_preemptions)):
@@ -157,6 +163,7 @@ class ClusterMetrics:
             ("local", "short_uncached"),
             ("local", "fallback"),
             ("local", "prompt_logprobs"),
+            ("local", "spill"),
             ("remote", "remote"),
         ):
             self.decisions.labels(where, reason)

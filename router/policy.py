@@ -14,6 +14,14 @@ whether a prompt is worth disaggregating at all. No I/O here.
 - Conditional disaggregation: when the part of the prompt the chosen decode worker
   does not already cache is shorter than `local_prefill_threshold`, the decode worker
   prefills it itself (a transfer would cost more than it saves).
+- Spill under overload: when even the least-loaded prefill worker's backlog (prompt
+  tokens queued there or on their way, over the rate it measures for itself) is at
+  least `spill_prefill_s` seconds, and the decode worker's own prefill backlog plus this
+  prompt is no more tokens than that, the decode worker prefills the prompt (in steps
+  that carry its running decodes too) instead of queueing it behind the backlog. A
+  prefill worker that has not measured its rate yet (no step run) takes every prompt.
+  NVIDIA Dynamo's disaggregated router likewise weighs the prefill queue when it
+  chooses between remote and local prefill.
 """
 
 from __future__ import annotations
@@ -29,12 +37,17 @@ class RoutingConfig:
     # a prompt block to prefill (or receive), against a block of decode load; 8 kept every
     # multi-turn hit that 1 and 4 lost (bench.multiturn, docs/performance.md)
     prefill_block_weight: float = 8.0
+    # seconds of backlog on the least-loaded prefill worker from which a prompt may
+    # prefill on its decode worker instead; 0: never
+    spill_prefill_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.decode_routing not in DECODE_ROUTING:
             raise ValueError(f"decode_routing must be one of {DECODE_ROUTING}, got {self.decode_routing!r}")
         if self.prefill_block_weight < 0:
             raise ValueError("prefill_block_weight must be >= 0")
+        if self.spill_prefill_s < 0:
+            raise ValueError("spill_prefill_s must be >= 0")
 
 
 DECODE_ROUTING = ("prefix", "headroom")
@@ -46,19 +59,20 @@ class WorkerView:
     free_blocks: int
     num_blocks: int
     running: int = 0
-    queued_tokens: int = 0  # prefill: prompt tokens waiting or being computed
+    queued_tokens: int = 0  # prompt tokens waiting or being computed there
     in_flight: int = 0  # requests the router sent there that its stats cannot show yet
     in_flight_blocks: int = 0  # blocks those requests will claim, not yet in free_blocks
-    in_flight_tokens: int = 0  # prefill: prompt tokens sent there not yet in queued_tokens
+    in_flight_tokens: int = 0  # prompt tokens sent there to prefill, not yet in queued_tokens
     max_num_seqs: int = 256
     cached_blocks: int = 0  # of this prompt, from the prefix index
+    prefill_tokens_per_s: float = 0.0  # prefill: its own measured rate (0: not yet known)
 
 
 @dataclass
 class Route:
     decode: str
     prefill: str | None  # None: the decode worker prefills locally
-    reason: str  # "colocated" | "no_prefill_worker" | "short_uncached" | "remote"
+    reason: str  # "colocated" | "no_prefill_worker" | "short_uncached" | "prompt_logprobs" | "spill" | "remote"
 
 
 def headroom(w: WorkerView) -> int:
@@ -111,4 +125,9 @@ def plan(prompt_len: int, decode: WorkerView, prefills: list[WorkerView], cfg: R
     if uncached < cfg.local_prefill_threshold:
         return Route(decode.worker_id, None, "short_uncached")
     p = choose_prefill(prefills, block_size)
+    if cfg.spill_prefill_s and p.prefill_tokens_per_s > 0:
+        backlog = p.queued_tokens + p.in_flight_tokens
+        if (backlog >= cfg.spill_prefill_s * p.prefill_tokens_per_s
+                and decode.queued_tokens + decode.in_flight_tokens + uncached <= backlog):
+            return Route(decode.worker_id, None, "spill")
     return Route(decode.worker_id, p.worker_id, "remote")

@@ -8,7 +8,10 @@ Both roles fill every field with one meaning:
 - num_quarantined_blocks: blocks of reservations that ended before their KV landed,
   held until the late writer is done (not live requests: they count against
   neither max_num_seqs nor a drain);
-- num_handoffs: prompts whose KV is being written to a decode worker (prefill).
+- num_handoffs: prompts whose KV is being written to a decode worker (prefill);
+- prefill_tokens_per_s: the prefill engine's own rate, prompt tokens per second of
+  forward time, a moving average over its steps (prefill; 0 until its first step). The
+  router turns a queue of tokens into seconds with it (router/policy.py, spill).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class WorkerStats:
     num_preemptions: int = 0
     draining: bool = False
     transport: str = ""
+    prefill_tokens_per_s: float = 0.0
 
     @property
     def kv_usage(self) -> float:
@@ -76,10 +80,28 @@ class WorkerStats:
             "tandem:blocks_reserved_for_incoming_kv": self.num_reserved_blocks,
             "tandem:blocks_quarantined": self.num_quarantined_blocks,
             "tandem:kv_handoffs_in_flight": self.num_handoffs,
+            "tandem:prefill_tokens_per_second": self.prefill_tokens_per_s,
         }
 
 
 COUNTERS = frozenset({"tandem:num_preemptions", "tandem:prefix_cache_queries", "tandem:prefix_cache_hits"})
+
+
+class RateMeter:
+    """Tokens per second of forward time: an exponential moving average over steps of
+    at least `min_tokens` (a smaller step is mostly fixed cost and would read as a slow
+    worker). The engine thread adds; any thread reads `value` (one float)."""
+
+    def __init__(self, weight: float = 0.2, min_tokens: int = 16) -> None:
+        self.weight = weight
+        self.min_tokens = min_tokens
+        self.value = 0.0  # 0: no step measured yet
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens < self.min_tokens or seconds <= 0:
+            return
+        rate = tokens / seconds
+        self.value = rate if self.value == 0 else self.value + self.weight * (rate - self.value)
 
 
 def engine_fields(scheduler, pool) -> dict:

@@ -295,6 +295,45 @@ def test_scale_and_kill_under_load(serve, model_path):
     assert "scale request from 127.0.0.1: prefill 2 -> 1, decode 3 -> 2" in log
 
 
+def labelled(text: str, name: str) -> dict[tuple, float]:
+    """One metric's samples from Prometheus text, keyed by their sorted label pairs."""
+    return {tuple(sorted(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name}
+
+
+def test_an_overloaded_prefill_worker_spills_prompts_to_the_decode_worker(serve, model_path):
+    """With a prefill backlog over --spill-prefill-s (here any backlog at all, once the
+    prefill worker has measured its rate), prompts alternate between a remote prefill and
+    one on the decode worker; every output is transformers' greedy one."""
+    srv = serve("--prefill", "1", "--decode", "1", "--spill-prefill-s", "0.000001")
+    first, *burst = random_prompts([100] * 9, seed=77)
+
+    def complete(prompt):
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "tandem-tiny-v2", "prompt": prompt,
+                                                          "max_tokens": 8, "temperature": 0}, timeout=120)
+        r.raise_for_status()
+        return r.json()["choices"][0]["text"]
+
+    tok = __import__("engine.tokenizer", fromlist=["Tokenizer"]).Tokenizer.from_dir(model_path)
+    assert complete(first) == tok.decode(hf_greedy(model_path, first, 8))  # remote: the worker measures its rate
+    deadline = time.monotonic() + 30
+    while not any(v > 0 for v in labelled(httpx.get(srv.url + "/metrics", timeout=10).text,
+                                          "tandem:worker_prefill_tokens_per_second").values()):
+        assert time.monotonic() < deadline, "the prefill worker's rate never reached the router"
+        time.sleep(0.1)
+
+    async def all_at_once():
+        return await asyncio.gather(*(asyncio.to_thread(complete, p) for p in burst))
+
+    outs = asyncio.run(all_at_once())
+    for i, (prompt, out) in enumerate(zip(burst, outs)):
+        assert out == tok.decode(hf_greedy(model_path, prompt, 8)), f"request {i}"
+    decisions = labelled(httpx.get(srv.url + "/metrics", timeout=10).text, "tandem:prefill_decisions_total")
+    spilled = decisions[(("reason", "spill"), ("where", "local"))]
+    remote = decisions[(("reason", "remote"), ("where", "remote"))]
+    assert spilled >= 1 and remote >= 2 and spilled + remote == 1 + len(burst), decisions
+
+
 def test_sigterm_drains_streams_in_flight_then_exits_0(serve, model_path):
     """SIGTERM to `tandem serve` (to its process alone, as Kubernetes sends it): /ready
     and new requests answer 503 with Retry-After, every stream already running ends

@@ -7,6 +7,7 @@ from protos import tandem_pb2 as pb
 from router.policy import RoutingConfig, WorkerView, choose_decode, choose_prefill, plan
 from router.pool import share_cores
 from router.prefix_index import PrefixIndex
+from worker_runtime.stats import RateMeter
 
 pytestmark = pytest.mark.unit
 
@@ -61,6 +62,46 @@ def test_conditional_disaggregation():
     assert (r.prefill, r.reason) == ("p", "remote")
     assert plan(500, d("d", 90), [], cfg, 16).reason == "no_prefill_worker"
     assert plan(500, d("d", 90), pf, RoutingConfig(colocated=True), 16).reason == "colocated"
+
+
+def test_spill_to_the_decode_worker_when_every_prefill_queue_is_seconds_long():
+    cfg = RoutingConfig(spill_prefill_s=2.0)
+
+    def p(wid, queued, rate, in_flight=0):
+        return WorkerView(wid, 100, 100, queued_tokens=queued, in_flight_tokens=in_flight, prefill_tokens_per_s=rate)
+
+    def dq(queued=0, in_flight=0):
+        return WorkerView("d", 90, 100, queued_tokens=queued, in_flight_tokens=in_flight)
+
+    # 1,900 tokens at 1,000 tok/s is under 2 s: remote; 2,000 queued or on their way: spill
+    assert plan(256, dq(), [p("p", 1900, 1000.0)], cfg, 16).reason == "remote"
+    assert plan(256, dq(), [p("p", 1500, 1000.0, in_flight=500)], cfg, 16).reason == "spill"
+    assert plan(256, dq(), [p("p", 2000, 1000.0)], cfg, 16).prefill is None
+    # the decode worker's own prefill backlog plus the prompt may not exceed the prefill worker's
+    assert plan(256, dq(queued=1744), [p("p", 2000, 1000.0)], cfg, 16).reason == "spill"
+    assert plan(256, dq(queued=1500, in_flight=245), [p("p", 2000, 1000.0)], cfg, 16).reason == "remote"
+    # the least-loaded prefill worker decides: one with a short queue takes the prompt
+    r = plan(256, dq(), [p("busy", 50_000, 1000.0), p("free", 100, 1000.0)], cfg, 16)
+    assert (r.prefill, r.reason) == ("free", "remote")
+    # seconds, not tokens: a fast worker's long queue is short
+    assert plan(256, dq(), [p("p", 50_000, 100_000.0)], cfg, 16).reason == "remote"
+    # a rate not measured yet (no step run), or spill turned off: remote
+    assert plan(256, dq(), [p("p", 50_000, 0.0)], cfg, 16).reason == "remote"
+    assert plan(256, dq(), [p("p", 50_000, 1000.0)], RoutingConfig(spill_prefill_s=0), 16).reason == "remote"
+    with pytest.raises(ValueError):
+        RoutingConfig(spill_prefill_s=-1)
+
+
+def test_rate_meter_averages_steps_and_skips_small_ones():
+    m = RateMeter(weight=0.5, min_tokens=16)
+    assert m.value == 0.0
+    m.add(8, 0.001)  # too small to say anything about the rate
+    m.add(100, 0.0)
+    assert m.value == 0.0
+    m.add(1000, 1.0)
+    assert m.value == 1000.0
+    m.add(3000, 1.0)
+    assert m.value == 2000.0
 
 
 def test_prefix_index_follows_kv_events():
