@@ -116,6 +116,11 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
 
     def _poll_landings(self) -> list[TokenEvent]:
         events: list[TokenEvent] = []
+        if not len(self.ledger):
+            # no reservation or quarantine: any notification would be for a request that
+            # is over (skipped below); leave them queued rather than ask the transport
+            # every step (NIXL's get_new_notifs was 3% of a colocated engine thread)
+            return events
         for note in self.transport.notifications():
             msg = pb.KVLanded.FromString(note.message)
             entry = self.ledger.get(msg.request_id)
