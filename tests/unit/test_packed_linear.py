@@ -69,7 +69,7 @@ def bf16_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @needs_small_batch
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("shape,bias", [((384, 256), False), ((101, 1000), True), ((7, 37), True),
-                                        ((16000, 256), False), ((1024, 2816), False)])
+                                        ((16000, 256), False), ((1024, 2816), False), ((200, 512), True)])
 def test_small_batch_kernel_matches_f_linear_to_one_bf16_step(rows, shape, bias):
     g = torch.Generator().manual_seed(rows * 7 + shape[1])
     w = torch.randn(*shape, generator=g).bfloat16()
