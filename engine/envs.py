@@ -16,6 +16,10 @@
                        allocations of 2 MB and more are aligned and madvised for
                        transparent huge pages) before torch loads, for itself and the
                        local Ray workers it starts (use_huge_pages below)
+    TANDEM_CPU_MALLOC_REUSE  0 leaves glibc malloc's defaults; by default a CPU engine
+                       with huge pages on has it keep freed blocks of up to 32 MB for
+                       reuse instead of returning them to the system
+                       (engine/memory.py reuse_freed_memory)
     TANDEM_FAULTS      fault injection for failure tests, comma-separated key=value:
                          prefill_step_delay_s=F  sleep F s in every prefill step
                          transfer_delay_s=F      hold every KV write F s before it completes
@@ -87,7 +91,16 @@ def use_huge_pages() -> bool:
     18.1-18.2 without (docs/performance.md). Returns whether the variable is on."""
     if _on("TANDEM_CPU_HUGE_PAGES"):
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    return huge_pages_on()
+
+
+def huge_pages_on() -> bool:
+    """Whether torch's CPU allocator was asked for huge pages (THP_MEM_ALLOC_ENABLE)."""
     return os.environ.get("THP_MEM_ALLOC_ENABLE", "0").strip() not in ("", *OFF)
+
+
+def cpu_malloc_reuse() -> bool:
+    return _on("TANDEM_CPU_MALLOC_REUSE")
 
 
 def cpu_lend_cores() -> bool:

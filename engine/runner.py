@@ -27,7 +27,7 @@ from engine.cpu_kernels import build
 from engine.events import TokenLogprobs
 from engine.graphs import DecodeGraphs
 from engine.kv_cache import KVCache, layout_for
-from engine.memory import CudaMemory, KVSizing, MemorySnapshot, profile_plan
+from engine.memory import CudaMemory, KVSizing, MemorySnapshot, profile_plan, reuse_freed_memory
 from engine.models.packed import can_pack, pack_linears
 from engine.plan import SampleRow, SeqWork, StepPlan  # noqa: F401 (re-exported)
 from engine.sampler import Sampler, SamplerOutput
@@ -81,6 +81,8 @@ class ModelRunner:
         `snapshot`: the device's memory before the weights were loaded (engine/memory.py).
         `memory`: the counters it is read from (default: torch.cuda's on CUDA, none on CPU)."""
         self.device = torch.device(device_config.device)
+        if self.device.type == "cpu":
+            reuse_freed_memory()  # a step's activations are reused, not faulted in again
         self.model = model
         # weights a step reads (the embedding: one row a token, unless it is also the head),
         # counted before packing takes the linear layers' weights out of the parameters
