@@ -25,7 +25,7 @@ import grpc
 
 from decode_worker.async_engine import AsyncEngine
 from decode_worker.engine import LLMEngine
-from decode_worker.feed import TokenFeed
+from decode_worker.feed import ATTACH_S, FeedSocket, TokenFeed
 from engine.events import TokenEvent
 from engine.sampling_params import SamplingParamsError
 from engine.scheduler import AdmissionError, NoCapacity
@@ -56,6 +56,7 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         self.server: grpc.aio.Server | None = None
         self.address = ""
         self.feeds: dict[str, TokenFeed] = {}  # the routers' token feeds, by id
+        self.feed_socket: FeedSocket | None = None
 
     # ---- lifecycle -----------------------------------------------------------------
     async def start(self) -> str:
@@ -83,6 +84,8 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         if cfg.metrics_port is not None:
             self.metrics.serve(self.endpoint.bind, cfg.metrics_port, self.endpoint.advertise)
         self.aengine.start(loop)
+        self.feed_socket = FeedSocket()
+        await self.feed_socket.start(self.endpoint.bind)
         self.server, port = await start_server(lambda s: pb_grpc.add_DecodeWorkerServicer_to_server(self, s),
                                                self.endpoint.bind, cfg.port, cfg.cluster_token)
         self.address = f"{self.endpoint.advertise}:{port}"
@@ -93,6 +96,8 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
     async def stop(self, grace: float = 2.0) -> None:
         if self.server is not None:
             await self.server.stop(grace)
+        if self.feed_socket is not None:
+            await self.feed_socket.stop()
         self.aengine.stop()
         self.transport.close()
 
@@ -249,10 +254,25 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         if not request.feed_id or request.feed_id in self.feeds:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"feed id {request.feed_id!r} is empty or in use")
         feed = self.feeds[request.feed_id] = TokenFeed(request.feed_id)
+        key = None
         try:
+            if request.socket and self.feed_socket is not None:
+                # batches go on the router's connection (FeedSocket); this stream stays
+                # open as long as the feed does, and ends (OK) when it closes
+                key = self.feed_socket.offer(feed)
+                yield pb.FeedBatch(socket_port=self.feed_socket.port, socket_key=key)
+                try:
+                    await asyncio.wait_for(feed.attached.wait(), ATTACH_S)
+                except asyncio.TimeoutError:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        f"token feed {request.feed_id}: no connection within {ATTACH_S:.0f} s")
+                await feed.ended.wait()
+                return
             async for batch in feed.batches():
                 yield batch
         finally:
+            if key is not None:
+                self.feed_socket.withdraw(key)
             feed.close()
             self.feeds.pop(request.feed_id, None)
 

@@ -9,6 +9,8 @@
                        instead of tandem's paged prefill kernel (engine/attention/cpu)
     TANDEM_TOKEN_FEED  0 has the router read each request's tokens from its own Decode
                        stream instead of one token feed per decode worker (router/token_feed.py)
+    TANDEM_FEED_SOCKET  0 keeps a token feed's batches on its gRPC stream instead of
+                       moving them to a plain TCP connection to the worker
     TANDEM_UVLOOP      0 runs the router's and workers' event loops on the standard
                        library's asyncio loop instead of uvloop's (worker_runtime/eventloop.py)
     TANDEM_CPU_HUGE_PAGES  0 leaves torch's CPU allocator on 4 KB pages; by default the
@@ -66,6 +68,10 @@ def cpu_fused_ops() -> bool:
 
 def token_feed() -> bool:
     return _on("TANDEM_TOKEN_FEED")
+
+
+def feed_socket() -> bool:
+    return _on("TANDEM_FEED_SOCKET")
 
 
 def use_uvloop() -> bool:

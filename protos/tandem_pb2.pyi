@@ -166,10 +166,12 @@ class DecodeEvent(_message.Message):
     def __init__(self, reservation: _Optional[_Union[Reservation, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ...) -> None: ...
 
 class FeedRequest(_message.Message):
-    __slots__ = ("feed_id",)
+    __slots__ = ("feed_id", "socket")
     FEED_ID_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_FIELD_NUMBER: _ClassVar[int]
     feed_id: str
-    def __init__(self, feed_id: _Optional[str] = ...) -> None: ...
+    socket: bool
+    def __init__(self, feed_id: _Optional[str] = ..., socket: _Optional[bool] = ...) -> None: ...
 
 class FeedItem(_message.Message):
     __slots__ = ("request_id", "tokens")
@@ -180,10 +182,14 @@ class FeedItem(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ...) -> None: ...
 
 class FeedBatch(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "socket_port", "socket_key")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_PORT_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_KEY_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[FeedItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[FeedItem, _Mapping]]] = ...) -> None: ...
+    socket_port: int
+    socket_key: bytes
+    def __init__(self, items: _Optional[_Iterable[_Union[FeedItem, _Mapping]]] = ..., socket_port: _Optional[int] = ..., socket_key: _Optional[bytes] = ...) -> None: ...
 
 class KVLanded(_message.Message):
     __slots__ = ("request_id", "first_token", "logprobs", "failed", "error")

@@ -71,3 +71,112 @@ async def test_the_routers_reader_does_not_outlive_its_worker_client():
     del client, reader
     gc.collect()
     assert not any(r.worker_id == "decode-x" for r in token_feed._readers.values())
+
+
+async def _feed_pair(monkeypatch, socket: bool):
+    """A decode worker's real Feed RPC on a real gRPC server (the worker's engine is not
+    needed for feeds) and the router's real reader on a real client, with the cluster token."""
+    from decode_worker.feed import FeedSocket
+    from decode_worker.service import DecodeWorker
+    from protos import tandem_pb2_grpc as pb_grpc
+    from router import token_feed
+    from worker_runtime.client import WorkerClient
+    from worker_runtime.config import WorkerConfig
+    from worker_runtime.rpc import start_server
+
+    monkeypatch.setenv("TANDEM_FEED_SOCKET", "1" if socket else "0")
+    worker = DecodeWorker(WorkerConfig(role="decode", worker_id="decode-feed", cluster_token="t0k"))
+    worker.feed_socket = FeedSocket()
+    await worker.feed_socket.start("127.0.0.1")
+    server, port = await start_server(lambda s: pb_grpc.add_DecodeWorkerServicer_to_server(worker, s),
+                                      "127.0.0.1", 0, "t0k")
+    client = WorkerClient("decode-feed", "decode", f"127.0.0.1:{port}", "t0k")
+    return worker, server, client, token_feed.FeedReader(client)
+
+
+async def _bound(worker, feed_id, rid, attached: bool):
+    for _ in range(500):  # the Feed RPC (and the socket) come up in the background
+        feed = worker.feeds.get(feed_id)
+        if feed is not None and (feed.attached.is_set() or not attached):
+            return feed.bind(rid)
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"feed {feed_id} never opened on the worker")
+
+
+@pytest.mark.parametrize("socket", [True, False])
+async def test_a_feed_carries_tokens_from_worker_to_router_and_its_end_reaches_both(monkeypatch, socket):
+    from router.token_feed import FEED_LOST
+
+    worker, server, client, reader = await _feed_pair(monkeypatch, socket)
+    try:
+        q, feed_id = reader.register("a")
+        assert feed_id
+        sink = await _bound(worker, feed_id, "a", attached=socket)
+        assert worker.feeds[feed_id].attached.is_set() is socket  # on the socket only when asked
+        sink.put_nowait(ev("a", 10, 1))
+        sink.put_nowait(ev("a", 11, 2))
+        got = await asyncio.wait_for(q.get(), 10)
+        assert list(got.token_ids) == [10, 11] and got.first_index == 0
+        sink.put_nowait(ev("a", 12, 3, finished=True))
+        got = await asyncio.wait_for(q.get(), 10)
+        assert list(got.token_ids) == [12] and got.finished
+        assert await asyncio.wait_for(sink.done, 10) is True
+        # the worker side goes away: the router's requests learn it, and so do the worker's
+        other = worker.feeds[feed_id].bind("b")
+        if socket:
+            await worker.feed_socket.stop()
+            worker.feeds[feed_id].close()
+        else:
+            await server.stop(0)
+        assert await asyncio.wait_for(q.get(), 10) is FEED_LOST
+        assert await asyncio.wait_for(other.done, 10) is False
+        for _ in range(500):
+            if feed_id not in worker.feeds:
+                break
+            await asyncio.sleep(0.01)
+        assert feed_id not in worker.feeds
+    finally:
+        await server.stop(0)
+        await worker.feed_socket.stop()
+        await client.close()
+
+
+async def test_a_feed_socket_connection_with_a_wrong_key_gets_nothing(monkeypatch):
+    from worker_runtime.frames import frame
+
+    worker, server, client, reader = await _feed_pair(monkeypatch, True)
+    try:
+        feed = TokenFeed("f")
+        worker.feed_socket.offer(feed)
+        r, w = await asyncio.open_connection("127.0.0.1", worker.feed_socket.port)
+        w.write(frame(b"x" * 16))
+        assert await asyncio.wait_for(r.read(), 10) == b""  # closed unanswered
+        w.close()
+        assert not feed.attached.is_set() and not feed.closed
+    finally:
+        await server.stop(0)
+        await worker.feed_socket.stop()
+        await client.close()
+
+
+async def test_a_feed_socket_the_router_cannot_reach_leaves_that_workers_feeds_on_grpc(monkeypatch):
+    from router.token_feed import FEED_LOST
+
+    worker, server, client, reader = await _feed_pair(monkeypatch, True)
+    try:
+        reader.host = "127.0.0.2"  # loopback, but nothing listens there: refused
+        q, feed_id = reader.register("a")
+        assert await asyncio.wait_for(q.get(), 10) is FEED_LOST
+        assert reader.socket is False
+        reader._ended_at = -float("inf")  # past REOPEN_S
+        q2, feed_id2 = reader.register("b")
+        assert feed_id2 and feed_id2 != feed_id
+        sink = await _bound(worker, feed_id2, "b", attached=False)
+        sink.put_nowait(ev("b", 5, 1))
+        got = await asyncio.wait_for(q2.get(), 10)
+        assert list(got.token_ids) == [5]
+        assert not worker.feeds[feed_id2].attached.is_set()  # on the gRPC stream
+    finally:
+        await server.stop(0)
+        await worker.feed_socket.stop()
+        await client.close()
