@@ -4,6 +4,7 @@ holds, when a request's Decode stream may end, and what closing the feed does.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -73,9 +74,11 @@ async def test_the_routers_reader_does_not_outlive_its_worker_client():
     assert not any(r.worker_id == "decode-x" for r in token_feed._readers.values())
 
 
-async def _feed_pair(monkeypatch, socket: bool):
+@contextlib.asynccontextmanager
+async def feed_pair(monkeypatch, socket: bool):
     """A decode worker's real Feed RPC on a real gRPC server (the worker's engine is not
-    needed for feeds) and the router's real reader on a real client, with the cluster token."""
+    needed for feeds) and the router's real reader on a real client, with the cluster
+    token; all of it stopped on the way out."""
     from decode_worker.feed import FeedSocket
     from decode_worker.service import DecodeWorker
     from protos import tandem_pb2_grpc as pb_grpc
@@ -91,7 +94,12 @@ async def _feed_pair(monkeypatch, socket: bool):
     server, port = await start_server(lambda s: pb_grpc.add_DecodeWorkerServicer_to_server(worker, s),
                                       "127.0.0.1", 0, "t0k")
     client = WorkerClient("decode-feed", "decode", f"127.0.0.1:{port}", "t0k")
-    return worker, server, client, token_feed.FeedReader(client)
+    try:
+        yield worker, server, token_feed.FeedReader(client)
+    finally:
+        await server.stop(0)
+        await worker.feed_socket.stop()
+        await client.close()
 
 
 async def _bound(worker, feed_id, rid, attached: bool):
@@ -107,8 +115,7 @@ async def _bound(worker, feed_id, rid, attached: bool):
 async def test_a_feed_carries_tokens_from_worker_to_router_and_its_end_reaches_both(monkeypatch, socket):
     from router.token_feed import FEED_LOST
 
-    worker, server, client, reader = await _feed_pair(monkeypatch, socket)
-    try:
+    async with feed_pair(monkeypatch, socket) as (worker, server, reader):
         q, feed_id = reader.register("a")
         assert feed_id
         sink = await _bound(worker, feed_id, "a", attached=socket)
@@ -135,17 +142,12 @@ async def test_a_feed_carries_tokens_from_worker_to_router_and_its_end_reaches_b
                 break
             await asyncio.sleep(0.01)
         assert feed_id not in worker.feeds
-    finally:
-        await server.stop(0)
-        await worker.feed_socket.stop()
-        await client.close()
 
 
 async def test_a_feed_socket_connection_with_a_wrong_key_gets_nothing(monkeypatch):
     from worker_runtime.frames import frame
 
-    worker, server, client, reader = await _feed_pair(monkeypatch, True)
-    try:
+    async with feed_pair(monkeypatch, True) as (worker, _, _):
         feed = TokenFeed("f")
         worker.feed_socket.offer(feed)
         r, w = await asyncio.open_connection("127.0.0.1", worker.feed_socket.port)
@@ -153,17 +155,12 @@ async def test_a_feed_socket_connection_with_a_wrong_key_gets_nothing(monkeypatc
         assert await asyncio.wait_for(r.read(), 10) == b""  # closed unanswered
         w.close()
         assert not feed.attached.is_set() and not feed.closed
-    finally:
-        await server.stop(0)
-        await worker.feed_socket.stop()
-        await client.close()
 
 
 async def test_a_feed_socket_the_router_cannot_reach_leaves_that_workers_feeds_on_grpc(monkeypatch):
     from router.token_feed import FEED_LOST
 
-    worker, server, client, reader = await _feed_pair(monkeypatch, True)
-    try:
+    async with feed_pair(monkeypatch, True) as (worker, _, reader):
         reader.host = "127.0.0.2"  # loopback, but nothing listens there: refused
         q, feed_id = reader.register("a")
         assert await asyncio.wait_for(q.get(), 10) is FEED_LOST
@@ -176,7 +173,3 @@ async def test_a_feed_socket_the_router_cannot_reach_leaves_that_workers_feeds_o
         got = await asyncio.wait_for(q2.get(), 10)
         assert list(got.token_ids) == [5]
         assert not worker.feeds[feed_id2].attached.is_set()  # on the gRPC stream
-    finally:
-        await server.stop(0)
-        await worker.feed_socket.stop()
-        await client.close()
