@@ -26,6 +26,7 @@ import grpc
 from decode_worker.async_engine import AsyncEngine
 from decode_worker.engine import LLMEngine
 from decode_worker.feed import ATTACH_S, FeedSocket, TokenFeed
+from engine import envs
 from engine.events import TokenEvent
 from engine.sampling_params import SamplingParamsError
 from engine.scheduler import AdmissionError, NoCapacity
@@ -57,6 +58,7 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         self.address = ""
         self.feeds: dict[str, TokenFeed] = {}  # the routers' token feeds, by id
         self.feed_socket: FeedSocket | None = None
+        self.refusals_left = int(envs.faults().refuse_decodes)  # injected (TANDEM_FAULTS)
 
     # ---- lifecycle -----------------------------------------------------------------
     async def start(self) -> str:
@@ -195,6 +197,9 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         rid = request.request_id
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
+        if self.refusals_left > 0:
+            self.refusals_left -= 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "injected fault: no room")
         try:
             params = params_from_pb(request.params)
         except SamplingParamsError as e:

@@ -26,6 +26,8 @@
                          prefill_step_delay_s=F  sleep F s in every prefill step
                          transfer_delay_s=F      hold every KV write F s before it completes
                          fail_transfers=1        every KV write fails ("injected fault")
+                         refuse_decodes=N        a decode worker refuses its first N Decode
+                                                 requests for room (RESOURCE_EXHAUSTED)
                        Never set in production; workers log a warning when it is.
 
 Transport libraries read their own (UCX_NET_DEVICES, NIXL_LOG_LEVEL); kv_transfer
@@ -138,10 +140,11 @@ class Faults:
     prefill_step_delay_s: float = 0.0
     transfer_delay_s: float = 0.0
     fail_transfers: bool = False
+    refuse_decodes: float = 0.0
 
     @property
     def any(self) -> bool:
-        return bool(self.prefill_step_delay_s or self.transfer_delay_s or self.fail_transfers)
+        return bool(self.prefill_step_delay_s or self.transfer_delay_s or self.fail_transfers or self.refuse_decodes)
 
 
 def faults() -> Faults:

@@ -20,10 +20,12 @@ from engine.sampling_params import SamplingParams
 class BackendError(RuntimeError):
     """A request failed inside the serving system; `retry_after` set means overload."""
 
-    def __init__(self, message: str, status: int = 500, retry_after: float | None = None) -> None:
+    def __init__(self, message: str, status: int = 500, retry_after: float | None = None,
+                 full: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.retry_after = retry_after
+        self.full = full  # a worker refused it for room (RESOURCE_EXHAUSTED): nothing failed
 
 
 @dataclass

@@ -78,7 +78,13 @@ class ClusterBackend(Backend):
         emitted: list[int] = list(req.output_ids)
         hashes = block_hashes(req.prompt_ids, self.block_size)
         failed: set[str] = set()  # decode workers this request saw fail: the retry goes elsewhere
-        for attempt in range(self.max_attempts):
+        # A worker that refuses the request for room (its free blocks went to others since
+        # the stats this router routed on) has not failed: the request waits for room again,
+        # within the same bound as the first wait, without using an attempt or marking it.
+        room_deadline = time.monotonic() + self.capacity_wait_s
+        refusals = 0
+        attempt = 0
+        while attempt < self.max_attempts:
             if len(emitted) >= req.params.max_tokens:  # everything was streamed before the worker died
                 yield TokenBatch(
                     len(emitted),
@@ -89,7 +95,9 @@ class ClusterBackend(Backend):
                     completion_tokens=len(emitted),
                 )
                 return
-            this = dataclasses.replace(req, request_id=f"{req.request_id}#{attempt}", output_ids=list(emitted))
+            # each try its own id on the workers: #0, #1, ... (refusals for room count too)
+            this = dataclasses.replace(req, request_id=f"{req.request_id}#{attempt + refusals}",
+                                       output_ids=list(emitted))
             d, p, reason = await self._route(this, hashes, exclude=failed)
             try:
                 async with contextlib.aclosing(self._run(this, d, p, reason)) as run:
@@ -100,6 +108,12 @@ class ClusterBackend(Backend):
                             return
                 raise BackendError(f"decode worker {d.worker_id} ended the stream early", 503, retry_after=1.0)
             except BackendError as e:
+                if e.full and time.monotonic() < room_deadline:
+                    refusals += 1
+                    self.metrics.retries.labels("full").inc()
+                    log.info("request %s: %s; waiting for room", req.request_id, e)
+                    await asyncio.sleep(min(0.05 * 2 ** min(refusals, 4), 0.5))
+                    continue
                 if e.status == 400 or attempt + 1 >= self.max_attempts:
                     raise
                 self.pool.suspect(d.worker_id)
@@ -114,6 +128,7 @@ class ClusterBackend(Backend):
                     "migrating" if cause == "migrated" else "retrying",
                 )
                 await asyncio.sleep(0.05 * (attempt + 1))
+                attempt += 1
 
     async def _run(self, req: GenerateRequest, d: Worker, p: Worker | None, reason: str) -> AsyncIterator[TokenBatch]:
         need = math.ceil((len(req.prompt_ids) + len(req.output_ids) + 1) / self.block_size)

@@ -169,7 +169,7 @@ class ClusterMetrics:
             self.decisions.labels(where, reason)
         for reason in ("prefix_overlap", "load", "only_fit"):
             self.decode_decisions.labels(reason)
-        for cause in ("decode_failed", "migrated", "no_capacity"):
+        for cause in ("decode_failed", "migrated", "no_capacity", "full"):
             self.retries.labels(cause)
         if pool is not None:
             reg.register(_WorkerCollector(pool))

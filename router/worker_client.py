@@ -65,7 +65,7 @@ def rpc_error(e: grpc.aio.AioRpcError | grpc.aio.UsageError, who: str) -> Backen
         return BackendError(f"{who} was removed (its channel is closed)", 503, retry_after=1.0)
     code = e.code()
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return BackendError(f"{who} is full: {e.details()}", 503, retry_after=1.0)
+        return BackendError(f"{who} is full: {e.details()}", 503, retry_after=1.0, full=True)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return BackendError(e.details(), 400)
     if code in CONNECT_STATUSES:

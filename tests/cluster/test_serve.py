@@ -334,6 +334,25 @@ def test_an_overloaded_prefill_worker_spills_prompts_to_the_decode_worker(serve,
     assert spilled >= 1 and remote >= 2 and spilled + remote == 1 + len(burst), decisions
 
 
+def test_a_decode_worker_refusing_for_room_makes_the_request_wait_not_fail(serve, model_path, monkeypatch):
+    """A decode worker that refuses a request for room (RESOURCE_EXHAUSTED: its blocks went
+    to running sequences since the stats the router routed on) has not failed: the router
+    waits for room and tries again, more times than its attempts on failures allow (3),
+    without marking the worker, and the client gets the whole greedy output. Injected:
+    the worker refuses its first 4 Decode requests."""
+    monkeypatch.setenv("TANDEM_FAULTS", "refuse_decodes=4")
+    srv = serve("--colocated", "--decode", "1")
+    [prompt] = random_prompts([40], seed=91)
+    r = httpx.post(srv.url + "/v1/completions", json={"model": "tandem-tiny-v2", "prompt": prompt,
+                                                      "max_tokens": 6, "temperature": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    tok = __import__("engine.tokenizer", fromlist=["Tokenizer"]).Tokenizer.from_dir(model_path)
+    assert r.json()["choices"][0]["text"] == tok.decode(hf_greedy(model_path, prompt, 6))
+    retries = labelled(httpx.get(srv.url + "/metrics", timeout=10).text, "tandem:request_retries_total")
+    assert retries[(("cause", "full"),)] == 4 and retries[(("cause", "decode_failed"),)] == 0, retries
+    assert [w["state"] for w in srv.pools()["decode"]["workers"]] == ["ready"]
+
+
 def test_sigterm_drains_streams_in_flight_then_exits_0(serve, model_path):
     """SIGTERM to `tandem serve` (to its process alone, as Kubernetes sends it): /ready
     and new requests answer 503 with Retry-After, every stream already running ends
