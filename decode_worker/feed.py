@@ -61,12 +61,15 @@ class FeedSink:
 class TokenFeed:
     def __init__(self, feed_id: str) -> None:
         self.feed_id = feed_id
-        self.closed = False
         self.ended = asyncio.Event()  # set by close()
         self.attached = asyncio.Event()  # a router's connection took it (FeedSocket)
         self._pending: list[TokenEvent] = []
         self._wake = asyncio.Event()
         self._sinks: dict[str, FeedSink] = {}
+
+    @property
+    def closed(self) -> bool:
+        return self.ended.is_set()
 
     def bind(self, rid: str) -> FeedSink:
         if self.closed:
@@ -103,7 +106,6 @@ class TokenFeed:
 
     def close(self) -> None:
         """No more sends: every bound request's Decode stream learns it at once."""
-        self.closed = True
         self.ended.set()
         self._wake.set()
         for sink in self._sinks.values():
@@ -172,7 +174,7 @@ class FeedSocket:
         try:
             key = await asyncio.wait_for(read_frame(reader, KEY_BYTES), ATTACH_S)
             feed = self._offers.pop(key, None)
-            if feed is None or feed.closed:
+            if feed is None:  # an offer is withdrawn before its feed closes
                 return
             feed.attached.set()
             # the router never writes after the key: a read returning is its end closing
