@@ -539,13 +539,22 @@ def test_sigterm_to_a_worker_actor_drains_it_and_it_is_replaced(serve, model_pat
     victim = srv.pools()["decode"]["workers"][0]
 
     def signal_soon() -> None:
-        # From a thread, 2 s after the streams were sent, by the clock alone: on 2 cores
-        # this client's loop, the router's and the workers' fall behind 32 fast streams
-        # (by up to their ~40 s length), so any state read through them comes too late.
-        # The streams reach the workers within a second and last several seconds (steps got
-        # faster: 32 streams once ended before a signal at 5 s); the victim's
-        # own log line below says how many it held when the signal came.
-        time.sleep(2)
+        # From a thread with a loop of its own, as soon as the victim itself says it runs
+        # requests (its Stats RPC, polled directly): on 2 cores this client's loop and the
+        # router's fall behind 48 fast streams, so state read through them comes too late,
+        # and a signal at a fixed time (2 s) once came before any stream had reached the
+        # victim on a busy host. The streams last several seconds; the victim's own log
+        # line below says how many it held when the signal came.
+        async def until_busy() -> None:
+            c = WorkerClient(victim["worker_id"], "decode", victim["address"], TOKEN)
+            try:
+                deadline = time.monotonic() + 30
+                while (await c.stats()).num_running < 4 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+            finally:
+                await c.close()
+
+        asyncio.run(until_busy())
         os.kill(victim["pid"], signal.SIGTERM)
 
     async def scenario():
