@@ -28,6 +28,7 @@ import logging
 import mmap
 import os
 import tempfile
+import threading
 import uuid
 
 log = logging.getLogger(__name__)
@@ -95,3 +96,69 @@ def open_ledger(path: str | None, own: tuple[int, ...] | None, shared: tuple[int
     except (OSError, ValueError) as e:
         log.warning("cores are not lent: %s", e)
         return None
+
+
+class IdleHelpers:
+    """A bound team's OpenMP helper threads, held at SCHED_IDLE while no step uses them.
+
+    libgomp keeps a finished region's helper threads spinning before they sleep (its
+    GOMP_SPINCOUNT: about 7 ms on the 2-core Zen 5 development machine), and offers no
+    call to put them to sleep sooner. After a prefill on two threads, then, a worker's
+    helper spins on the other core for 7 ms while that core's real work (the router, the
+    client, the other worker's engine, a one-thread decode step) waits its turn; an idle
+    prefill worker did so after every prompt. A shorter spin for every region
+    (GOMP_SPINCOUNT=30000) made one-stream tiny disaggregated faster but the small model's
+    disaggregated throughput at rate inf 10% slower (docs/performance.md), so the spin
+    stays and a helper that the next step will not use runs at SCHED_IDLE instead: it
+    still spins, but only on a core nobody else wants. `use(n)` keeps the first n helpers
+    at SCHED_OTHER (a team of n + 1 threads reuses them in that order) and idles the rest;
+    a change costs one sched_setscheduler call a helper, none when nothing changes.
+
+    An unprivileged thread may not leave SCHED_IDLE where RLIMIT_NICE is 0 (the default),
+    so `available()` first tries the round trip on a thread of its own; where it fails,
+    helpers are never idled. TANDEM_CPU_IDLE_HELPERS=0 turns this off."""
+
+    def __init__(self) -> None:
+        self.tids: list[int] = []
+        self._idle: list[bool] = []
+
+    @staticmethod
+    def available() -> bool:
+        """Whether a thread here can go to SCHED_IDLE and come back (Linux only)."""
+        if not hasattr(os, "SCHED_IDLE"):
+            return False
+        ok: list[bool] = []
+
+        def probe() -> None:
+            try:
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
+                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+                ok.append(True)
+            except OSError as e:
+                log.info("OpenMP helpers are not idled between steps: %s", e)
+
+        t = threading.Thread(target=probe, name="sched-idle-probe", daemon=True)
+        t.start()
+        t.join(5.0)
+        return bool(ok)
+
+    def rebound(self, tids: list[int]) -> None:
+        """A new team's helpers (thread 0, the caller, excluded): all back to SCHED_OTHER,
+        since libgomp may have reused threads that were idled."""
+        self.tids = list(tids)
+        self._idle = [True] * len(self.tids)
+        self.use(len(self.tids))
+
+    def use(self, n: int) -> None:
+        """The next step runs n helpers: those at SCHED_OTHER, the rest at SCHED_IDLE."""
+        for i, tid in enumerate(self.tids):
+            idle = i >= n
+            if idle != self._idle[i]:
+                try:
+                    os.sched_setscheduler(tid, os.SCHED_IDLE if idle else os.SCHED_OTHER, os.sched_param(0))
+                except OSError as e:  # the thread is gone, or (unexpectedly) not allowed: stop
+                    log.warning("OpenMP helper %d: scheduling policy not changed (%s); helpers are no "
+                                "longer idled", tid, e)
+                    self.tids, self._idle = [], []
+                    return
+                self._idle[i] = idle

@@ -22,6 +22,10 @@
                        with huge pages on has it keep freed blocks of up to 32 MB for
                        reuse instead of returning them to the system
                        (engine/memory.py reuse_freed_memory)
+    TANDEM_CPU_IDLE_HELPERS  0 leaves a worker's OpenMP helper threads at normal priority
+                       between the steps that use them; by default a bound team's helpers
+                       that the next step does not use wait at SCHED_IDLE (engine/cores.py
+                       IdleHelpers)
     TANDEM_FAULTS      fault injection for failure tests, comma-separated key=value:
                          prefill_step_delay_s=F  sleep F s in every prefill step
                          transfer_delay_s=F      hold every KV write F s before it completes
@@ -86,6 +90,10 @@ def cpu_prefill_kernel() -> bool:
 
 def cpu_bind_threads() -> bool:
     return _on("TANDEM_CPU_BIND_THREADS")
+
+
+def cpu_idle_helpers() -> bool:
+    return _on("TANDEM_CPU_IDLE_HELPERS")
 
 
 def use_huge_pages() -> bool:

@@ -22,7 +22,7 @@ import torch
 from engine import envs
 from engine.attention import AttentionBackend, AttentionMetadata, get_backend
 from engine.config import CacheConfig, ConfigError, DeviceConfig, ModelConfig
-from engine.cores import open_ledger
+from engine.cores import IdleHelpers, open_ledger
 from engine.cpu_kernels import build
 from engine.events import TokenLogprobs
 from engine.graphs import DecodeGraphs
@@ -119,6 +119,8 @@ class ModelRunner:
                      list(self.ledger.others))
         self.bound: tuple[int, tuple[int, ...]] | None = None  # (engine thread, cores of its bound team)
         self.lent_steps = 0  # steps that ran threads on borrowed cores
+        # helpers of the bound team that a step does not use wait at SCHED_IDLE (engine/cores.py)
+        self.helpers = IdleHelpers() if self.own_cores and envs.cpu_idle_helpers() and IdleHelpers.available() else None
         self.kv_sizing: KVSizing | None = None
         self.graphs: DecodeGraphs | None = None  # made last: the sizing step below runs eagerly
         if memory is None and self.device.type == "cuda":
@@ -253,12 +255,17 @@ class ModelRunner:
             me = threading.get_ident()
             if self.bound is None or self.bound[0] != me or self.bound[1][:threads] != team:
                 self._bind_threads(me, team)
+        if self.helpers is not None:
+            self.helpers.use(threads - 1)
         torch.set_num_threads(threads)  # ~0.2 us
 
     def mark_idle(self) -> None:
-        """The engine has no work: its cores may be lent (engine/cores.py). Any thread."""
+        """The engine has no work: its cores may be lent (engine/cores.py) and its OpenMP
+        helpers wait at SCHED_IDLE. On the engine thread, between steps."""
         if self.ledger is not None:
             self.ledger.idle()
+        if self.helpers is not None:
+            self.helpers.use(0)
 
     def _bind_threads(self, me: int, team: tuple[int, ...]) -> None:
         self.bound = (me, team)
@@ -267,6 +274,8 @@ class ModelRunner:
             return
         torch.set_num_threads(len(team))
         got = ops.bind_threads(list(team))
+        if self.helpers is not None:
+            self.helpers.rebound(list(ops.team_tids())[1:])
         log.log(logging.INFO if self.ledger is None else logging.DEBUG,
                 "step threads bound to cores %s (each now on %s)", list(team), got)
 

@@ -19,6 +19,8 @@
 
 #if defined(__linux__)
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 #if defined(_OPENMP)
 #include <omp.h>
@@ -26,11 +28,15 @@
 
 namespace {
 
+// Thread ids (Linux tids) of the team the last bind_threads bound, thread 0 first.
+std::vector<int64_t> g_team_tids;
+
 std::vector<int64_t> bind_threads(const std::vector<int64_t>& cores) {
   const int n = static_cast<int>(cores.size());
   std::vector<int64_t> got(n, -1);
   TORCH_CHECK(n >= 1, "bind_threads: no cores given");
 #if defined(__linux__) && defined(_OPENMP)
+  std::vector<int64_t> tids(n, -1);
 #pragma omp parallel num_threads(n)
   {
     const int i = omp_get_thread_num();
@@ -38,11 +44,18 @@ std::vector<int64_t> bind_threads(const std::vector<int64_t>& cores) {
     CPU_ZERO(&set);
     CPU_SET(static_cast<int>(cores[i]), &set);
     if (sched_setaffinity(0, sizeof(set), &set) == 0) got[i] = sched_getcpu();
+    tids[i] = static_cast<int64_t>(syscall(SYS_gettid));
   }
+  g_team_tids = tids;
 #endif
   return got;
 }
 
+std::vector<int64_t> team_tids() { return g_team_tids; }
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) { m.def("bind_threads(int[] cores) -> int[]", &bind_threads); }
+TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
+  m.def("bind_threads(int[] cores) -> int[]", &bind_threads);
+  m.def("team_tids() -> int[]", &team_tids);
+}

@@ -47,15 +47,20 @@ def test_steps_borrow_the_idle_core_and_give_it_back(builtin_dir):
         while engine.has_work():
             out += [ev.token_id for ev in engine.step() if ev.token_id is not None]
             assert peer.borrowable() == ()  # its own core is busy while it works
+        # the helper of a two-thread team works at normal priority, and waits at SCHED_IDLE
+        # once the engine is idle (engine/cores.py IdleHelpers)
+        helpers = list(runner.helpers.tids) if runner.helpers is not None else []
+        busy = [os.sched_getscheduler(t) for t in helpers]
         runner.mark_idle()
+        idle = [os.sched_getscheduler(t) for t in helpers]
         assert peer.borrowable() == own  # and lendable once it is idle
-        return out, seen, runner.lent_steps
+        return out, seen, runner.lent_steps, (busy, idle)
 
     try:
         with cf.ThreadPoolExecutor(1) as pool:
-            lent_tokens, lent_threads, lent_steps = pool.submit(run, False).result(timeout=300)
+            lent_tokens, lent_threads, lent_steps, lent_policies = pool.submit(run, False).result(timeout=300)
         with cf.ThreadPoolExecutor(1) as pool:
-            own_tokens, own_threads, own_steps = pool.submit(run, True).result(timeout=300)
+            own_tokens, own_threads, own_steps, own_policies = pool.submit(run, True).result(timeout=300)
     finally:
         peer.close()
         os.unlink(path)
@@ -63,3 +68,6 @@ def test_steps_borrow_the_idle_core_and_give_it_back(builtin_dir):
     assert lent_threads == [2] * len(lent_threads) and lent_steps == len(lent_threads) == 12
     assert own_threads == [1] * len(own_threads) and own_steps == 0
     assert lent_tokens == own_tokens == hf_greedy(builtin_dir, prompt, 12, ignore_eos=True)
+    if os.geteuid() == 0:  # root may always leave SCHED_IDLE, so helpers are idled here
+        assert lent_policies == ([os.SCHED_OTHER], [os.SCHED_IDLE])
+    assert own_policies == ([], [])  # never bound a team: no helper to idle
