@@ -21,6 +21,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -46,11 +47,42 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_leftovers() -> list[str]:
+    """Namespaces and bridges of an earlier run that died without `close` (SIGKILL, a
+    cancelled CI job): named by that run's pid, which is gone. Left in place, their bridge
+    holds this test's subnet and the next run's hosts cannot reach each other. Returns
+    what it removed."""
+    gone: list[str] = []
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    for name in (line.split()[0] for line in netns.splitlines() if line.strip()):
+        m = re.fullmatch(r"tdm(\d+)[ab]", name)
+        if m and not _pid_alive(int(m.group(1))):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+            gone.append(name)
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=30).stdout
+    for name in re.findall(r"^\d+: (tdm[^:@\s]+)", links, flags=re.M):
+        m = re.fullmatch(r"tdm(?:br)?(\d+)(?:[ab]o)?", name)
+        if m and not _pid_alive(int(m.group(1))):
+            subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=30)
+            gone.append(name)
+    return gone
+
+
 class Hosts:
     """The namespaces, the bridge and their links; `close` removes them all."""
 
     def __init__(self) -> None:
-        tag = f"{os.getpid() % 100000}"
+        tag = f"{os.getpid()}"  # whole: remove_leftovers tells a dead run's names by it
         self.ns = {h: f"tdm{tag}{h}" for h in HOSTS}
         self.bridge = f"tdmbr{tag}"
         self.links: list[str] = []
@@ -86,6 +118,8 @@ def hosts():
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("network namespaces need root and iproute2's `ip`")
     try:
+        if gone := remove_leftovers():
+            print(f"removed an earlier run's leftovers: {gone}")
         h = Hosts()
     except (subprocess.CalledProcessError, OSError) as e:
         detail = getattr(e, "stderr", "") or str(e)
