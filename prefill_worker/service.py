@@ -79,6 +79,9 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
                                on_idle=self.engine.runner.mark_idle)
         self.engine_loop = self.loop
         self.loop.start(loop)
+        # before any prompt (commands run in order): warm the kernels and give the router
+        # a prefill rate, which its spill rule needs before the first burst
+        self.loop.post(self.engine.measure_rate, self.max_model_len)
         self.server, port = await start_server(
             lambda s: pb_grpc.add_PrefillWorkerServicer_to_server(self, s), self.endpoint.bind, cfg.port,
             cfg.cluster_token,

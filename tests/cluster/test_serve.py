@@ -302,11 +302,12 @@ def labelled(text: str, name: str) -> dict[tuple, float]:
 
 
 def test_an_overloaded_prefill_worker_spills_prompts_to_the_decode_worker(serve, model_path):
-    """With a prefill backlog over --spill-prefill-s (here any backlog at all, once the
-    prefill worker has measured its rate), prompts alternate between a remote prefill and
-    one on the decode worker; every output is transformers' greedy one."""
+    """With a prefill backlog over --spill-prefill-s (here any backlog at all), prompts
+    alternate between a remote prefill and one on the decode worker; every output is
+    transformers' greedy one. The prefill worker measures its rate at start, so the
+    first burst already spills."""
     srv = serve("--prefill", "1", "--decode", "1", "--spill-prefill-s", "0.000001")
-    first, *burst = random_prompts([100] * 9, seed=77)
+    burst = random_prompts([100] * 8, seed=77)
 
     def complete(prompt):
         r = httpx.post(srv.url + "/v1/completions", json={"model": "tandem-tiny-v2", "prompt": prompt,
@@ -315,8 +316,7 @@ def test_an_overloaded_prefill_worker_spills_prompts_to_the_decode_worker(serve,
         return r.json()["choices"][0]["text"]
 
     tok = __import__("engine.tokenizer", fromlist=["Tokenizer"]).Tokenizer.from_dir(model_path)
-    assert complete(first) == tok.decode(hf_greedy(model_path, first, 8))  # remote: the worker measures its rate
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 30  # its stats reach the router every 0.25 s
     while not any(v > 0 for v in labelled(httpx.get(srv.url + "/metrics", timeout=10).text,
                                           "tandem:worker_prefill_tokens_per_second").values()):
         assert time.monotonic() < deadline, "the prefill worker's rate never reached the router"
@@ -331,7 +331,7 @@ def test_an_overloaded_prefill_worker_spills_prompts_to_the_decode_worker(serve,
     decisions = labelled(httpx.get(srv.url + "/metrics", timeout=10).text, "tandem:prefill_decisions_total")
     spilled = decisions[(("reason", "spill"), ("where", "local"))]
     remote = decisions[(("reason", "remote"), ("where", "remote"))]
-    assert spilled >= 1 and remote >= 2 and spilled + remote == 1 + len(burst), decisions
+    assert spilled >= 1 and remote >= 2 and spilled + remote == len(burst), decisions
 
 
 def test_a_decode_worker_refusing_for_room_makes_the_request_wait_not_fail(serve, model_path, monkeypatch):
