@@ -61,7 +61,12 @@ class TransportConfig:
     token: shared cluster secret; TCP peers without it are refused. None = no check.
     connect_timeout_s / io_timeout_s: bounds on connecting and on any single socket read/write.
     xfer_timeout_s: a write still pending after this long is FAILED.
-    nixl_progress_delay_us: NIXL progress thread wait (0 makes it busy-spin a core).
+    nixl_progress_delay_us: the longest the NIXL UCX progress thread sleeps in poll()
+      between wake-ups that no event asked for (0 makes it busy-spin a core). It wakes
+      on the UCX event fd anyway; the timed wake-up only covers UCX's missed-wake-up bug
+      (NIXL's ucx_thread_engine.cpp). At 1 ms it woke 1,000 times a second, each time on
+      a core an engine thread was using: 20 ms bought small at rate inf 4-7% colocated
+      and 3.5% disaggregated (docs/performance.md, eleventh round).
     wait_for_ready: honour `write_blocks(ready=...)`. False only to show, in a stress
       test, the race that the wait prevents (a layer's KV sent before it is computed).
     """
@@ -75,7 +80,7 @@ class TransportConfig:
     connect_timeout_s: float = 5.0
     io_timeout_s: float = 30.0
     xfer_timeout_s: float = 60.0
-    nixl_progress_delay_us: int = 1000
+    nixl_progress_delay_us: int = 20000
     wait_for_ready: bool = True
 
     def __post_init__(self) -> None:
