@@ -7,6 +7,10 @@
                        CPU (engine/models/packed.py; default on where supported)
     TANDEM_CPU_PREFILL_KERNEL  0 sends bf16 prefill attention on CPU to torch's SDPA
                        instead of tandem's paged prefill kernel (engine/attention/cpu)
+    TANDEM_CPU_DECODE_PAIRS  0 keeps bf16 decode attention's p.v product in fp32 (p
+                       unrounded) instead of on AVX512-BF16's dot-product instruction,
+                       two tokens an instruction, p rounded to bf16 (engine/cpu_kernels/
+                       paged_attention.cpp)
     TANDEM_TOKEN_FEED  0 has the router read each request's tokens from its own Decode
                        stream instead of one token feed per decode worker (router/token_feed.py)
     TANDEM_FEED_SOCKET  0 keeps a token feed's batches on its gRPC stream instead of
@@ -86,6 +90,10 @@ def use_uvloop() -> bool:
 
 def cpu_prefill_kernel() -> bool:
     return _on("TANDEM_CPU_PREFILL_KERNEL")
+
+
+def cpu_decode_pairs() -> bool:
+    return _on("TANDEM_CPU_DECODE_PAIRS")
 
 
 def cpu_bind_threads() -> bool:

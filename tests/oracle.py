@@ -11,15 +11,16 @@ VOCAB = 8192
 
 
 @functools.lru_cache(maxsize=4)
-def _hf_model(path: str):
+def _hf_model(path: str, dtype: torch.dtype = torch.float32):
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
 @functools.lru_cache(maxsize=4096)
-def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int, ignore_eos: bool) -> tuple[int, ...]:
-    model = _hf_model(path)
+def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int, ignore_eos: bool,
+               dtype: torch.dtype = torch.float32) -> tuple[int, ...]:
+    model = _hf_model(path, dtype)
     kw = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     if ignore_eos:
         kw["eos_token_id"] = None
@@ -30,9 +31,10 @@ def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int, ignore_e
     return tuple(out[0, len(prompt):].tolist())
 
 
-def hf_greedy(path, prompt, max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
-    """transformers' greedy continuation (cached per process)."""
-    return list(_hf_greedy(str(path), tuple(prompt), max_new_tokens, ignore_eos))
+def hf_greedy(path, prompt, max_new_tokens: int, ignore_eos: bool = False,
+              dtype: torch.dtype = torch.float32) -> list[int]:
+    """transformers' greedy continuation (cached per process); fp32 unless `dtype` says."""
+    return list(_hf_greedy(str(path), tuple(prompt), max_new_tokens, ignore_eos, dtype))
 
 
 def random_prompts(lengths, seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:

@@ -42,7 +42,7 @@ using AddNorm = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, co
 using Rotary = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using Store = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using Attend = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                    const at::Tensor&, double);
+                    const at::Tensor&, double, bool);
 
 constexpr int64_t kLinears = 5;  // qkv, o, gate, up, down
 constexpr int64_t kSmallBatchRows = 2;  // engine/models/packed.py SMALL_BATCH_ROWS
@@ -64,7 +64,7 @@ at::Tensor decode_layers(const at::Tensor& residual, at::TensorList norms,
                    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& positions,
                    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t head_dim, double scale, double eps) {
+                   int64_t num_kv_heads, int64_t head_dim, double scale, double eps, bool bf16_pairs) {
   static const auto linear = sibling<Linear>("small_batch_linear");
   static const auto norm = sibling<Norm>("rms_norm");
   static const auto add_norm = sibling<AddNorm>("add_rms_norm");
@@ -105,7 +105,7 @@ at::Tensor decode_layers(const at::Tensor& residual, at::TensorList norms,
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({M, num_kv_heads, head_dim});
     store.call(k_caches[l], v_caches[l], k, v, slots);
     at::Tensor o = at::empty({M, num_heads, head_dim}, opts);
-    attend.call(o, qk.narrow(1, 0, num_heads), k_caches[l], v_caches[l], block_tables, seq_lens, scale);
+    attend.call(o, qk.narrow(1, 0, num_heads), k_caches[l], v_caches[l], block_tables, seq_lens, scale, bf16_pairs);
     at::Tensor attn = project(o.view({M, q_size}), l, 1, residual.size(1));
     h = at::empty_like(residual);
     add_norm.call(h, residual, attn, norms[2 * l + 1], eps);
@@ -124,6 +124,6 @@ at::Tensor decode_layers(const at::Tensor& residual, at::TensorList norms,
 TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers(Tensor(a!) residual, Tensor[] norms, Tensor[] packed, Tensor[] plain, "
         "Tensor[] k_caches, Tensor[] v_caches, Tensor positions, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, "
-        "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float scale, float eps) -> Tensor",
+        "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float scale, float eps, bool bf16_pairs=True) -> Tensor",
         &decode_layers);
 }

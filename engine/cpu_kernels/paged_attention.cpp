@@ -12,6 +12,9 @@
 // passes over the context, fp32 throughout:
 //   1. s[h, t] = scale * q[h] . k[t]       (scores in a per-thread scratch)
 //   2. p = exp(s - max_t s); out[h] = sum_t p[h, t] v[t] / sum_t p[h, t]
+// With a bf16 query and cache (and `bf16_pairs`, the default) pass 2 multiplies p,
+// rounded to bf16, into V two tokens an instruction on AVX512-BF16's dot product;
+// the sums stay fp32 (in attend, below).
 // Items are handed out through an atomic counter so ragged lengths balance.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -121,6 +124,7 @@ struct Problem {
   const int32_t* block_tables;
   const int32_t* seq_lens;
   float scale;
+  bool bf16_pairs;  // bf16 query and cache: p.v on the dot-product instruction (see attend)
 };
 
 // Per-thread scratch, grown on demand and reused across calls (no per-call malloc).
@@ -140,11 +144,16 @@ inline int64_t round16(int64_t n) { return (n + 15) & ~int64_t(15); }
 // Blocks are walked in order and, inside a block, a token's ng head slices are
 // adjacent, so a block is read as one contiguous run. C = D / 16 when known at
 // compile time (a K row lives in registers), else 0 (run-time head_dim).
-template <int C, typename KV, typename Q>
+template <int C, typename KV, typename Q, bool kPairs>
 void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out,
             int64_t b, int64_t g0, int64_t ng) {
   const int64_t D = P.head_dim, G = P.num_heads / P.num_kv_heads, GT = ng * G, bs = P.block_size;
   const int nc = C ? C : static_cast<int>(D / 16);
+#if defined(__AVX512BF16__)
+  constexpr bool kPairPass = kPairs && std::is_same_v<KV, BFloat16> && std::is_same_v<Q, BFloat16> && C > 0 && C % 2 == 0;
+#else
+  constexpr bool kPairPass = false;
+#endif
   const int64_t L = P.seq_lens[b];
   Q* o = out + b * P.o_seq + g0 * G * P.o_head;
   if (L <= 0) {  // nothing to attend to: the output is defined as zeros
@@ -159,10 +168,11 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
   for (int64_t i = 0; i < nblk; ++i)
     TORCH_CHECK(table[i] >= 0 && table[i] < P.num_cache_blocks, "block id ", table[i],
                 " of sequence ", b, " is outside the cache (", P.num_cache_blocks, " blocks)");
-  float* q = thread_scratch(2 * GT * D + GT * Lp + GT);  // [GT, D] query * scale
+  float* q = thread_scratch(2 * GT * D + GT * Lp + GT + GT * Lp / 2);  // [GT, D] query * scale
   float* acc = q + GT * D;                                 // [GT, D] unnormalised output
   float* s = acc + GT * D;                                 // [GT, Lp] scores, then exp(s - max)
   float* inv_sum = s + GT * Lp;                            // [GT]
+  uint32_t* pp = reinterpret_cast<uint32_t*>(inv_sum + GT);  // [GT, Lp / 2] bf16 pairs (bf16 pass 2)
   const Q* qb = query + b * P.q_seq + g0 * G * P.q_head;
   for (int64_t h = 0; h < GT; ++h)
     for (int64_t d = 0; d < D; ++d) q[h * D + d] = static_cast<float>(qb[h * P.q_head + d]) * P.scale;
@@ -279,11 +289,81 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
     V16 sum = vzero();
     for (int64_t t = 0; t < Lp; t += 16) {
       const V16 e = vexp(vadd(vload(sh + t), neg_max));
-      vstore(sh + t, e);
+      if constexpr (kPairPass) {  // 16 probabilities as 8 (t, t + 1) bf16 pairs
+#if defined(__AVX512BF16__)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + h * (Lp / 2) + t / 2), (__m256i)_mm512_cvtneps_pbh(e.v));
+#endif
+      } else {
+        vstore(sh + t, e);
+      }
       sum = vadd(sum, e);
     }
     inv_sum[h] = 1.f / vsum(sum);
   }
+#if defined(__AVX512BF16__)
+  if constexpr (kPairPass) {
+    // Pass 2 on the dot-product instruction: two tokens per instruction. V rows t and
+    // t + 1 are interleaved 16 bits at a time (unpacklo/hi within each 128-bit lane),
+    // so each 32-bit lane holds (v[t][d], v[t + 1][d]) for one d, and the broadcast
+    // pair (p[t], p[t + 1]) multiplies both at once into an fp32 sum. The probabilities
+    // are rounded to bf16 for this product (as transformers' eager attention and
+    // torch's flash kernel do for bf16) and the sum that normalises stays fp32. The
+    // accumulators hold d in the interleaved order; it is undone once at the end.
+    // Blocks hold an even number of tokens (checked by the caller); a block's last,
+    // odd token pairs with a zero row, never with what lies past it in the cache.
+    constexpr int C2 = C / 2, NHB = std::max(1, 16 / C);
+    for (int64_t x = 0; x < GT * D; ++x) acc[x] = 0.f;
+    for (int64_t i0 = 0; i0 < nblk; i0 += kSegBlocks) {
+      const int64_t i1 = std::min(nblk, i0 + kSegBlocks);
+      load_blocks(vc, i0, i1);
+      for (int64_t gg = 0; gg < ng; ++gg) {
+        for (int64_t h0 = gg * G; h0 < (gg + 1) * G; h0 += NHB) {
+          const int nh = static_cast<int>(std::min<int64_t>(NHB, (gg + 1) * G - h0));
+          __m512 a[NHB][C];
+          for (int h = 0; h < NHB; ++h)
+            for (int c = 0; c < C; ++c) a[h][c] = h < nh ? _mm512_loadu_ps(acc + (h0 + h) * D + 16 * c) : _mm512_setzero_ps();
+          for (int64_t i = i0; i < i1; ++i) {
+            const KV* vb = block_of(vc, i) + gg * P.kv_head;
+            const int64_t n = std::min(bs, L - i * bs);
+            const uint32_t* pt = pp + h0 * (Lp / 2) + i * bs / 2;
+            for (int64_t t = 0; t < n; t += 2) {
+              const KV* r0 = vb + t * P.kv_token;
+              __m512bh w[C];
+              for (int c2 = 0; c2 < C2; ++c2) {
+                const __m512i x0 = _mm512_loadu_si512(r0 + 32 * c2);
+                const __m512i x1 = t + 1 < n ? _mm512_loadu_si512(r0 + P.kv_token + 32 * c2) : _mm512_setzero_si512();
+                w[2 * c2] = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+                w[2 * c2 + 1] = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+              }
+              for (int h = 0; h < NHB; ++h) {
+                if (h >= nh) break;
+                const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pt[h * (Lp / 2) + t / 2]));
+                for (int c = 0; c < C; ++c) a[h][c] = _mm512_dpbf16_ps(a[h][c], w[c], pb);
+              }
+            }
+          }
+          for (int h = 0; h < nh; ++h)
+            for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (h0 + h) * D + 16 * c, a[h][c]);
+        }
+      }
+    }
+    // Lane 4j + k of the (lo, hi) accumulators of 32 dims holds d = 8j + k (lo) and
+    // 8j + 4 + k (hi): two two-source permutes put each 16 back in order.
+    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    for (int64_t h = 0; h < GT; ++h) {
+      const __m512 inv = _mm512_set1_ps(inv_sum[h]);
+      for (int c2 = 0; c2 < C2; ++c2) {
+        const __m512 lo = _mm512_loadu_ps(acc + h * D + 32 * c2), hi = _mm512_loadu_ps(acc + h * D + 32 * c2 + 16);
+        const __m512 r[2] = {_mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), inv),
+                             _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), inv)};
+        for (int u = 0; u < 2; ++u)
+          for (int k = 0; k < 16; ++k) o[h * P.o_head + 32 * c2 + 16 * u + k] = Q(r[u][k]);
+      }
+    }
+    return;
+  }
+#endif
 
   // Pass 2: acc[h] += p[h, t] v[t], block by block. Query heads go NH at a time so
   // their accumulators sit in registers over a block's tokens.
@@ -342,10 +422,12 @@ void run_all(const Problem& P, const at::Tensor& k_cache, const at::Tensor& v_ca
   int64_t ng = hkv;
   while (ng > 1 && num_seqs * (hkv / ng) < 4 * threads) ng = ng % 2 == 0 ? ng / 2 : 1;
   const int64_t runs = hkv / ng, items = num_seqs * runs;
+  const bool pairs = P.bf16_pairs && P.block_size % 2 == 0;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1))
-      attend<C, KV, Q>(P, kc, vc, q, o, it / runs, (it % runs) * ng, ng);
+      if (pairs) attend<C, KV, Q, true>(P, kc, vc, q, o, it / runs, (it % runs) * ng, ng);
+      else attend<C, KV, Q, false>(P, kc, vc, q, o, it / runs, (it % runs) * ng, ng);
   });
 }
 
@@ -373,7 +455,7 @@ void dispatch_query(const Problem& P, const at::Tensor& kc, const at::Tensor& vc
 
 void paged_decode_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, double scale) {
+                            const at::Tensor& seq_lens, double scale, bool bf16_pairs) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [B, H, D] alike");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
               v_cache.strides() == k_cache.strides(), "k/v cache must be [N, bs, Hkv, D] with equal strides");
@@ -397,7 +479,7 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query, cons
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), k_cache.size(0),
-            block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), static_cast<float>(scale)};
+            block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), static_cast<float>(scale), bf16_pairs};
   switch (k_cache.scalar_type()) {
     case at::kFloat: return dispatch_query<float>(P, k_cache, v_cache, query, out, B);
     case at::kBFloat16: return dispatch_query<BFloat16>(P, k_cache, v_cache, query, out, B);
@@ -616,7 +698,7 @@ int64_t simd_lanes() { return kAvx512 ? 16 : 0; }
 // so two builds loaded into one process never collide. They show up in torch.profiler.
 TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor seq_lens, float scale) -> ()", &paged_decode_attention);
+        "Tensor block_tables, Tensor seq_lens, float scale, bool bf16_pairs=True) -> ()", &paged_decode_attention);
   m.def("paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor query_start, Tensor seq_lens, float scale) -> ()", &paged_prefill_attention);
   m.def("paged_prefill_attention_supported() -> bool", &paged_prefill_attention_supported);

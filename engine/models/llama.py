@@ -208,7 +208,8 @@ class LlamaForCausalLM(nn.Module):
                 delta = ops.decode_layers(residual, *stack, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],
                                           positions, self.rotary.cos, self.rotary.sin, meta.slot_mapping.contiguous(),
                                           tables, lens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                          self.layers[0].self_attn.scale, self.layers[0].input_layernorm.eps)
+                                          self.layers[0].self_attn.scale, self.layers[0].input_layernorm.eps,
+                                          backend.bf16_pairs)
                 return self.norm.add_forward(residual, delta, ops)
         rope = self.rotary.rotation(positions, residual.dtype, ops)
         delta = None

@@ -157,3 +157,33 @@ def test_bf16_prefill_kernel_changes_no_token(builtin_dir, monkeypatch):
     if not kernel:
         pytest.skip("no AVX512-BF16 here: prefill stayed on SDPA")
     assert got == want
+
+
+
+def test_bf16_decode_matches_transformers_in_bf16(builtin_dir):
+    """bf16 decode attention on CPU multiplies p, rounded to bf16, into V on the
+    dot-product instruction, two tokens at a time (as torch's SDPA, transformers'
+    default attention, rounds p for bf16): the greedy tokens equal transformers' in
+    bf16, for a batch (batched decode steps) and for one stream alone (the one-token
+    path through decode_layers). With p kept in fp32 one of these prompts parts from
+    transformers at its 23rd token (measured when this path came in)."""
+    import inspect
+    import json
+
+    import torch
+
+    from engine.attention.cpu.backend import CpuAttention
+    from engine.tokenizer import Tokenizer
+
+    ids = Tokenizer.from_dir(builtin_dir).encode(inspect.getsource(json.decoder))
+    prompts = [ids[29 * i: 29 * i + n] for i, n in enumerate(LENGTHS + [130, 257])]
+    engine = bf16_engine(builtin_dir)
+    backend = engine.runner.backend
+    if not (isinstance(backend, CpuAttention) and backend.bf16_pairs and backend._bf16_prefill):
+        pytest.skip("no AVX512-BF16 here: bf16 attention stays on the fp32 products")
+    greedy = SamplingParams(max_tokens=2 * NEW, temperature=0)
+    got = run(engine, prompts, greedy)
+    alone = run(engine, prompts[-1:], greedy)
+    want = [hf_greedy(builtin_dir, p, 2 * NEW, dtype=torch.bfloat16) for p in prompts]
+    assert got == want
+    assert alone == want[-1:]

@@ -309,3 +309,59 @@ def test_load_or_none_falls_back_with_one_warning(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger=build.__name__):
         assert build.load_or_none() is None and build.load_or_none() is None
     assert len([r for r in caplog.records if "no compiler" in r.message]) == 1
+
+
+def _bf16_case(group, head_dim, block_size, lens, seed, num_kv_heads=2):
+    return make_case(group, head_dim, block_size, torch.bfloat16, lens, seed=seed, num_kv_heads=num_kv_heads)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 64])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_bf16_pairs_match_reference_and_the_fp32_product(group, head_dim, block_size):
+    """bf16 pass 2 on the dot-product instruction (p rounded to bf16): within bf16
+    tolerance of the fp32 reference, and next to the kernel's own fp32 product; odd
+    and even lengths, so blocks end on a lone token."""
+    g = torch.Generator().manual_seed(group * 100 + head_dim + block_size)
+    lens = ragged_lens(block_size, 24, g) + [1, 2, 3, block_size - 1, block_size + 1]
+    case = _bf16_case(group, head_dim, block_size, lens, seed=5)
+    scale = head_dim ** -0.5
+    pairs = kernels.paged_decode_attention(*case, scale=scale)
+    plain = kernels.paged_decode_attention(*case, scale=scale, bf16_pairs=False)
+    _, want = run_both(*case)
+    assert pairs.dtype == torch.bfloat16
+    torch.testing.assert_close(pairs.float(), want, **TOL[torch.bfloat16])
+    torch.testing.assert_close(pairs.float(), plain.float(), **TOL[torch.bfloat16])
+    assert not torch.equal(pairs, plain)  # the two products are different paths
+
+
+def test_decode_bf16_pairs_never_read_past_a_sequence():
+    """Cache slots past each sequence's length hold NaN (what a reused block may hold):
+    a lone last token pairs with zeros, not with the slot after it."""
+    lens = [1, 3, 15, 17, 31, 33]
+    query, k_cache, v_cache, tables, seq_lens = _bf16_case(4, 64, 16, lens, seed=9)
+    clean = kernels.paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, 0.125)
+    for b, n in enumerate(lens):
+        for t in range(n, tables.shape[1] * 16):
+            block = int(tables[b, t // 16])
+            if block >= 0:
+                k_cache[block, t % 16] = float("nan")
+                v_cache[block, t % 16] = float("nan")
+    got = kernels.paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, 0.125)
+    assert torch.isfinite(got.float()).all()
+    assert torch.equal(got, clean)
+
+
+def test_decode_bf16_pairs_are_bitwise_independent_of_threads_and_split():
+    """1 thread vs several, whole rows vs split kv heads: same arithmetic per head."""
+    g = torch.Generator().manual_seed(12)
+    case = _bf16_case(4, 64, 16, ragged_lens(16, 4, g), seed=4, num_kv_heads=8)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 4):
+            torch.set_num_threads(n)
+            outs.append(kernels.paged_decode_attention(*case, scale=0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])

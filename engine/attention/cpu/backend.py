@@ -20,6 +20,7 @@ class CpuAttention(AttentionBackend):
         self.ops = build.load()  # compile (or load the cached build) now, not on the first step
         self._bf16_prefill = envs.cpu_prefill_kernel() and bool(self.ops.paged_prefill_attention_supported())
         self.prefill_tensors = self._bf16_prefill  # the runner then builds the int32 lengths
+        self.bf16_pairs = envs.cpu_decode_pairs()  # bf16 decode: p.v on the dot-product instruction
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         fits = (key.dtype == k_cache.dtype and value.dtype == k_cache.dtype and k_cache.is_contiguous()
@@ -34,7 +35,8 @@ class CpuAttention(AttentionBackend):
     def decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len) -> torch.Tensor:
         if query.shape[-1] % 16 or query.stride(-1) != 1:  # the kernel walks D in 16-lane steps
             return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
-        return kernels.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
+        return kernels.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale,
+                                              bf16_pairs=self.bf16_pairs)
 
     def prefill(self, query, key, value, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
         if (self._bf16_prefill and query.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16

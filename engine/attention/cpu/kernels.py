@@ -16,6 +16,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [B] int32, context length including the new token
     scale: float,
     out: torch.Tensor | None = None,  # [B, H, D], query's dtype; allocated when None
+    bf16_pairs: bool = True,  # bf16 query and cache: p.v two tokens an instruction, p in bf16
 ) -> torch.Tensor:  # [B, H, D]
     """Attention of one query token per sequence over its paged context."""
     if out is None:
@@ -24,7 +25,7 @@ def paged_decode_attention(
         block_tables = block_tables.to(torch.int32).contiguous()
     if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
         seq_lens = seq_lens.to(torch.int32).contiguous()
-    build.load().paged_decode_attention(out, query, k_cache, v_cache, block_tables, seq_lens, float(scale))
+    build.load().paged_decode_attention(out, query, k_cache, v_cache, block_tables, seq_lens, float(scale), bf16_pairs)
     return out
 
 
