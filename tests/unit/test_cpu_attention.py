@@ -68,6 +68,19 @@ def run_both(query, k_cache, v_cache, block_tables, seq_lens):
     return got, want
 
 
+def outputs_over_threads(call, counts):
+    """`call()` once with torch set to each thread count in `counts`."""
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in counts:
+            torch.set_num_threads(n)
+            outs.append(call())
+    finally:
+        torch.set_num_threads(threads)
+    return outs
+
+
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
@@ -122,14 +135,8 @@ def test_decode_is_bitwise_independent_of_threads_and_split():
     """1 thread vs several, whole rows vs split kv heads: same arithmetic per head."""
     g = torch.Generator().manual_seed(11)
     case = make_case(4, 64, 16, torch.float32, ragged_lens(16, 4, g), num_kv_heads=8)
-    threads = torch.get_num_threads()
-    try:
-        outs = []
-        for n in (1, 4):  # 4 sequences: whole rows (8 kv heads) with 1 thread, runs of 2 with 4
-            torch.set_num_threads(n)
-            outs.append(kernels.paged_decode_attention(*case, scale=0.125))
-    finally:
-        torch.set_num_threads(threads)
+    # 4 sequences: whole rows (8 kv heads) with 1 thread, runs of 2 with 4
+    outs = outputs_over_threads(lambda: kernels.paged_decode_attention(*case, scale=0.125), (1, 4))
     assert torch.equal(outs[0], outs[1])
 
 
@@ -231,14 +238,7 @@ def test_prefill_kernel_matches_reference_as_closely_as_sdpa(group, head_dim):
 @needs_bf16_prefill
 def test_prefill_kernel_is_bitwise_independent_of_threads():
     case = prefill_case(4, 64, [(50, 50), (20, 90), (1, 17)], num_kv_heads=4)[:6]
-    threads = torch.get_num_threads()
-    try:
-        outs = []
-        for n in (1, 3):
-            torch.set_num_threads(n)
-            outs.append(kernels.paged_prefill_attention(*case, scale=0.125))
-    finally:
-        torch.set_num_threads(threads)
+    outs = outputs_over_threads(lambda: kernels.paged_prefill_attention(*case, scale=0.125), (1, 3))
     assert torch.equal(outs[0], outs[1])
 
 
@@ -356,12 +356,5 @@ def test_decode_bf16_pairs_are_bitwise_independent_of_threads_and_split():
     """1 thread vs several, whole rows vs split kv heads: same arithmetic per head."""
     g = torch.Generator().manual_seed(12)
     case = _bf16_case(4, 64, 16, ragged_lens(16, 4, g), seed=4, num_kv_heads=8)
-    threads = torch.get_num_threads()
-    try:
-        outs = []
-        for n in (1, 4):
-            torch.set_num_threads(n)
-            outs.append(kernels.paged_decode_attention(*case, scale=0.125))
-    finally:
-        torch.set_num_threads(threads)
+    outs = outputs_over_threads(lambda: kernels.paged_decode_attention(*case, scale=0.125), (1, 4))
     assert torch.equal(outs[0], outs[1])
