@@ -151,11 +151,10 @@ class PrefillEngine:
         """Engine thread, at start: time a prefill step of one `num_tokens` prompt on a
         scratch cache, twice (the first warms the kernels), and seed `rate` with the second."""
         n = max(1, min(num_tokens, self.scheduler.config.max_num_batched_tokens, max_model_len))
-        for i in range(2):
-            t0 = time.perf_counter()
-            self.runner.profile_run(n, 1, n)
-            if i == 1:
-                self.rate.add(n, time.perf_counter() - t0)
+        self.runner.profile_run(n, 1, n)
+        t0 = time.perf_counter()
+        self.runner.profile_run(n, 1, n)
+        self.rate.add(n, time.perf_counter() - t0)
 
     # ---- one iteration (engine thread) ----------------------------------------------
     def step(self) -> list:
