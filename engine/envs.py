@@ -11,6 +11,10 @@
                        unrounded) instead of on AVX512-BF16's dot-product instruction,
                        two tokens an instruction, p rounded to bf16 (engine/cpu_kernels/
                        paged_attention.cpp)
+    TANDEM_KEEP_ALL_ROWS  1 runs every prefill token through the whole last layer; by
+                       default the last layer computes attention, o_proj and the MLP
+                       only for the rows a step samples from, the others needing just
+                       their keys and values (engine/attention KeptRows)
     TANDEM_TOKEN_FEED  0 has the router read each request's tokens from its own Decode
                        stream instead of one token feed per decode worker (router/token_feed.py)
     TANDEM_FEED_SOCKET  0 keeps a token feed's batches on its gRPC stream instead of
@@ -90,6 +94,11 @@ def use_uvloop() -> bool:
 
 def cpu_prefill_kernel() -> bool:
     return _on("TANDEM_CPU_PREFILL_KERNEL")
+
+
+def keep_all_rows() -> bool:
+    """A switch that is off unless set to something other than 0/false/no/off."""
+    return os.environ.get("TANDEM_KEEP_ALL_ROWS", "0").strip().lower() not in ("", *OFF)
 
 
 def cpu_decode_pairs() -> bool:

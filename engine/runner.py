@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 from engine import envs
-from engine.attention import AttentionBackend, AttentionMetadata, get_backend
+from engine.attention import AttentionBackend, AttentionMetadata, KeptRows, get_backend
 from engine.config import CacheConfig, ConfigError, DeviceConfig, ModelConfig
 from engine.cores import IdleHelpers, open_ledger
 from engine.cpu_kernels import build
@@ -103,6 +103,7 @@ class ModelRunner:
         self.max_threads = (cpu and (device_config.num_threads or len(device_config.cpu_affinity or ()))
                             or torch.get_num_threads())
         self.serial_step_work = (device_config.serial_step_work or 0) if cpu else 0
+        self.keep_all_rows = envs.keep_all_rows()  # else the last layer computes sampled rows only (_kept_rows)
         # whether each step sets its own team (_size_team)
         self.sized = cpu and bool(device_config.num_threads or device_config.cpu_affinity or self.serial_step_work)
         # CPU cores the worker owns: its steps' OpenMP threads are bound one to a core, from
@@ -330,11 +331,18 @@ class ModelRunner:
             starts = [0]
             for n in q_lens:
                 starts.append(starts[-1] + n)
+        kept = self._kept_rows(plan, dec_tables, decode_lens, p_lens)
+        if kept is not None:  # the head then reads the last layer's K rows, not the step's T
+            at = {r: i for i, r in enumerate(kept[0])}
+            logits_index = [at[r] for r in logits_index]
+            kept = (kept[0], _pad_rows(kept[1]), kept[2])
         dec_tables = _pad_rows(dec_tables)
         pre_tables = _pad_rows([w.block_table for w in plan.prefills])
-        (input_ids, pos_t, slot_t, logits_t), (dec_t, dec_lens_t, pre_t, starts_t, p_lens_t) = self._to_device(
-            [ids, positions, slots, logits_index],
-            [dec_tables, decode_lens, pre_tables, starts, p_lens if starts is not None else None],
+        (input_ids, pos_t, slot_t, logits_t, kept_t), (dec_t, dec_lens_t, pre_t, starts_t, p_lens_t, kept_tables_t,
+                                                        kept_lens_t) = self._to_device(
+            [ids, positions, slots, logits_index, kept[0] if kept else None],
+            [dec_tables, decode_lens, pre_tables, starts, p_lens if starts is not None else None,
+             kept[1] if kept else None, kept[2] if kept else None],
         )
         meta = AttentionMetadata(
             slot_mapping=slot_t,
@@ -347,6 +355,12 @@ class ModelRunner:
             prefill_seq_lens=p_lens,
             prefill_query_start_loc=starts_t,
             prefill_seq_lens_tensor=p_lens_t,
+            kept=None if kept is None else KeptRows(
+                rows=kept_t,
+                block_tables=kept_tables_t.view(len(kept[1]), len(kept[1][0]) if kept[1] else 0),
+                seq_lens=kept_lens_t,
+                max_seq_len=max(kept[2], default=0),
+            ),
         )
         return _Batch(
             input_ids=input_ids,
@@ -357,13 +371,33 @@ class ModelRunner:
             sample_rows=rows,
         )
 
-    def _to_device(self, int64s: list[list[int]], int32s: list):
-        """Lists of ints (int32 ones may be rows of equal length, or None) as device tensors,
+    def _kept_rows(self, plan: StepPlan, dec_tables: list, decode_lens: list[int], p_lens: list[int]):
+        """(rows, block tables, lengths) of the rows the last layer must compute in full
+        (engine/attention KeptRows): every decode row, and the last row of each prefill
+        chunk that samples. None where all rows are needed or nothing is saved: prompt
+        logprobs read every prompt row's hidden state, a prefill with draft rows has more
+        than its last row sampled, and a step of decodes alone keeps all its rows."""
+        if not plan.prefills or self.keep_all_rows or any(
+                w.prompt_targets or (w.sample is not None and w.sample.draft) for w in plan.prefills):
+            return None
+        nd = len(decode_lens)
+        rows, tables, lens = list(range(nd)), list(dec_tables), list(decode_lens)
+        offset = nd
+        for w, n in zip(plan.prefills, p_lens):
+            offset += len(w.token_ids)
+            if w.sample is not None:
+                rows.append(offset - 1)
+                tables.append(w.block_table)
+                lens.append(n)
+        return rows, tables, lens
+
+    def _to_device(self, int64s: list, int32s: list):
+        """Lists of ints (int32 ones may be rows of equal length; any may be None) as device tensors,
         rows flattened. On CPU one tensor each. On CUDA all of them in one pinned host buffer and
         one non-blocking copy (a copy from pageable memory would wait for the GPU to finish
         the step before), cut into views on the device."""
         if self.device.type != "cuda":
-            return ([torch.tensor(x, dtype=torch.int64) for x in int64s],
+            return ([None if x is None else torch.tensor(x, dtype=torch.int64) for x in int64s],
                     [None if x is None else torch.tensor(x, dtype=torch.int32) for x in int32s])
         parts = [*int64s, *int32s]
         flat: list[int] = []

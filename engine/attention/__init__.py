@@ -21,6 +21,20 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class KeptRows:
+    """The rows of a step that leave the last layer: those sampled from. A prefill
+    chunk's other rows need only their keys and values from the last layer, not its
+    attention output, o_proj or MLP, so the model runs those on the kept rows alone.
+    Every kept row is the last token of its sequence so far, so its attention is one
+    paged decode over these tables and lengths."""
+
+    rows: torch.Tensor  # [K] int64, ascending indices into the step's T tokens
+    block_tables: torch.Tensor  # [K, M] int32
+    seq_lens: torch.Tensor  # [K] int32, context incl. the row's own token
+    max_seq_len: int
+
+
+@dataclass
 class AttentionMetadata:
     """Where one step's tokens live. Built once per step by ModelRunner.
 
@@ -38,6 +52,8 @@ class AttentionMetadata:
     # the same prefill lengths on the device, for kernels (None: not built; the reference needs none)
     prefill_query_start_loc: torch.Tensor | None = None  # [Bp + 1] int32, cumulative new tokens
     prefill_seq_lens_tensor: torch.Tensor | None = None  # [Bp] int32
+    # the rows the last layer computes in full (None: all of them; see KeptRows)
+    kept: KeptRows | None = None
 
 
 class AttentionBackend(abc.ABC):

@@ -126,14 +126,31 @@ class Attention(nn.Module):
         meta,
         backend: AttentionBackend,
     ):
+        q, k, v = self._project(x, rope)
+        o = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale)
+        return self.o_proj(o.reshape(x.shape[0], self.q_size))
+
+    def forward_kept(self, x, rope, kv, meta, backend):
+        """Every row's key and value into the cache, the output of `meta.kept`'s rows only
+        ([K, hidden]), each row attending as the last token of its sequence; None when
+        no row is kept."""
+        q, k, v = self._project(x, rope)
+        backend.store_kv(k, v, kv[0], kv[1], meta.slot_mapping)
+        kept = meta.kept
+        if kept.rows.numel() == 0:
+            return None
+        q = q.index_select(0, kept.rows)  # [K, H, D], contiguous
+        o = backend.decode(q, kv[0], kv[1], kept.block_tables, kept.seq_lens, self.scale, kept.max_seq_len)
+        return self.o_proj(o.reshape(q.shape[0], self.q_size))
+
+    def _project(self, x, rope):
         t = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads sit side by side: one rotation for both (the same elementwise
         # math per head as rotating each, half the operator calls)
         qk = rope(qk.view(t, self.nh + self.nkv, self.hd))
         q, k = qk.split([self.nh, self.nkv], dim=1)
-        o = backend.forward(q, k, v.view(t, self.nkv, self.hd), kv[0], kv[1], meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return q, k, v.view(t, self.nkv, self.hd)
 
 
 class MLP(nn.Module):
@@ -157,16 +174,24 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, residual, delta, rope, kv, meta, backend, ops=None):
+    def forward(self, residual, delta, rope, kv, meta, backend, ops=None, last=False):
         """The skip connection is carried as (residual, delta), their sum being the
         layer's input x, so that each norm can add and normalise in one fused operator
         (`ops`); returns the next layer's pair. Same rounding as `x = x + attn(norm(x));
-        x = x + mlp(norm(x))`. `residual` is updated in place."""
+        x = x + mlp(norm(x))`. `residual` is updated in place. The `last` layer of a
+        step with `meta.kept` returns the kept rows only (none: `residual[:0], None`)."""
         if delta is None:
             h = self.input_layernorm(residual, ops)
         else:
             h = self.input_layernorm.add_forward(residual, delta, ops)
-        h = self.post_attention_layernorm.add_forward(residual, self.self_attn(h, rope, kv, meta, backend), ops)
+        if last and meta.kept is not None:
+            o = self.self_attn.forward_kept(h, rope, kv, meta, backend)
+            if o is None:
+                return residual[:0], None
+            residual = residual.index_select(0, meta.kept.rows)
+        else:
+            o = self.self_attn(h, rope, kv, meta, backend)
+        h = self.post_attention_layernorm.add_forward(residual, o, ops)
         return residual, self.mlp(h)
 
 
@@ -194,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         on_layer_done=None,  # called with the layer index once its KV is in the cache
-    ) -> torch.Tensor:  # [T, hidden]
+    ) -> torch.Tensor:  # [T, hidden]; with `meta.kept`, [K, hidden] of its rows
         residual = self.embed_tokens(input_ids)  # a new tensor: the layers add into it in place
         ops = self.cpu_ops if residual.is_cpu else None
         if (ops is not None and on_layer_done is None and meta.num_decode_tokens == residual.shape[0]
@@ -213,10 +238,13 @@ class LlamaForCausalLM(nn.Module):
                 return self.norm.add_forward(residual, delta, ops)
         rope = self.rotary.rotation(positions, residual.dtype, ops)
         delta = None
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            residual, delta = layer(residual, delta, rope, kv_caches[i], meta, backend, ops)
+            residual, delta = layer(residual, delta, rope, kv_caches[i], meta, backend, ops, i == last)
             if on_layer_done is not None:
                 on_layer_done(i)
+        if residual.shape[0] == 0:  # no row kept
+            return residual
         return self.norm(residual, ops) if delta is None else self.norm.add_forward(residual, delta, ops)
 
     def _decode_stack(self, ops, kv_caches, dtype: torch.dtype):

@@ -71,6 +71,35 @@ def test_chunked_prefill_matches_transformers(model_dir):
         assert g == hf_greedy(model_dir, p, NEW)
 
 
+def test_last_layer_computes_only_the_sampled_rows(model_dir, monkeypatch):
+    """A prefill chunk's rows that are not sampled leave the model after the last layer's
+    KV store (engine/attention KeptRows): a step of a prompt's middle chunks returns no
+    row, a step beside decodes its decodes and the prompts it finishes. Tokens still
+    equal transformers'; TANDEM_KEEP_ALL_ROWS=1 keeps every row."""
+    [long] = random_prompts([95], seed=6)
+    rest = random_prompts([7, 33, 17, 50], seed=7)
+    params = SamplingParams(max_tokens=NEW, temperature=0)
+    for keep_all in (False, True):
+        monkeypatch.setenv("TANDEM_KEEP_ALL_ROWS", "1" if keep_all else "0")
+        engine = make_engine(model_dir, max_num_batched_tokens=24)
+        model, steps = engine.runner.model, []
+
+        def forward(input_ids, *args, _inner=model.forward, **kw):
+            hidden = _inner(input_ids, *args, **kw)
+            steps.append((input_ids.shape[0], hidden.shape[0]))
+            return hidden
+
+        monkeypatch.setattr(model, "forward", forward)
+        got = run(engine, [long], params) + run(engine, rest, params)
+        for p, g in zip([long, *rest], got):
+            assert g == hf_greedy(model_dir, p, NEW)
+        if keep_all:
+            assert all(t == k for t, k in steps)
+        else:
+            assert steps[:3] == [(24, 0)] * 3  # the long prompt's first three chunks
+            assert any(0 < k < t for t, k in steps)  # decodes and a finished prompt beside a chunk
+
+
 def test_shared_prefix_from_prefix_cache_matches_transformers(model_dir):
     [prefix] = random_prompts([40], seed=3)
     suffixes = random_prompts([1, 5, 16, 23, 30, 2, 9, 12], seed=4)
