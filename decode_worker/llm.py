@@ -11,7 +11,7 @@ from typing import Sequence
 from tqdm import tqdm
 
 from decode_worker.engine import EngineConfig, LLMEngine, TokenEvent
-from engine.config import CacheConfig, DeviceConfig, SchedulerConfig
+from engine.config import CacheConfig, DeviceConfig, SchedulerConfig, default_block_size
 from engine.events import TokenLogprobs
 from engine.output import TextStream
 from engine.sampling_params import SamplingParams
@@ -50,7 +50,7 @@ class _Pending:
 
 class LLM:
     def __init__(self, model: str | None = None, *, dtype: str | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, max_model_len: int = 2048, block_size: int = 16,
+                 max_num_batched_tokens: int = 2048, max_model_len: int = 2048, block_size: int | None = None,
                  kv_cache_memory_gb: float | None = None, num_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, scheduler: str = "continuous", device: str = "cpu",
@@ -62,7 +62,8 @@ class LLM:
         config = EngineConfig(
             model=model,
             dtype=dtype,
-            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
+            cache=CacheConfig(block_size=block_size or default_block_size(device), num_blocks=num_blocks,
+                              kv_cache_memory_gb=kv_cache_memory_gb,
                               gpu_memory_utilization=gpu_memory_utilization,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig, default_block_size
 from engine.speculative import SpeculativeConfig
 
 
@@ -34,7 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graphs", action="store_true",
                    help="CUDA: replay decode steps from graphs captured per batch size at start (off by default "
                    "until verified on a GPU; see engine/graphs.py)")
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block, the same on every worker (default: 64 on CPU, 16 on CUDA)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory-gb)")
     g.add_argument("--kv-cache-memory-gb", type=float, default=None,
                    help="KV cache size per worker (default: 1 on CPU; on CUDA sized by --gpu-memory-utilization)")
@@ -68,7 +69,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=a.model,
         dtype=None if a.dtype == "auto" else a.dtype,
-        cache=CacheConfig(block_size=a.block_size, num_blocks=a.num_blocks, kv_cache_memory_gb=a.kv_cache_memory_gb,
+        cache=CacheConfig(block_size=a.block_size or default_block_size(a.device), num_blocks=a.num_blocks,
+                          kv_cache_memory_gb=a.kv_cache_memory_gb,
                           gpu_memory_utilization=a.gpu_memory_utilization,
                           enable_prefix_caching=not a.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,

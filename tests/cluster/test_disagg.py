@@ -54,7 +54,7 @@ async def test_sixteen_concurrent_requests_match_transformers(spawn, model_path,
     dc, pc = d.client(), p.client()
     await wait_ready(dc)
     await wait_ready(pc)
-    [shared] = random_prompts([48], seed=21)
+    [shared] = random_prompts([80], seed=21)  # a full block at 16 or 64 tokens a block
     prompts = random_prompts([1, 5, 15, 16, 17, 31, 33, 64, 100, 160, 250], seed=22)
     prompts += [shared + s for s in random_prompts([3, 9, 17, 30, 1], seed=23)]  # prefix-cache hits
     n_new = [12, 20, 5, 16, 9, 30, 12, 8, 25, 6, 14, 10, 18, 7, 22, 11]

@@ -100,7 +100,7 @@ async def _users(url: str, prompts: list[list[int]], stop: asyncio.Event, status
 @pytest.mark.timeout(600)
 def test_prometheus_scrapes_tandem_fires_kv_cache_high_and_answers_every_dashboard_query(tmp_path, model_path):
     # a small decode cache (96 blocks of 16 tokens) that 8 users of ~700-token sequences keep full
-    srv = Serve(["--prefill", "1", "--decode", "1", "--num-blocks", "96", "--transport", "tcp",
+    srv = Serve(["--prefill", "1", "--decode", "1", "--num-blocks", "96", "--block-size", "16", "--transport", "tcp",
                  "--local-prefill-threshold", "32", "--slo-ttft-ms", "50", "--slo-tpot-ms", "5",
                  "--drift-min-requests", "5"],
                 tmp_path / "serve.log")

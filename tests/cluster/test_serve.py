@@ -475,7 +475,7 @@ def test_multiturn_chat_finds_every_earlier_turn_cached(tmp_path):
 
     out = tmp_path / "mt.json"
     rc = main(["--conversations", "3", "--turns", "3", "--max-tokens", "8", "--policies", "prefix",
-               "--serve-args", "--colocated --decode 2 --num-threads 1", "--json", str(out),
+               "--serve-args", "--colocated --decode 2 --num-threads 1 --block-size 16", "--json", str(out),
                "--log-prefix", str(tmp_path / "serve")])
     assert rc == 0
     turns = json.loads(out.read_text())["results"][0]["turns"]
@@ -485,7 +485,7 @@ def test_multiturn_chat_finds_every_earlier_turn_cached(tmp_path):
     assert len(by_conv) == 3
     for conv in by_conv.values():
         assert conv[0]["cached_tokens"] == 0
-        for prev, cur in zip(conv, conv[1:]):  # all of the previous prompt but its last block
+        for prev, cur in zip(conv, conv[1:]):  # all of the previous prompt but its last block (of 16)
             assert cur["cached_tokens"] >= 16 * (prev["prompt_tokens"] // 16) - 16, conv
 
 

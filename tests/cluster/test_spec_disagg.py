@@ -31,8 +31,10 @@ async def _collect(stream) -> tuple[list[int], int, int]:
 
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
 async def test_disaggregated_speculative_greedy_matches_transformers(spawn, model_path, method):
-    d = spawn("decode", "decode-0", args=("--speculative-method", method, "--no-adaptive-speculation"))
-    p = spawn("prefill", "prefill-0", args=("--max-num-batched-tokens", "64"))
+    # blocks of 16 (CPU's default is 64): the prefix-cache hit below shares a short prompt
+    d = spawn("decode", "decode-0", args=("--speculative-method", method, "--no-adaptive-speculation",
+                                           "--block-size", "16"))
+    p = spawn("prefill", "prefill-0", args=("--max-num-batched-tokens", "64", "--block-size", "16"))
     dc, pc = d.client(), p.client()
     await wait_ready(dc)
     await wait_ready(pc)

@@ -122,3 +122,12 @@ def test_test_file_names_are_unique_across_the_test_folders():
 
     names = Counter(p.name for p in (Path(__file__).parents[1]).rglob("test_*.py"))
     assert [n for n, k in names.items() if k > 1] == []
+
+
+@pytest.mark.parametrize("argv, want", [
+    ([], 64), (["--device", "cuda"], 16), (["--device", "cuda:1"], 16),
+    (["--block-size", "32"], 32), (["--device", "cuda", "--block-size", "128"], 128)])
+def test_block_size_defaults_by_device_and_a_flag_wins(argv, want):
+    from engine.cli_args import engine_config_from_args
+
+    assert engine_config_from_args(parse(["serve", *argv])).cache.block_size == want
