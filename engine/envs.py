@@ -11,7 +11,7 @@
                        unrounded) instead of on AVX512-BF16's dot-product instruction,
                        two tokens an instruction, p rounded to bf16 (engine/cpu_kernels/
                        paged_attention.cpp)
-    TANDEM_KEEP_ALL_ROWS  1 runs every prefill token through the whole last layer; by
+    TANDEM_KEPT_ROWS   0 runs every prefill token through the whole last layer; by
                        default the last layer computes attention, o_proj and the MLP
                        only for the rows a step samples from, the others needing just
                        their keys and values (engine/attention KeptRows)
@@ -96,9 +96,8 @@ def cpu_prefill_kernel() -> bool:
     return _on("TANDEM_CPU_PREFILL_KERNEL")
 
 
-def keep_all_rows() -> bool:
-    """A switch that is off unless set to something other than 0/false/no/off."""
-    return os.environ.get("TANDEM_KEEP_ALL_ROWS", "0").strip().lower() not in ("", *OFF)
+def kept_rows() -> bool:
+    return _on("TANDEM_KEPT_ROWS")
 
 
 def cpu_decode_pairs() -> bool:

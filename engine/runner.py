@@ -103,7 +103,7 @@ class ModelRunner:
         self.max_threads = (cpu and (device_config.num_threads or len(device_config.cpu_affinity or ()))
                             or torch.get_num_threads())
         self.serial_step_work = (device_config.serial_step_work or 0) if cpu else 0
-        self.keep_all_rows = envs.keep_all_rows()  # else the last layer computes sampled rows only (_kept_rows)
+        self.kept_rows = envs.kept_rows()  # the last layer computes the sampled rows only (_kept_rows)
         # whether each step sets its own team (_size_team)
         self.sized = cpu and bool(device_config.num_threads or device_config.cpu_affinity or self.serial_step_work)
         # CPU cores the worker owns: its steps' OpenMP threads are bound one to a core, from
@@ -331,18 +331,17 @@ class ModelRunner:
             starts = [0]
             for n in q_lens:
                 starts.append(starts[-1] + n)
-        kept = self._kept_rows(plan, dec_tables, decode_lens, p_lens)
-        if kept is not None:  # the head then reads the last layer's K rows, not the step's T
-            at = {r: i for i, r in enumerate(kept[0])}
+        kept_rows, kept_tables, kept_lens = self._kept_rows(plan, dec_tables, decode_lens, p_lens)
+        if kept_rows is not None:  # the head then reads the last layer's K rows, not the step's T
+            at = {r: i for i, r in enumerate(kept_rows)}
             logits_index = [at[r] for r in logits_index]
-            kept = (kept[0], _pad_rows(kept[1]), kept[2])
         dec_tables = _pad_rows(dec_tables)
         pre_tables = _pad_rows([w.block_table for w in plan.prefills])
         (input_ids, pos_t, slot_t, logits_t, kept_t), (dec_t, dec_lens_t, pre_t, starts_t, p_lens_t, kept_tables_t,
                                                         kept_lens_t) = self._to_device(
-            [ids, positions, slots, logits_index, kept[0] if kept else None],
-            [dec_tables, decode_lens, pre_tables, starts, p_lens if starts is not None else None,
-             kept[1] if kept else None, kept[2] if kept else None],
+            [ids, positions, slots, logits_index, kept_rows],
+            [dec_tables, decode_lens, pre_tables, starts, p_lens if starts is not None else None, kept_tables,
+             kept_lens],
         )
         meta = AttentionMetadata(
             slot_mapping=slot_t,
@@ -355,11 +354,11 @@ class ModelRunner:
             prefill_seq_lens=p_lens,
             prefill_query_start_loc=starts_t,
             prefill_seq_lens_tensor=p_lens_t,
-            kept=None if kept is None else KeptRows(
+            kept=None if kept_rows is None else KeptRows(
                 rows=kept_t,
-                block_tables=kept_tables_t.view(len(kept[1]), len(kept[1][0]) if kept[1] else 0),
+                block_tables=kept_tables_t.view(len(kept_tables), len(kept_tables[0]) if kept_tables else 0),
                 seq_lens=kept_lens_t,
-                max_seq_len=max(kept[2], default=0),
+                max_seq_len=max(kept_lens, default=0),
             ),
         )
         return _Batch(
@@ -372,14 +371,15 @@ class ModelRunner:
         )
 
     def _kept_rows(self, plan: StepPlan, dec_tables: list, decode_lens: list[int], p_lens: list[int]):
-        """(rows, block tables, lengths) of the rows the last layer must compute in full
+        """(rows, padded block tables, lengths) of the rows the last layer must compute in full
         (engine/attention KeptRows): every decode row, and the last row of each prefill
-        chunk that samples. None where all rows are needed or nothing is saved: prompt
-        logprobs read every prompt row's hidden state, a prefill with draft rows has more
-        than its last row sampled, and a step of decodes alone keeps all its rows."""
-        if not plan.prefills or self.keep_all_rows or any(
+        chunk that samples. (None, None, None) where all rows are needed or nothing is
+        saved: prompt logprobs read every prompt row's hidden state, a prefill with draft
+        rows has more than its last row sampled, and a step of decodes alone keeps all
+        its rows."""
+        if not plan.prefills or not self.kept_rows or any(
                 w.prompt_targets or (w.sample is not None and w.sample.draft) for w in plan.prefills):
-            return None
+            return None, None, None
         nd = len(decode_lens)
         rows, tables, lens = list(range(nd)), list(dec_tables), list(decode_lens)
         offset = nd
@@ -389,7 +389,7 @@ class ModelRunner:
                 rows.append(offset - 1)
                 tables.append(w.block_table)
                 lens.append(n)
-        return rows, tables, lens
+        return rows, _pad_rows(tables), lens
 
     def _to_device(self, int64s: list, int32s: list):
         """Lists of ints (int32 ones may be rows of equal length; any may be None) as device tensors,

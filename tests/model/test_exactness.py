@@ -75,12 +75,12 @@ def test_last_layer_computes_only_the_sampled_rows(model_dir, monkeypatch):
     """A prefill chunk's rows that are not sampled leave the model after the last layer's
     KV store (engine/attention KeptRows): a step of a prompt's middle chunks returns no
     row, a step beside decodes its decodes and the prompts it finishes. Tokens still
-    equal transformers'; TANDEM_KEEP_ALL_ROWS=1 keeps every row."""
+    equal transformers'; TANDEM_KEPT_ROWS=0 keeps every row."""
     [long] = random_prompts([95], seed=6)
     rest = random_prompts([7, 33, 17, 50], seed=7)
     params = SamplingParams(max_tokens=NEW, temperature=0)
     for keep_all in (False, True):
-        monkeypatch.setenv("TANDEM_KEEP_ALL_ROWS", "1" if keep_all else "0")
+        monkeypatch.setenv("TANDEM_KEPT_ROWS", "0" if keep_all else "1")
         engine = make_engine(model_dir, max_num_batched_tokens=24)
         model, steps = engine.runner.model, []
 
