@@ -82,6 +82,11 @@ class CoreLedger:
         mm = self._mm
         return tuple(c for c in self.others if mm[c] == 0)
 
+    def any_busy(self, cores: tuple[int, ...]) -> bool:
+        """Whether the owner of any of these cores has work now."""
+        mm = self._mm
+        return any(mm[c] for c in cores)
+
     def close(self) -> None:
         self.idle()
         self._mm.close()

@@ -71,3 +71,56 @@ def test_steps_borrow_the_idle_core_and_give_it_back(builtin_dir):
     if os.geteuid() == 0:  # root may always leave SCHED_IDLE, so helpers are idled here
         assert lent_policies == ([os.SCHED_OTHER], [os.SCHED_IDLE])
     assert own_policies == ([], [])  # never bound a team: no helper to idle
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="needs two cores")
+def test_a_step_gives_a_borrowed_core_back_when_its_owner_wakes(builtin_dir):
+    """The owner of a borrowed core starts work in the middle of a prompt step: the step
+    goes on with its own core alone from the next layer, the steps after it do not
+    borrow, and the tokens are still transformers'."""
+    if build.load_or_none() is None:
+        pytest.skip("no cpu kernels build here (threads cannot be bound)")
+    own, other = (CORES[0],), (CORES[1],)
+    path = create_ledger("tandem-cores-test")
+    peer = CoreLedger(path, other, own + other)
+    prompt = list(range(40, 90))
+    before = torch.get_num_threads()
+
+    def run():
+        torch.set_num_threads(1)
+        engine = LLMEngine.from_config(EngineConfig(
+            model=str(builtin_dir), cache=CacheConfig(num_blocks=64),
+            device=DeviceConfig(num_threads=1, cpu_affinity=own, core_ledger=path, shared_cores=own + other)))
+        runner = engine.runner
+        assert len(runner.model.layers) > 1
+        layers: list[tuple[int, int]] = []  # (layer, threads after it)
+        real = runner._return_lent
+
+        def owner_wakes_after_layer_0(layer: int) -> None:
+            if layer == 0:
+                peer.busy()
+            real(layer)
+            layers.append((layer, torch.get_num_threads()))
+
+        runner._return_lent = owner_wakes_after_layer_0
+        peer.idle()
+        engine.add_request("a", prompt, SamplingParams(max_tokens=8, temperature=0))
+        out: list[int] = []
+        while engine.has_work():
+            out += [ev.token_id for ev in engine.step() if ev.token_id is not None]
+        helpers = list(runner.helpers.tids) if runner.helpers is not None else []
+        return out, layers, runner.lent_steps, runner.returned_steps, [os.sched_getscheduler(t) for t in helpers]
+
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            tokens, layers, lent, returned, policies = pool.submit(run).result(timeout=300)
+    finally:
+        peer.close()
+        os.unlink(path)
+        torch.set_num_threads(before)
+    # only the prompt step borrowed; it gave the core back after its first layer
+    assert lent == 1 and returned == 1
+    assert layers[0] == (0, 1) and all(n == 1 for _, n in layers)
+    assert tokens == hf_greedy(builtin_dir, prompt, 8, ignore_eos=True)
+    if os.geteuid() == 0:  # the borrowed core's helper waits at SCHED_IDLE once given back
+        assert policies == [os.SCHED_IDLE]
