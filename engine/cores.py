@@ -12,8 +12,9 @@ The ledger is one byte per core in a small shared file (made by the pool, under
 has no owner. A worker marks its own cores busy when a step starts and idle when its
 engine loop goes to sleep, and before each step adds the idle cores of the shared set to
 its OpenMP team, one thread bound to each (engine/runner.py). An owner that wakes up
-takes its core back at the borrower's next step: the two share it for at most one of
-the borrower's steps. Two borrowers may pick the same idle core in the same instant;
+takes its core back at the borrower's next layer when the borrower is in a prompt step
+(the runner looks at the ledger between layers), else at its next step (a decode-only
+step runs its layers in one call): the two share the core for at most that long. Two borrowers may pick the same idle core in the same instant;
 they then share it for a step. A step's thread count already changed from step to step
 (`serial_step_work`); greedy tokens are the same lent or not, and equal transformers'
 (tests/model/test_core_lending.py).

@@ -120,8 +120,9 @@ class ModelRunner:
                      list(self.ledger.others))
         self.bound: tuple[int, tuple[int, ...]] | None = None  # (engine thread, cores of its bound team)
         self.lent_steps = 0  # steps that ran threads on borrowed cores
-        self.returned_steps = 0  # of those, steps that gave the cores back between layers
-        self._lent: tuple[int, ...] = ()  # borrowed cores the running step has threads on
+        self.returned_steps = 0  # of those, steps that gave a core back between layers
+        self._lent: tuple[int, ...] = ()  # borrowed cores the running step's team is bound to
+        self._lent_used = 0  # how many of them (in team order) its threads use now
         # helpers of the bound team that a step does not use wait at SCHED_IDLE (engine/cores.py)
         self.helpers = IdleHelpers() if self.own_cores and envs.cpu_idle_helpers() and IdleHelpers.available() else None
         self.kv_sizing: KVSizing | None = None
@@ -260,6 +261,7 @@ class ModelRunner:
             threads = 1
         if self.ledger is not None and threads > len(self.own_cores):
             self._lent = tuple(cores[len(self.own_cores):threads])
+            self._lent_used = len(self._lent)
         if cores is not None and threads > 1:
             team = tuple(cores[:threads])
             me = threading.get_ident()
@@ -280,19 +282,28 @@ class ModelRunner:
         return both
 
     def _return_lent(self, layer: int) -> None:
-        """Between two layers of a step on borrowed cores: if an owner has woken up since
-        the step began, the rest of the step runs on the worker's own cores, so the owner
-        has its core back within a layer instead of after the whole step (a prompt chunk
-        of 2,048 tokens on the small model is a second or more on one core)."""
-        if not self._lent or not self.ledger.any_busy(self._lent):
+        """Between two layers of a step on borrowed cores: a core whose owner has work
+        again is given back for the rest of the step (its helper waits at SCHED_IDLE),
+        and taken again if the owner goes idle before the step ends. The owner has its
+        core back within a layer instead of after the whole step (a prompt chunk of
+        2,048 tokens on the small model is a second or more on one core), and a short
+        burst of the owner's does not leave the core idle for the rest of that step.
+        The team keeps its binding: the threads in use are the first of it."""
+        use = 0
+        for core in self._lent:  # team order: a thread past a busy core cannot be used
+            if self.ledger.any_busy((core,)):
+                break
+            use += 1
+        if use == self._lent_used:
             return
-        threads = len(self.own_cores)
-        self._lent = ()
-        self.returned_steps += 1
+        if use < self._lent_used:
+            self.returned_steps += 1
+        self._lent_used = use
+        threads = len(self.own_cores) + use
         if self.helpers is not None:
-            self.helpers.use(threads - 1)  # the borrowed core's helper waits at SCHED_IDLE
+            self.helpers.use(threads - 1)
         torch.set_num_threads(threads)
-        log.debug("borrowed cores given back after layer %d", layer)
+        log.debug("after layer %d the step runs on %d borrowed cores", layer, use)
 
     def mark_idle(self) -> None:
         """The engine has no work: its cores may be lent (engine/cores.py) and its OpenMP
