@@ -12,13 +12,11 @@ The ledger is one byte per core in a small shared file (made by the pool, under
 has no owner. A worker marks its own cores busy when a step starts and idle when its
 engine loop goes to sleep, and before each step adds the idle cores of the shared set to
 its OpenMP team, one thread bound to each (engine/runner.py). An owner that wakes up
-takes its core back at the borrower's next layer when the borrower is in a prompt step
-(the runner looks at the ledger between layers, and takes the core again if the owner
-goes idle before the step ends), else at its next step (a decode-only step runs its
-layers in one call): the two share the core for at most that long. Two borrowers may
-pick the same idle core in the same instant; they then share it for a step. A step's
-thread count already changed from step to step (`serial_step_work`); greedy tokens are
-the same lent or not, and equal transformers' (tests/model/test_core_lending.py).
+takes its core back at the borrower's next step: the two share it for at most one of
+the borrower's steps. Two borrowers may pick the same idle core in the same instant;
+they then share it for a step. A step's thread count already changed from step to step
+(`serial_step_work`); greedy tokens are the same lent or not, and equal transformers'
+(tests/model/test_core_lending.py).
 
 Only workers pinned by the pool to cores of a shared set take part; a worker on a host
 of its own (a Kubernetes pod, a GPU) has no ledger.
@@ -83,11 +81,6 @@ class CoreLedger:
         """The shared cores whose owners are idle now."""
         mm = self._mm
         return tuple(c for c in self.others if mm[c] == 0)
-
-    def any_busy(self, cores: tuple[int, ...]) -> bool:
-        """Whether the owner of any of these cores has work now."""
-        mm = self._mm
-        return any(mm[c] for c in cores)
 
     def close(self) -> None:
         self.idle()

@@ -120,9 +120,6 @@ class ModelRunner:
                      list(self.ledger.others))
         self.bound: tuple[int, tuple[int, ...]] | None = None  # (engine thread, cores of its bound team)
         self.lent_steps = 0  # steps that ran threads on borrowed cores
-        self.returned_steps = 0  # of those, steps that gave a core back between layers
-        self._lent: tuple[int, ...] = ()  # borrowed cores the running step's team is bound to
-        self._lent_used = 0  # how many of them (in team order) its threads use now
         # helpers of the bound team that a step does not use wait at SCHED_IDLE (engine/cores.py)
         self.helpers = IdleHelpers() if self.own_cores and envs.cpu_idle_helpers() and IdleHelpers.available() else None
         self.kv_sizing: KVSizing | None = None
@@ -177,10 +174,6 @@ class ModelRunner:
         if self.sized:
             self._size_team(plan.num_tokens)
         b = self._prepare(plan)
-        if self._lent and plan.prefills:
-            # a step through the Python layers (decode-only steps on CPU run the layers in
-            # one call and keep their team): look at the owners after each layer
-            on_layer_done = self._layer_hook(on_layer_done)
         if (self.graphs is not None and not plan.prefills and on_layer_done is None
                 and plan.num_decode_rows == len(plan.decodes) and self.graphs.bucket(len(plan.decodes)) is not None):
             hidden = self.graphs.run(b.input_ids, b.positions, b.meta)
@@ -249,7 +242,6 @@ class ModelRunner:
         Costs a few microseconds; rebinding (a parallel region) only when the cores change."""
         cores = self.bind_cores
         threads = self.max_threads
-        self._lent = ()
         if self.ledger is not None:
             self.ledger.busy()
             lent = self.ledger.borrowable()
@@ -259,9 +251,6 @@ class ModelRunner:
                 self.lent_steps += 1
         if self.serial_step_work and threads > 1 and num_tokens * self.weight_params <= self.serial_step_work:
             threads = 1
-        if self.ledger is not None and threads > len(self.own_cores):
-            self._lent = tuple(cores[len(self.own_cores):threads])
-            self._lent_used = len(self._lent)
         if cores is not None and threads > 1:
             team = tuple(cores[:threads])
             me = threading.get_ident()
@@ -270,40 +259,6 @@ class ModelRunner:
         if self.helpers is not None:
             self.helpers.use(threads - 1)
         torch.set_num_threads(threads)  # ~0.2 us
-
-    def _layer_hook(self, on_layer_done: Callable[[int], None] | None) -> Callable[[int], None]:
-        if on_layer_done is None:
-            return self._return_lent
-
-        def both(layer: int) -> None:
-            on_layer_done(layer)
-            self._return_lent(layer)
-
-        return both
-
-    def _return_lent(self, layer: int) -> None:
-        """Between two layers of a step on borrowed cores: a core whose owner has work
-        again is given back for the rest of the step (its helper waits at SCHED_IDLE),
-        and taken again if the owner goes idle before the step ends. The owner has its
-        core back within a layer instead of after the whole step (a prompt chunk of
-        2,048 tokens on the small model is a second or more on one core), and a short
-        burst of the owner's does not leave the core idle for the rest of that step.
-        The team keeps its binding: the threads in use are the first of it."""
-        use = 0
-        for core in self._lent:  # team order: a thread past a busy core cannot be used
-            if self.ledger.any_busy((core,)):
-                break
-            use += 1
-        if use == self._lent_used:
-            return
-        if use < self._lent_used:
-            self.returned_steps += 1
-        self._lent_used = use
-        threads = len(self.own_cores) + use
-        if self.helpers is not None:
-            self.helpers.use(threads - 1)
-        torch.set_num_threads(threads)
-        log.debug("after layer %d the step runs on %d borrowed cores", layer, use)
 
     def mark_idle(self) -> None:
         """The engine has no work: its cores may be lent (engine/cores.py) and its OpenMP
