@@ -235,3 +235,19 @@ def test_spec_bench_report(tmp_path):
         assert ("acceptance" in r) == (method != "off")
     assert rows[("ngram", "repeat", 1)]["draft_tokens"] > 0  # a repeated function is found in its prompt
     assert "| ngram | 2 |" in md.read_text()
+
+
+def test_interference_bench_report(tmp_path, capsys):
+    """bench.interference runs the engine alone and beside its neighbour processes, stops
+    them, and reports both runs."""
+    from bench import interference
+
+    out = tmp_path / "interference.json"
+    doc = interference.main(["--prompts", "3", "--prompt-len", "16", "--output-len", "4", "--threads", "1",
+                             "--period-ms", "20", "--exchanges", "5", "--work-us", "20", "--json", str(out)])
+    assert json.loads(out.read_text()) == doc
+    for name in ("alone", "beside"):
+        r = doc[name]
+        assert r["decode_steps"] >= 3 and r["prompt_steps"] >= 1 and r["output_tok_s"] > 0
+    text = capsys.readouterr().out
+    assert "alone:" in text and "beside:" in text
