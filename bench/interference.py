@@ -67,39 +67,30 @@ def neighbour(period_s: float, exchanges: int, work_s: float, stop, max_s: float
 
 
 def run_engine(args: argparse.Namespace) -> dict[str, Any]:
-    """One timed generate() of the offline engine; returns tokens/s and step times."""
+    """One timed generate() of the offline engine; returns tokens/s and step times (each
+    step's own forward time, from the engine's `on_forward` hook)."""
     from decode_worker.llm import LLM
-    from engine import runner as runner_mod
     from engine.sampling_params import SamplingParams
 
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, max_num_seqs=max(args.prompts, 1),
+              max_model_len=args.prompt_len + args.output_len + 16, enable_prefix_caching=False)
+    engine = llm.engine
     spent = {"prompt": [0.0, 0], "decode": [0.0, 0]}
-    real = runner_mod.ModelRunner.execute
 
-    def timed(self, plan, *a, **k):
-        t = time.perf_counter()
-        out = real(self, plan, *a, **k)
-        e = spent["prompt" if plan.prefills else "decode"]
-        e[0] += time.perf_counter() - t
+    def on_forward(num_tokens: int, forward_s: float) -> None:
+        e = spent["prompt" if engine._last_plan.prefills else "decode"]  # the step just run
+        e[0] += forward_s
         e[1] += 1
-        return out
 
-    runner_mod.ModelRunner.execute = timed
-    try:
-        llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, max_num_seqs=max(args.prompts, 1),
-                  max_model_len=args.prompt_len + args.output_len + 16, enable_prefix_caching=False)
-        vocab = llm.engine.runner.model.cfg.vocab_size
-        rng = random.Random(0)
-        prompts = [[rng.randrange(10, vocab - 1) for _ in range(args.prompt_len)]
-                   for _ in range(args.prompts)]
-        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-        llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
-        for e in spent.values():
-            e[0], e[1] = 0.0, 0
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - t
-    finally:
-        runner_mod.ModelRunner.execute = real
+    vocab = engine.runner.model.cfg.vocab_size
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10, vocab - 1) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+    engine.on_forward = on_forward
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
         "wall_s": round(wall, 3),
