@@ -34,6 +34,9 @@
                        between the steps that use them; by default a bound team's helpers
                        that the next step does not use wait at SCHED_IDLE (engine/cores.py
                        IdleHelpers)
+    TANDEM_GC_FREEZE   0 leaves Python's garbage collector as it is; by default the router
+                       and each worker move the objects they made at start-up out of its
+                       collections once they are ready to serve (worker_runtime/gcheap.py)
     TANDEM_FAULTS      fault injection for failure tests, comma-separated key=value:
                          prefill_step_delay_s=F  sleep F s in every prefill step
                          transfer_delay_s=F      hold every KV write F s before it completes
@@ -110,6 +113,10 @@ def cpu_bind_threads() -> bool:
 
 def cpu_idle_helpers() -> bool:
     return _on("TANDEM_CPU_IDLE_HELPERS")
+
+
+def gc_freeze() -> bool:
+    return _on("TANDEM_GC_FREEZE")
 
 
 def use_huge_pages() -> bool:

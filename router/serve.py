@@ -19,6 +19,7 @@ from router.checks import CommandError, check_model
 from worker_runtime import eventloop
 from worker_runtime.args import worker_config_from_args
 from worker_runtime.config import Role
+from worker_runtime.gcheap import freeze_startup_heap
 from worker_runtime.host import LOG_FORMAT
 
 log = logging.getLogger("tandem")
@@ -216,6 +217,7 @@ def serve(args: argparse.Namespace, attach: bool = False) -> int:
                 # (a backtrace, then abort), which both set handlers first
                 signals.install()
                 announce(args, backend, app.state.settings)
+                freeze_startup_heap("router")
             await serving
         finally:
             await _quietly(backend.stop())

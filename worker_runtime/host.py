@@ -26,6 +26,7 @@ from engine.cli_args import add_engine_args, engine_config_from_args
 from worker_runtime import eventloop
 from worker_runtime.args import add_worker_args, worker_config_from_args
 from worker_runtime.config import Role, WorkerConfig
+from worker_runtime.gcheap import freeze_startup_heap
 from worker_runtime.rpc import setup_process
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,7 @@ class WorkerActor:
 
     def start(self) -> str:
         self.address = self.host.start()
+        freeze_startup_heap(self.host.config.worker_id)  # the actor's process is this worker's alone
         return self.address
 
     def info(self) -> dict:
@@ -174,6 +176,7 @@ def main(role: Role, make_service: ServiceFactory, argv: list[str] | None = None
     async def serve() -> None:
         worker = make_service(config)
         address = await worker.start()
+        freeze_startup_heap(config.worker_id)
         print(f"READY {address}", flush=True)
         stop, force = asyncio.Event(), asyncio.Event()
         got: list[str] = []
