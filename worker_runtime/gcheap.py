@@ -6,9 +6,10 @@ its model's modules. They live as long as the process, yet CPython's cyclic coll
 walks all of them in every full (generation 2) collection, and a server at load makes
 those often: each request's coroutines, futures and dicts live for seconds, so they
 reach the oldest generation and count toward the next full collection. On the 2-core
-development machine a full collection of the router took about 60 ms (144 K objects)
-and a worker's about as long, in the thread that happened to allocate: the router's
-event loop or a worker's engine thread (docs/performance.md, fourteenth round).
+development machine a full collection of the router's 143 K objects took 93-191 ms of
+its event loop, once or twice in a run of 200 streams; it runs in whichever thread
+happens to allocate (in a worker, possibly the engine thread, between two steps'
+kernels). docs/performance.md, fourteenth round.
 
 `freeze_startup_heap` collects once and then moves every object alive into the
 permanent generation (`gc.freeze`), which collections skip; what the process makes
