@@ -11,6 +11,9 @@
                        unrounded) instead of on AVX512-BF16's dot-product instruction,
                        two tokens an instruction, p rounded to bf16 (engine/cpu_kernels/
                        paged_attention.cpp)
+    TANDEM_CPU_AMX_ATTENTION  0 keeps bf16 decode attention on AVX512-BF16 where the CPU
+                       has AMX; by default its scores and its p.v product run on AMX tiles
+                       (blocks of a multiple of 32 tokens, head_dim 64 or 128)
     TANDEM_KEPT_ROWS   0 runs every prefill token through the whole last layer; by
                        default the last layer computes attention, o_proj and the MLP
                        only for the rows a step samples from, the others needing just
@@ -105,6 +108,10 @@ def kept_rows() -> bool:
 
 def cpu_decode_pairs() -> bool:
     return _on("TANDEM_CPU_DECODE_PAIRS")
+
+
+def cpu_amx_attention() -> bool:
+    return _on("TANDEM_CPU_AMX_ATTENTION")
 
 
 def cpu_bind_threads() -> bool:

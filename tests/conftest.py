@@ -1,5 +1,5 @@
-"""Suite-wide setup: hermetic caches, Triton's interpreter on CPU-only machines, and
-the GPU marker's skip."""
+"""Suite-wide setup: hermetic caches, Triton's interpreter on CPU-only machines, oneDNN
+kept off AMX for the bf16 oracle, and the GPU marker's skip."""
 
 import os
 import tempfile
@@ -14,6 +14,17 @@ if "TRITON_INTERPRET" not in os.environ:
             os.environ["TRITON_INTERPRET"] = "1"
     except ImportError:
         pass
+
+# The bf16 oracle (greedy tokens equal to transformers' in bf16) needs matmuls whose
+# summation order does not depend on how many rows a call has: transformers decodes one
+# prompt at a time, the engine batches. oneDNN's AVX512-BF16 kernels keep one order; its
+# AMX kernels (Intel Xeons from Sapphire Rapids on) do not, and on such a machine
+# transformers' own tokens and the engine's part at the 19th token of one prompt of
+# tests/model/test_exactness.py's bf16 test, with every tandem kernel on either path.
+# oneDNN reads ONEDNN_MAX_CPU_ISA once, at its first primitive: cap it before any test
+# runs (workers the tests start inherit it). tandem's own AMX attention kernel has its
+# own switch and stays on; serving and benchmarks are not capped.
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 
 # Built-in model and extensions go to a per-run cache unless the caller chose one.
 os.environ.setdefault("TANDEM_CACHE_DIR", os.path.join(tempfile.gettempdir(), "tandem-test-cache"))

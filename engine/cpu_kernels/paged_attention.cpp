@@ -15,6 +15,12 @@
 // With a bf16 query and cache (and `bf16_pairs`, the default) pass 2 multiplies p,
 // rounded to bf16, into V two tokens an instruction on AVX512-BF16's dot product;
 // the sums stay fp32 (in attend, below).
+// Where the CPU has AMX (and blocks hold a multiple of 32 tokens, D is 64 or 128), a
+// bf16 item runs both passes on tiles instead (attend's kAmx branches): the scores of a
+// kv head's G query heads against 16 tokens are one tile product per 32 dims, with no
+// horizontal sums, and p.v takes 32 tokens an instruction. On the 2-core Xeon of
+// docs/performance.md (fifteenth round) a layer of small's shape (B=100, L=320) went from
+// 1.95 to 1.32 ms with the cache in L3 and 2.46 to 1.75-1.96 ms scattered.
 // Items are handed out through an atomic counter so ragged lengths balance.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -23,12 +29,20 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TANDEM_AMX 1
+#else
+#define TANDEM_AMX 0
 #endif
 
 namespace {
@@ -115,6 +129,62 @@ inline V16 vexp(V16 x) { for (int i = 0; i < 16; ++i) x.v[i] = std::exp(x.v[i]);
 constexpr bool kAvx512 = false;
 #endif
 
+
+// ---- AMX (Intel's tile matrix unit): bf16 K rows times the query in one instruction.
+// Linux hands a process the 8 KB of tile state only once it asks (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XTILEDATA, kernel 5.16 and later); oneDNN asks too when its
+// matmuls use AMX. `amx_usable()` asks once and remembers the answer; the decode
+// kernel uses tiles only where the build targets AMX, the kernel granted them and
+// `set_decode_amx` has not turned them off.
+std::atomic<bool> g_decode_amx{true};
+
+bool amx_usable() {
+#if TANDEM_AMX
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+#if TANDEM_AMX
+// Palette 1: up to 8 tiles of at most 16 rows of 64 bytes, each tile's shape set here.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Scores of one kv head's G query heads against 16 tokens:
+//   tmm0  C  [16 tokens][G]        fp32 scores
+//   tmm1, tmm6  A [16 tokens][32]  bf16 K rows, 32 dims a tile (two, to overlap loads)
+//   tmm2..5  B [16][G][2]          the G query rows, dims 32c..32c+31 in pairs (VNNI)
+inline void configure_score_tiles(int64_t G) {
+  TileConfig cfg;
+  const uint16_t narrow = static_cast<uint16_t>(4 * G);
+  cfg.rows[0] = 16, cfg.colsb[0] = narrow;
+  for (int t : {1, 6}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t = 2; t <= 5; ++t) cfg.rows[t] = 16, cfg.colsb[t] = narrow;
+  _tile_loadconfig(&cfg);
+}
+
+// Output of one kv head's G query heads, 64 dims at a time, 32 tokens an instruction:
+//   tmm0..3  C  [G][16]       fp32 sums, 16 dims each (in the interleaved order below)
+//   tmm4     A  [G][32]       bf16 probabilities of 32 consecutive tokens
+//   tmm5, 6  B  [16][16][2]   V rows of those tokens in pairs (t, t + 1) per dim
+inline void configure_output_tiles(int64_t G) {
+  TileConfig cfg;
+  for (int t = 0; t <= 4; ++t) cfg.rows[t] = static_cast<uint8_t>(G), cfg.colsb[t] = 64;
+  for (int t : {5, 6}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+#endif
+
 // Everything one call needs, in elements (not bytes). K and V share strides.
 struct Problem {
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
@@ -144,7 +214,7 @@ inline int64_t round16(int64_t n) { return (n + 15) & ~int64_t(15); }
 // Blocks are walked in order and, inside a block, a token's ng head slices are
 // adjacent, so a block is read as one contiguous run. C = D / 16 when known at
 // compile time (a K row lives in registers), else 0 (run-time head_dim).
-template <int C, typename KV, typename Q, bool kPairs>
+template <int C, typename KV, typename Q, bool kPairs, bool kAmx = false>
 void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out,
             int64_t b, int64_t g0, int64_t ng) {
   const int64_t D = P.head_dim, G = P.num_heads / P.num_kv_heads, GT = ng * G, bs = P.block_size;
@@ -164,18 +234,27 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
   TORCH_CHECK(L <= P.max_blocks * bs, "seq_len ", L, " of sequence ", b,
               " exceeds its block table (", P.max_blocks, " blocks of ", bs, ")");
   const int32_t* table = P.block_tables + b * P.bt_row;
-  const int64_t Lp = round16(L), nblk = (L + bs - 1) / bs;
+  const int64_t Lp = kAmx ? (L + 31) & ~int64_t(31) : round16(L), nblk = (L + bs - 1) / bs;
   for (int64_t i = 0; i < nblk; ++i)
     TORCH_CHECK(table[i] >= 0 && table[i] < P.num_cache_blocks, "block id ", table[i],
                 " of sequence ", b, " is outside the cache (", P.num_cache_blocks, " blocks)");
-  float* q = thread_scratch(2 * GT * D + GT * Lp + GT + GT * Lp / 2);  // [GT, D] query * scale
+  // With AMX the scores and probabilities are token-major, 16 heads a row (SW = 16):
+  // a tile of scores is 16 tokens by the G heads of one kv head, and the softmax then
+  // runs across tokens with one head per vector lane.
+  const int64_t SW = kAmx ? 16 : GT;
+  // query tiles, a padded K tile, the probabilities head-major, four V tiles
+  const int64_t amx_extra = kAmx ? ng * (D / 32) * 256 + 8 * D + 8 * Lp + 1024 : 0;
+  float* q = thread_scratch(2 * GT * D + SW * Lp + SW + SW * Lp / 2 + amx_extra);  // [GT, D] query * scale
   float* acc = q + GT * D;                                 // [GT, D] unnormalised output
-  float* s = acc + GT * D;                                 // [GT, Lp] scores, then exp(s - max)
-  float* inv_sum = s + GT * Lp;                            // [GT]
-  uint32_t* pp = reinterpret_cast<uint32_t*>(inv_sum + GT);  // [GT, Lp / 2] bf16 pairs (bf16 pass 2)
+  float* s = acc + GT * D;                                 // [GT, Lp] scores, then exp(s - max); AMX: [Lp, 16]
+  float* inv_sum = s + SW * Lp;                            // [GT]
+  uint32_t* pp = reinterpret_cast<uint32_t*>(inv_sum + SW);  // [GT, Lp / 2] bf16 pairs (bf16 pass 2); AMX: [Lp / 2, 16]
+  // Where pass 2 finds the pair (p[h][t], p[h][t + 1]): pp[h * p_head + (t / 2) * p_pair].
+  const int64_t p_head = kAmx ? 1 : Lp / 2, p_pair = kAmx ? 16 : 1;
   const Q* qb = query + b * P.q_seq + g0 * G * P.q_head;
-  for (int64_t h = 0; h < GT; ++h)
-    for (int64_t d = 0; d < D; ++d) q[h * D + d] = static_cast<float>(qb[h * P.q_head + d]) * P.scale;
+  if constexpr (!kAmx)
+    for (int64_t h = 0; h < GT; ++h)
+      for (int64_t d = 0; d < D; ++d) q[h * D + d] = static_cast<float>(qb[h * P.q_head + d]) * P.scale;
   auto block_of = [&](const KV* cache, int64_t i) { return cache + table[i] * P.kv_block + g0 * P.kv_head; };
   // Reading K and V in the loops that compute on them leaves few loads in flight: the
   // compute fills the out-of-order window, and a thread got 9 GB/s out of a memory
@@ -225,6 +304,90 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
       }
     }
   };
+#if TANDEM_AMX
+  if constexpr (kAmx) {
+    // Pass 1 on tiles: for each kv head, C[16 tokens][G] = K rows [16][D] times the G
+    // query rows, D / 32 tile products of 32 dims each, no horizontal sums. The query
+    // goes in as the B operand, which AMX wants in pairs: row r of tile c holds, for
+    // each head, the 32-bit pair (q[32c + 2r], q[32c + 2r + 1]), so B is the query's
+    // pair words transposed. Unscaled bf16 products summed in fp32, as in the AVX512-BF16
+    // path below (only the order of the additions differs); the scale multiplies the
+    // fp32 score in the softmax.
+    static_assert(C == 4 || C == 8, "the AMX path handles head_dim 64 and 128");
+    constexpr int CB = C / 2;
+    uint32_t* qt = pp + SW * Lp / 2;                                          // [ng][CB][16][16]
+    KV* zt = reinterpret_cast<KV*>(qt + ng * CB * 256);                       // [16][D]
+    std::memset(qt, 0, ng * CB * 256 * sizeof(uint32_t));
+    for (int64_t gg = 0; gg < ng; ++gg)
+      for (int64_t j = 0; j < G; ++j)
+        for (int c = 0; c < CB; ++c)
+          for (int r = 0; r < 16; ++r)
+            std::memcpy(qt + (gg * CB + c) * 256 + r * 16 + j, qb + (gg * G + j) * P.q_head + 32 * c + 2 * r,
+                        sizeof(uint32_t));
+    configure_score_tiles(G);
+    const int64_t kstride = P.kv_token * static_cast<int64_t>(sizeof(KV));
+    for (int64_t i0 = 0; i0 < nblk; i0 += kSegBlocks) {
+      const int64_t i1 = std::min(nblk, i0 + kSegBlocks);
+      load_blocks(kc, i0, i1);
+      for (int64_t gg = 0; gg < ng; ++gg) {
+        const uint32_t* qg = qt + gg * CB * 256;
+        _tile_loadd(2, qg, 64);
+        _tile_loadd(3, qg + 256, 64);
+        if constexpr (CB > 2) {
+          _tile_loadd(4, qg + 512, 64);
+          _tile_loadd(5, qg + 768, 64);
+        }
+        for (int64_t i = i0; i < i1; ++i) {
+          const KV* kb = block_of(kc, i) + gg * P.kv_head;
+          const int64_t n = std::min(bs, L - i * bs);
+          for (int64_t t0 = 0; t0 < n; t0 += 16) {
+            const int64_t nt = std::min<int64_t>(16, n - t0);
+            const KV* rows = kb + t0 * P.kv_token;
+            int64_t stride = kstride;
+            if (nt < 16) {  // the context's last, partial tile: never read past it
+              for (int64_t t = 0; t < 16; ++t)
+                for (int64_t d = 0; d < D; ++d) zt[t * D + d] = t < nt ? rows[t * P.kv_token + d] : KV(0.f);
+              rows = zt;
+              stride = D * static_cast<int64_t>(sizeof(KV));
+            }
+            _tile_zero(0);
+            _tile_loadd(1, rows, stride);
+            _tile_dpbf16ps(0, 1, 2);
+            _tile_loadd(6, rows + 32, stride);
+            _tile_dpbf16ps(0, 6, 3);
+            if constexpr (CB > 2) {
+              _tile_loadd(1, rows + 64, stride);
+              _tile_dpbf16ps(0, 1, 4);
+              _tile_loadd(6, rows + 96, stride);
+              _tile_dpbf16ps(0, 6, 5);
+            }
+            _tile_stored(0, s + (i * bs + t0) * 16 + gg * G, 64);
+          }
+        }
+      }
+    }
+    // Softmax across tokens, one head per lane (lanes past GT are never read). The
+    // numerators go to pass 2 as bf16 pairs of consecutive tokens; past L they are 0.
+    const __m512 vscale = _mm512_set1_ps(P.scale);
+    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < L; ++t) {
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + t * 16), vscale);
+      _mm512_storeu_ps(s + t * 16, x);
+      mx = _mm512_max_ps(mx, x);
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < Lp; t += 2) {
+      const __m512 e0 = t < L ? vexp(V16{_mm512_sub_ps(_mm512_loadu_ps(s + t * 16), mx)}).v : _mm512_setzero_ps();
+      const __m512 e1 = t + 1 < L ? vexp(V16{_mm512_sub_ps(_mm512_loadu_ps(s + (t + 1) * 16), mx)}).v
+                                  : _mm512_setzero_ps();
+      sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
+      const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e0));
+      const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e1));
+      _mm512_storeu_si512(pp + (t / 2) * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+    _mm512_storeu_ps(inv_sum, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
+  } else
+#endif
 #if defined(__AVX512BF16__)
   // bf16 query and cache: the query row stays bf16 (unscaled, so exactly the model's
   // values) and each K row is multiplied in its own format by the dot-product
@@ -280,7 +443,7 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
   // Softmax numerators per head, stable (minus the max). Padding up to Lp is set to
   // -inf (exp -> 0) so the vector loops need no tails.
   const float ninf = -std::numeric_limits<float>::infinity();
-  for (int64_t h = 0; h < GT; ++h) {
+  for (int64_t h = 0; h < (kAmx ? 0 : GT); ++h) {
     float* sh = s + h * Lp;
     for (int64_t t = L; t < Lp; ++t) sh[t] = ninf;
     V16 m = vset1(ninf);
@@ -313,6 +476,64 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
     // odd token pairs with a zero row, never with what lies past it in the cache.
     constexpr int C2 = C / 2, NHB = std::max(1, 16 / C);
     for (int64_t x = 0; x < GT * D; ++x) acc[x] = 0.f;
+#if TANDEM_AMX
+    if constexpr (kAmx) {
+      // Pass 2 on tiles: for each kv head, C[G][16 dims] += P[G][32 tokens] V[32][16],
+      // four C tiles a 64-dim half. The A operand wants the probabilities head-major
+      // (the softmax made them token-major), B wants V in the same pairs of tokens the
+      // AVX512-BF16 loop below builds, so each 32 tokens' V rows are interleaved once
+      // into four B tiles; tokens past L enter as zero rows. The C tiles hold the dims
+      // in that interleaved order, which the common ending undoes.
+      uint32_t* pT = reinterpret_cast<uint32_t*>(reinterpret_cast<KV*>(pp + SW * Lp / 2 + ng * (D / 32) * 256) + 16 * D);
+      uint32_t* vt = pT + 16 * (Lp / 2);  // [4][16][16]
+      for (int64_t h = 0; h < GT; ++h)
+        for (int64_t w = 0; w < Lp / 2; ++w) pT[h * (Lp / 2) + w] = pp[w * 16 + h];
+      configure_output_tiles(G);
+      const int64_t pstride = (Lp / 2) * static_cast<int64_t>(sizeof(uint32_t));
+      const int64_t cstride = D * static_cast<int64_t>(sizeof(float));
+      for (int64_t i0 = 0; i0 < nblk; i0 += kSegBlocks) {
+        const int64_t i1 = std::min(nblk, i0 + kSegBlocks);
+        load_blocks(vc, i0, i1);
+        for (int64_t gg = 0; gg < ng; ++gg) {
+          for (int64_t half = 0; half < D / 64; ++half) {
+            float* ag = acc + gg * G * D + 64 * half;
+            _tile_loadd(0, ag, cstride);
+            _tile_loadd(1, ag + 16, cstride);
+            _tile_loadd(2, ag + 32, cstride);
+            _tile_loadd(3, ag + 48, cstride);
+            for (int64_t t0 = i0 * bs; t0 < std::min(L, i1 * bs); t0 += 32) {
+              const KV* v0 = block_of(vc, t0 / bs) + gg * P.kv_head + (t0 % bs) * P.kv_token + 64 * half;
+              for (int r = 0; r < 16; ++r) {
+                const int64_t t = t0 + 2 * r;
+                const KV* ra = v0 + 2 * r * P.kv_token;
+                const __m512i z = _mm512_setzero_si512();
+                const __m512i a0 = t < L ? _mm512_loadu_si512(ra) : z, a1 = t < L ? _mm512_loadu_si512(ra + 32) : z;
+                const __m512i b0 = t + 1 < L ? _mm512_loadu_si512(ra + P.kv_token) : z;
+                const __m512i b1 = t + 1 < L ? _mm512_loadu_si512(ra + P.kv_token + 32) : z;
+                _mm512_storeu_si512(vt + r * 16, _mm512_unpacklo_epi16(a0, b0));
+                _mm512_storeu_si512(vt + 256 + r * 16, _mm512_unpackhi_epi16(a0, b0));
+                _mm512_storeu_si512(vt + 512 + r * 16, _mm512_unpacklo_epi16(a1, b1));
+                _mm512_storeu_si512(vt + 768 + r * 16, _mm512_unpackhi_epi16(a1, b1));
+              }
+              _tile_loadd(4, pT + gg * G * (Lp / 2) + t0 / 2, pstride);
+              _tile_loadd(5, vt, 64);
+              _tile_dpbf16ps(0, 4, 5);
+              _tile_loadd(6, vt + 256, 64);
+              _tile_dpbf16ps(1, 4, 6);
+              _tile_loadd(5, vt + 512, 64);
+              _tile_dpbf16ps(2, 4, 5);
+              _tile_loadd(6, vt + 768, 64);
+              _tile_dpbf16ps(3, 4, 6);
+            }
+            _tile_stored(0, ag, cstride);
+            _tile_stored(1, ag + 16, cstride);
+            _tile_stored(2, ag + 32, cstride);
+            _tile_stored(3, ag + 48, cstride);
+          }
+        }
+      }
+    } else
+#endif
     for (int64_t i0 = 0; i0 < nblk; i0 += kSegBlocks) {
       const int64_t i1 = std::min(nblk, i0 + kSegBlocks);
       load_blocks(vc, i0, i1);
@@ -325,7 +546,7 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
           for (int64_t i = i0; i < i1; ++i) {
             const KV* vb = block_of(vc, i) + gg * P.kv_head;
             const int64_t n = std::min(bs, L - i * bs);
-            const uint32_t* pt = pp + h0 * (Lp / 2) + i * bs / 2;
+            const uint32_t* pt = pp + h0 * p_head + (i * bs / 2) * p_pair;
             for (int64_t t = 0; t < n; t += 2) {
               const KV* r0 = vb + t * P.kv_token;
               __m512bh w[C];
@@ -337,7 +558,7 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
               }
               for (int h = 0; h < NHB; ++h) {
                 if (h >= nh) break;
-                const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pt[h * (Lp / 2) + t / 2]));
+                const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pt[h * p_head + (t / 2) * p_pair]));
                 for (int c = 0; c < C; ++c) a[h][c] = _mm512_dpbf16_ps(a[h][c], w[c], pb);
               }
             }
@@ -419,12 +640,31 @@ void run_all(const Problem& P, const at::Tensor& k_cache, const at::Tensor& v_ca
   const Q* q = reinterpret_cast<const Q*>(query.data_ptr());
   Q* o = reinterpret_cast<Q*>(out.data_ptr());
   const int64_t threads = at::get_num_threads(), hkv = P.num_kv_heads;
+  const int64_t G = P.num_heads / hkv;
   int64_t ng = hkv;
   while (ng > 1 && num_seqs * (hkv / ng) < 4 * threads) ng = ng % 2 == 0 ? ng / 2 : 1;
-  const int64_t runs = hkv / ng, items = num_seqs * runs;
   const bool pairs = P.bf16_pairs && P.block_size % 2 == 0;
+  // Tiles where they apply: bf16, head_dim 64 or 128, blocks of a multiple of 32 tokens,
+  // and at most 16 query heads an item (one vector lane each in the softmax).
+  constexpr bool kAmxShape = TANDEM_AMX && std::is_same_v<KV, BFloat16> && std::is_same_v<Q, BFloat16> &&
+                             (C == 4 || C == 8);
+  const bool amx = kAmxShape && pairs && P.block_size % 32 == 0 && G <= 16 &&
+                   g_decode_amx.load(std::memory_order_relaxed) && amx_usable();
+  if (amx)
+    while (ng > 1 && ng * G > 16) ng = ng % 2 == 0 ? ng / 2 : 1;
+  const int64_t runs = hkv / ng, items = num_seqs * runs;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+#if TANDEM_AMX
+    if constexpr (kAmxShape) {
+      if (amx) {
+        for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1))
+          attend<C, KV, Q, true, true>(P, kc, vc, q, o, it / runs, (it % runs) * ng, ng);
+        _tile_release();  // back to the initial state: nothing extra to save on a switch
+        return;
+      }
+    }
+#endif
     for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1))
       if (pairs) attend<C, KV, Q, true>(P, kc, vc, q, o, it / runs, (it % runs) * ng, ng);
       else attend<C, KV, Q, false>(P, kc, vc, q, o, it / runs, (it % runs) * ng, ng);
@@ -692,6 +932,12 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, con
 
 int64_t simd_lanes() { return kAvx512 ? 16 : 0; }
 
+// Whether bf16 decode attention can run its scores on AMX tiles here (the build targets
+// AMX and the kernel granted the tile state), and the switch for it (TANDEM_CPU_AMX_ATTENTION;
+// tests compare both paths). `set_decode_amx` returns the previous setting.
+bool decode_amx_supported() { return amx_usable(); }
+bool set_decode_amx(bool on) { return g_decode_amx.exchange(on); }
+
 }  // namespace
 
 // Ops live in a namespace named after the build (TORCH_EXTENSION_NAME carries a hash),
@@ -703,4 +949,6 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
         "Tensor block_tables, Tensor query_start, Tensor seq_lens, float scale) -> ()", &paged_prefill_attention);
   m.def("paged_prefill_attention_supported() -> bool", &paged_prefill_attention_supported);
   m.def("simd_lanes() -> int", &simd_lanes);  // 16 with AVX-512, 0 for the portable build
+  m.def("decode_amx_supported() -> bool", &decode_amx_supported);
+  m.def("set_decode_amx(bool on) -> bool", &set_decode_amx);
 }

@@ -358,3 +358,72 @@ def test_decode_bf16_pairs_are_bitwise_independent_of_threads_and_split():
     case = _bf16_case(4, 64, 16, ragged_lens(16, 4, g), seed=4, num_kv_heads=8)
     outs = outputs_over_threads(lambda: kernels.paged_decode_attention(*case, scale=0.125), (1, 4))
     assert torch.equal(outs[0], outs[1])
+
+
+needs_amx = pytest.mark.skipif(not build.load().decode_amx_supported(),
+                               reason="this CPU (or build, or kernel) has no AMX tiles")
+
+
+@pytest.fixture
+def amx_switch(compiled):
+    """Sets the kernels' process-wide AMX switch for one test and restores it after."""
+    before = compiled.set_decode_amx(True)
+    yield compiled.set_decode_amx
+    compiled.set_decode_amx(before)
+
+
+@needs_amx
+@pytest.mark.parametrize("block_size", [32, 64])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_amx_matches_reference_and_the_avx512_path(amx_switch, group, head_dim, block_size):
+    """bf16 decode on AMX tiles: within bf16 tolerance of the fp32 reference and of the
+    AVX512-BF16 path, at lengths that end mid-tile, mid-pair and on block boundaries."""
+    g = torch.Generator().manual_seed(group * 10 + head_dim + block_size)
+    lens = ragged_lens(block_size, 24, g) + [1, 2, 3, 15, 16, 17, 31, 33]
+    case = _bf16_case(group, head_dim, block_size, lens, seed=7, num_kv_heads=4)
+    scale = head_dim ** -0.5
+    amx_switch(True)
+    tiles = kernels.paged_decode_attention(*case, scale=scale)
+    amx_switch(False)
+    vectors = kernels.paged_decode_attention(*case, scale=scale)
+    _, want = run_both(*case)
+    torch.testing.assert_close(tiles.float(), want, **TOL[torch.bfloat16])
+    torch.testing.assert_close(tiles.float(), vectors.float(), **TOL[torch.bfloat16])
+
+
+@needs_amx
+def test_decode_amx_never_reads_past_a_sequence(amx_switch):
+    """NaN in every cache slot past each sequence's length (K and V): the partial last
+    tile of K is padded with zeros and V rows past the end enter as zeros."""
+    lens = [1, 3, 15, 16, 17, 31, 33, 63, 64, 65]
+    query, k_cache, v_cache, tables, seq_lens = _bf16_case(4, 64, 32, lens, seed=9, num_kv_heads=4)
+    clean = kernels.paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, 0.125)
+    for b, n in enumerate(lens):
+        for t in range(n, tables.shape[1] * 32):
+            block = int(tables[b, t // 32])
+            if block >= 0:
+                k_cache[block, t % 32] = float("nan")
+                v_cache[block, t % 32] = float("nan")
+    got = kernels.paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, 0.125)
+    assert torch.isfinite(got.float()).all()
+    assert torch.equal(got, clean)
+
+
+@needs_amx
+def test_decode_amx_is_bitwise_independent_of_threads_and_split(amx_switch):
+    """1 thread vs several, whole rows vs split kv heads (16 query heads an item at
+    most on tiles): each head's arithmetic is the same."""
+    g = torch.Generator().manual_seed(13)
+    case = _bf16_case(4, 64, 64, ragged_lens(64, 4, g), seed=4, num_kv_heads=8)
+    outs = outputs_over_threads(lambda: kernels.paged_decode_attention(*case, scale=0.125), (1, 4))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_backend_sets_the_amx_switch_from_the_environment(monkeypatch, amx_switch):
+    monkeypatch.setenv("TANDEM_CPU_AMX_ATTENTION", "0")
+    CpuAttention()
+    assert amx_switch(True) is False
+    monkeypatch.delenv("TANDEM_CPU_AMX_ATTENTION")
+    CpuAttention()
+    assert amx_switch(True) is True

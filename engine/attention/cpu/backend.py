@@ -21,6 +21,8 @@ class CpuAttention(AttentionBackend):
         self._bf16_prefill = envs.cpu_prefill_kernel() and bool(self.ops.paged_prefill_attention_supported())
         self.prefill_tensors = self._bf16_prefill  # the runner then builds the int32 lengths
         self.bf16_pairs = envs.cpu_decode_pairs()  # bf16 decode: p.v on the dot-product instruction
+        # bf16 decode on AMX tiles where the CPU has them (a process-wide switch of the kernels)
+        self.ops.set_decode_amx(envs.cpu_amx_attention())
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         fits = (key.dtype == k_cache.dtype and value.dtype == k_cache.dtype and k_cache.is_contiguous()
