@@ -15,7 +15,8 @@
 // With a bf16 query and cache (and `bf16_pairs`, the default) pass 2 multiplies p,
 // rounded to bf16, into V two tokens an instruction on AVX512-BF16's dot product;
 // the sums stay fp32 (in attend, below).
-// Where the CPU has AMX (and blocks hold a multiple of 32 tokens, D is 64 or 128), a
+// Where the CPU has AMX (blocks hold a multiple of 32 tokens, D is 64 or 128, 4 to 16
+// query heads share a kv head), a
 // bf16 item runs both passes on tiles instead (attend's kAmx branches): the scores of a
 // kv head's G query heads against 16 tokens are one tile product per 32 dims, with no
 // horizontal sums, and p.v takes 32 tokens an instruction. On the 2-core Xeon of
@@ -645,10 +646,14 @@ void run_all(const Problem& P, const at::Tensor& k_cache, const at::Tensor& v_ca
   while (ng > 1 && num_seqs * (hkv / ng) < 4 * threads) ng = ng % 2 == 0 ? ng / 2 : 1;
   const bool pairs = P.bf16_pairs && P.block_size % 2 == 0;
   // Tiles where they apply: bf16, head_dim 64 or 128, blocks of a multiple of 32 tokens,
-  // and at most 16 query heads an item (one vector lane each in the softmax).
+  // at least 4 and at most 16 query heads per kv head (one vector lane each in the
+  // softmax). Below 4 the tiles' fixed costs per token (a softmax vector, the V
+  // interleave) outweigh what they save: at G = 2 (H=4, Hkv=2, D=64, B=200, L=320) the
+  // tile path took 3.2-3.7 ms against 2.75 with blocks scattered; at G = 4 and 8 it is
+  // the faster one (docs/performance.md, fifteenth round).
   constexpr bool kAmxShape = TANDEM_AMX && std::is_same_v<KV, BFloat16> && std::is_same_v<Q, BFloat16> &&
                              (C == 4 || C == 8);
-  const bool amx = kAmxShape && pairs && P.block_size % 32 == 0 && G <= 16 &&
+  const bool amx = kAmxShape && pairs && P.block_size % 32 == 0 && G >= 4 && G <= 16 &&
                    g_decode_amx.load(std::memory_order_relaxed) && amx_usable();
   if (amx)
     while (ng > 1 && ng * G > 16) ng = ng % 2 == 0 ? ng / 2 : 1;

@@ -375,7 +375,7 @@ def amx_switch(compiled):
 @needs_amx
 @pytest.mark.parametrize("block_size", [32, 64])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("group", [4, 8, 16])
 def test_decode_amx_matches_reference_and_the_avx512_path(amx_switch, group, head_dim, block_size):
     """bf16 decode on AMX tiles: within bf16 tolerance of the fp32 reference and of the
     AVX512-BF16 path, at lengths that end mid-tile, mid-pair and on block boundaries."""
@@ -390,6 +390,7 @@ def test_decode_amx_matches_reference_and_the_avx512_path(amx_switch, group, hea
     _, want = run_both(*case)
     torch.testing.assert_close(tiles.float(), want, **TOL[torch.bfloat16])
     torch.testing.assert_close(tiles.float(), vectors.float(), **TOL[torch.bfloat16])
+    assert not torch.equal(tiles, vectors)  # the switch does change the path
 
 
 @needs_amx
@@ -427,3 +428,17 @@ def test_backend_sets_the_amx_switch_from_the_environment(monkeypatch, amx_switc
     monkeypatch.delenv("TANDEM_CPU_AMX_ATTENTION")
     CpuAttention()
     assert amx_switch(True) is True
+
+
+@needs_amx
+@pytest.mark.parametrize("group", [1, 2])
+def test_decode_amx_leaves_small_groups_on_avx512(amx_switch, group):
+    """Fewer than 4 query heads per kv head stay on AVX512-BF16 (faster there): the
+    switch changes nothing, bit for bit."""
+    g = torch.Generator().manual_seed(group)
+    case = _bf16_case(group, 64, 64, ragged_lens(64, 12, g), seed=3, num_kv_heads=2)
+    amx_switch(True)
+    on = kernels.paged_decode_attention(*case, scale=0.125)
+    amx_switch(False)
+    off = kernels.paged_decode_attention(*case, scale=0.125)
+    assert torch.equal(on, off)
