@@ -13,7 +13,8 @@
                        paged_attention.cpp)
     TANDEM_CPU_AMX_ATTENTION  0 keeps bf16 decode attention on AVX512-BF16 where the CPU
                        has AMX; by default its scores and its p.v product run on AMX tiles
-                       (blocks of a multiple of 32 tokens, head_dim 64 or 128)
+                       (blocks of a multiple of 32 tokens, head_dim 64 or 128, 4 to 16
+                       query heads per kv head)
     TANDEM_KEPT_ROWS   0 runs every prefill token through the whole last layer; by
                        default the last layer computes attention, o_proj and the MLP
                        only for the rows a step samples from, the others needing just
