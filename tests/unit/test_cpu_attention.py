@@ -338,15 +338,20 @@ def test_decode_bf16_pairs_match_reference_and_the_fp32_product(group, head_dim,
 def test_decode_bf16_pairs_never_read_past_a_sequence():
     """Cache slots past each sequence's length hold NaN (what a reused block may hold):
     a lone last token pairs with zeros, not with the slot after it."""
-    lens = [1, 3, 15, 17, 31, 33]
-    query, k_cache, v_cache, tables, seq_lens = _bf16_case(4, 64, 16, lens, seed=9)
+    _assert_nothing_read_past_the_end([1, 3, 15, 17, 31, 33], block_size=16, num_kv_heads=2)
+
+
+def _assert_nothing_read_past_the_end(lens, block_size, num_kv_heads):
+    """Poisons every cache slot past each sequence's end with NaN: the output must not move."""
+    query, k_cache, v_cache, tables, seq_lens = _bf16_case(4, 64, block_size, lens, seed=9,
+                                                           num_kv_heads=num_kv_heads)
     clean = kernels.paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, 0.125)
     for b, n in enumerate(lens):
-        for t in range(n, tables.shape[1] * 16):
-            block = int(tables[b, t // 16])
+        for t in range(n, tables.shape[1] * block_size):
+            block = int(tables[b, t // block_size])
             if block >= 0:
-                k_cache[block, t % 16] = float("nan")
-                v_cache[block, t % 16] = float("nan")
+                k_cache[block, t % block_size] = float("nan")
+                v_cache[block, t % block_size] = float("nan")
     got = kernels.paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, 0.125)
     assert torch.isfinite(got.float()).all()
     assert torch.equal(got, clean)
@@ -397,18 +402,7 @@ def test_decode_amx_matches_reference_and_the_avx512_path(amx_switch, group, hea
 def test_decode_amx_never_reads_past_a_sequence(amx_switch):
     """NaN in every cache slot past each sequence's length (K and V): the partial last
     tile of K is padded with zeros and V rows past the end enter as zeros."""
-    lens = [1, 3, 15, 16, 17, 31, 33, 63, 64, 65]
-    query, k_cache, v_cache, tables, seq_lens = _bf16_case(4, 64, 32, lens, seed=9, num_kv_heads=4)
-    clean = kernels.paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, 0.125)
-    for b, n in enumerate(lens):
-        for t in range(n, tables.shape[1] * 32):
-            block = int(tables[b, t // 32])
-            if block >= 0:
-                k_cache[block, t % 32] = float("nan")
-                v_cache[block, t % 32] = float("nan")
-    got = kernels.paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, 0.125)
-    assert torch.isfinite(got.float()).all()
-    assert torch.equal(got, clean)
+    _assert_nothing_read_past_the_end([1, 3, 15, 16, 17, 31, 33, 63, 64, 65], block_size=32, num_kv_heads=4)
 
 
 @needs_amx
