@@ -16,10 +16,9 @@
 // rounded to bf16, into V two tokens an instruction on AVX512-BF16's dot product;
 // the sums stay fp32 (in attend, below).
 // Where the CPU has AMX (blocks hold a multiple of 32 tokens, D is 64 or 128, 4 to 16
-// query heads share a kv head), a
-// bf16 item runs both passes on tiles instead (attend's kAmx branches): the scores of a
-// kv head's G query heads against 16 tokens are one tile product per 32 dims, with no
-// horizontal sums, and p.v takes 32 tokens an instruction. On the 2-core Xeon of
+// query heads share a kv head), a bf16 item runs both passes on tiles instead (attend's
+// kAmx branches): the scores of a kv head's G query heads against 16 tokens are one tile
+// product per 32 dims, with no horizontal sums, and p.v takes 32 tokens an instruction. On the 2-core Xeon of
 // docs/performance.md (fifteenth round) a layer of small's shape (B=100, L=320) went from
 // 1.95 to 1.32 ms with the cache in L3 and 2.46 to 1.75-1.96 ms scattered.
 // Items are handed out through an atomic counter so ragged lengths balance.
@@ -243,15 +242,20 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
   // a tile of scores is 16 tokens by the G heads of one kv head, and the softmax then
   // runs across tokens with one head per vector lane.
   const int64_t SW = kAmx ? 16 : GT;
-  // query tiles, a padded K tile, the probabilities head-major, four V tiles
-  const int64_t amx_extra = kAmx ? ng * (D / 32) * 256 + 8 * D + 8 * Lp + 1024 : 0;
-  float* q = thread_scratch(2 * GT * D + SW * Lp + SW + SW * Lp / 2 + amx_extra);  // [GT, D] query * scale
+  // AMX only: the query tiles [ng][D / 32][16][16] words, a zero-padded K tile [16][D]
+  // bf16, the probabilities head-major [16][Lp / 2] words, four V tiles [4][16][16] words.
+  const int64_t qt_words = kAmx ? ng * (D / 32) * 256 : 0, zt_words = kAmx ? 8 * D : 0;
+  const int64_t pt_words = kAmx ? 8 * Lp : 0, vt_words = kAmx ? 1024 : 0;
+  float* q = thread_scratch(2 * GT * D + SW * Lp + SW + SW * Lp / 2 + qt_words + zt_words + pt_words + vt_words);
+  // q: [GT, D] query * scale (not used on tiles)
   float* acc = q + GT * D;                                 // [GT, D] unnormalised output
   float* s = acc + GT * D;                                 // [GT, Lp] scores, then exp(s - max); AMX: [Lp, 16]
   float* inv_sum = s + SW * Lp;                            // [GT]
   uint32_t* pp = reinterpret_cast<uint32_t*>(inv_sum + SW);  // [GT, Lp / 2] bf16 pairs (bf16 pass 2); AMX: [Lp / 2, 16]
-  // Where pass 2 finds the pair (p[h][t], p[h][t + 1]): pp[h * p_head + (t / 2) * p_pair].
-  const int64_t p_head = kAmx ? 1 : Lp / 2, p_pair = kAmx ? 16 : 1;
+  uint32_t* qt = pp + SW * Lp / 2;
+  uint32_t* zt_raw = qt + qt_words;
+  uint32_t* pT = zt_raw + zt_words;
+  uint32_t* vt = pT + pt_words;
   const Q* qb = query + b * P.q_seq + g0 * G * P.q_head;
   if constexpr (!kAmx)
     for (int64_t h = 0; h < GT; ++h)
@@ -316,9 +320,8 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
     // fp32 score in the softmax.
     static_assert(C == 4 || C == 8, "the AMX path handles head_dim 64 and 128");
     constexpr int CB = C / 2;
-    uint32_t* qt = pp + SW * Lp / 2;                                          // [ng][CB][16][16]
-    KV* zt = reinterpret_cast<KV*>(qt + ng * CB * 256);                       // [16][D]
-    std::memset(qt, 0, ng * CB * 256 * sizeof(uint32_t));
+    KV* zt = reinterpret_cast<KV*>(zt_raw);
+    std::memset(qt, 0, qt_words * sizeof(uint32_t));
     for (int64_t gg = 0; gg < ng; ++gg)
       for (int64_t j = 0; j < G; ++j)
         for (int c = 0; c < CB; ++c)
@@ -444,7 +447,7 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
   // Softmax numerators per head, stable (minus the max). Padding up to Lp is set to
   // -inf (exp -> 0) so the vector loops need no tails.
   const float ninf = -std::numeric_limits<float>::infinity();
-  for (int64_t h = 0; h < (kAmx ? 0 : GT); ++h) {
+  for (int64_t h = 0; h < GT && !kAmx; ++h) {
     float* sh = s + h * Lp;
     for (int64_t t = L; t < Lp; ++t) sh[t] = ninf;
     V16 m = vset1(ninf);
@@ -485,8 +488,6 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
       // AVX512-BF16 loop below builds, so each 32 tokens' V rows are interleaved once
       // into four B tiles; tokens past L enter as zero rows. The C tiles hold the dims
       // in that interleaved order, which the common ending undoes.
-      uint32_t* pT = reinterpret_cast<uint32_t*>(reinterpret_cast<KV*>(pp + SW * Lp / 2 + ng * (D / 32) * 256) + 16 * D);
-      uint32_t* vt = pT + 16 * (Lp / 2);  // [4][16][16]
       for (int64_t h = 0; h < GT; ++h)
         for (int64_t w = 0; w < Lp / 2; ++w) pT[h * (Lp / 2) + w] = pp[w * 16 + h];
       configure_output_tiles(G);
@@ -547,7 +548,7 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
           for (int64_t i = i0; i < i1; ++i) {
             const KV* vb = block_of(vc, i) + gg * P.kv_head;
             const int64_t n = std::min(bs, L - i * bs);
-            const uint32_t* pt = pp + h0 * p_head + (i * bs / 2) * p_pair;
+            const uint32_t* pt = pp + h0 * (Lp / 2) + i * bs / 2;
             for (int64_t t = 0; t < n; t += 2) {
               const KV* r0 = vb + t * P.kv_token;
               __m512bh w[C];
@@ -559,7 +560,7 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
               }
               for (int h = 0; h < NHB; ++h) {
                 if (h >= nh) break;
-                const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pt[h * p_head + (t / 2) * p_pair]));
+                const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pt[h * (Lp / 2) + t / 2]));
                 for (int c = 0; c < C; ++c) a[h][c] = _mm512_dpbf16_ps(a[h][c], w[c], pb);
               }
             }
@@ -937,7 +938,7 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, con
 
 int64_t simd_lanes() { return kAvx512 ? 16 : 0; }
 
-// Whether bf16 decode attention can run its scores on AMX tiles here (the build targets
+// Whether bf16 decode attention can run on AMX tiles here (the build targets
 // AMX and the kernel granted the tile state), and the switch for it (TANDEM_CPU_AMX_ATTENTION;
 // tests compare both paths). `set_decode_amx` returns the previous setting.
 bool decode_amx_supported() { return amx_usable(); }
