@@ -77,8 +77,8 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     engine = llm.engine
     spent = {"prompt": [0.0, 0], "decode": [0.0, 0]}
 
-    def on_forward(num_tokens: int, forward_s: float) -> None:
-        e = spent["prompt" if engine._last_plan.prefills else "decode"]  # the step just run
+    def on_forward(num_tokens: int, forward_s: float, decode_only: bool) -> None:
+        e = spent["decode" if decode_only else "prompt"]
         e[0] += forward_s
         e[1] += 1
 

@@ -26,10 +26,12 @@ import json
 import math
 import os
 import platform
+import secrets
 import shlex
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -287,16 +289,41 @@ class TandemServer(ManagedServer):
         self.extra_args = tuple(extra_args)
         self.max_model_len = max_model_len
         self.name = "tandem-colocated" if colocated else "tandem-disagg"
+        # /admin/pools names the decode workers' /metrics (their decode-step histograms)
+        self.admin_key = secrets.token_hex(12)
 
     def command(self) -> list[str]:
         pools = ["--colocated", "--decode", "1"] if self.colocated else ["--prefill", "1",
                                                                           "--decode", "1"]
         return [sys.executable, "-m", "router.cli", "serve", "--host", "127.0.0.1",
                 "--port", str(self.port), *pools, "--max-model-len", str(self.max_model_len),
-                *self.extra_args]
+                "--admin-key", self.admin_key, *self.extra_args]
 
     def display_command(self) -> str:
-        return "tandem " + shlex.join(self.command()[3:])
+        return "tandem " + shlex.join(self.command()[3:]).replace(self.admin_key, "KEY")
+
+    def decode_steps(self) -> tuple[float, float]:
+        """(seconds, count) of decode-only engine steps, summed over the decode workers'
+        `tandem:worker_decode_step_seconds`."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        req = urllib.request.Request(self.base_url + "/admin/pools",
+                                     headers={"Authorization": f"Bearer {self.admin_key}"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            pools = json.loads(resp.read())["pools"]
+        total, count = 0.0, 0.0
+        for w in (pools.get("decode") or {}).get("workers", []):
+            if not w.get("metrics"):
+                continue
+            with urllib.request.urlopen(f"http://{w['metrics']}/metrics", timeout=10) as resp:
+                text = resp.read().decode()
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == "tandem:worker_decode_step_seconds_sum":
+                        total += sample.value
+                    elif sample.name == "tandem:worker_decode_step_seconds_count":
+                        count += sample.value
+        return total, count
 
     def env_overrides(self) -> dict[str, str]:
         return {"TANDEM_CACHE_DIR": os.environ["TANDEM_CACHE_DIR"]} \
@@ -415,6 +442,10 @@ class Point:
     itl_bunched: float | None = None  # share of ITL samples under 0.1 ms (a burst)
     wall_s: float | None = None
     error: str | None = None
+    round: int = 1  # which pass over the servers (--rounds)
+    # tandem: the decode workers' decode-only steps during the point (mean ms, count)
+    decode_step_ms: float | None = None
+    decode_steps: int | None = None
 
 
 def parse_rates(text: str) -> tuple[list[float], tuple[float, ...] | None]:
@@ -438,6 +469,17 @@ def rate_name(rate: float | str) -> str:
 
 def point_name(rate: float | str, concurrency: int | None) -> str:
     return f"rate-{rate_name(rate)}" + (f"-c{concurrency}" if concurrency else "")
+
+
+def round_suffix(rnd: int) -> str:
+    """'' for the first round (file names as before rounds existed), '-round2' after."""
+    return "" if rnd <= 1 else f"-round{rnd}"
+
+
+def _who(p: dict[str, Any]) -> str:
+    """A point's or a server turn's name in logs and tables: 'vllm', 'vllm (round 2)'."""
+    name, rnd = p.get("server") or p.get("name"), p.get("round") or 1
+    return name if rnd <= 1 else f"{name} (round {rnd})"
 
 
 def point_label(p: dict[str, Any]) -> str:
@@ -465,6 +507,11 @@ class Sweep:
             if s not in ALL_SERVERS:
                 raise ValueError(f"unknown server {s!r}: choose from {ALL_SERVERS}")
         self.slo = list(args.slo or DEFAULT_SLO)
+        self.rounds = max(1, args.rounds)
+        self.repeat = [s.strip() for s in (args.repeat_servers or "").split(",") if s.strip()]
+        for s in self.repeat:
+            if s not in self.servers:
+                raise ValueError(f"--repeat-servers {s!r} is not among --servers {self.servers}")
         self.points: list[Point] = []
         self.server_info: list[dict[str, Any]] = []
 
@@ -480,13 +527,13 @@ class Sweep:
                 "--slo", *self.slo, "--label", label, "--quiet"]
 
     def run_point(self, server: ManagedServer, workload: str, index: int, rate: float,
-                  concurrency: int | None = None) -> Point:
+                  concurrency: int | None = None, rnd: int = 1) -> Point:
         from bench.cli import run_main
         from bench.report import load_json, records_of
 
         seed = SEED + index
-        pt = Point(server.name, workload, index, rate_json(rate), seed, concurrency)
-        rel = f"raw/{server.name}/{workload}-{point_name(rate, concurrency)}.json"
+        pt = Point(server.name, workload, index, rate_json(rate), seed, concurrency, round=rnd)
+        rel = f"raw/{server.name}/{workload}-{point_name(rate, concurrency)}{round_suffix(rnd)}.json"
         n = self.args.single_stream if concurrency == 1 else self.num_requests
         pt.argv = self.bench_argv(server.base_url, workload, rate, seed, n,
                                   f"{server.name} {workload}", concurrency)
@@ -498,9 +545,14 @@ class Sweep:
                 before = scrape_counters(server.base_url, server.metrics_prefix)
             except (OSError, ValueError) as e:
                 pt.counters = {"error": f"cannot scrape /metrics: {e}"}
+        steps0 = self._decode_steps(server)
         t0 = time.monotonic()
         code = run_main([*pt.argv, "-o", str(path)])
         pt.wall_s = time.monotonic() - t0
+        steps1 = self._decode_steps(server)
+        if steps0 and steps1 and steps1[1] > steps0[1]:
+            pt.decode_steps = int(steps1[1] - steps0[1])
+            pt.decode_step_ms = round((steps1[0] - steps0[0]) / pt.decode_steps * 1e3, 4)
         if not path.is_file():
             pt.error = f"tandem bench exited with {code} and wrote no result"
             return pt
@@ -522,6 +574,16 @@ class Sweep:
                 pt.counters = {"error": f"cannot scrape /metrics: {e}"}
         return pt
 
+    @staticmethod
+    def _decode_steps(server: ManagedServer) -> tuple[float, float] | None:
+        if not isinstance(server, TandemServer):
+            return None
+        try:
+            return server.decode_steps()
+        except (OSError, ValueError, KeyError) as e:
+            log(f"[{server.name}] cannot read the decode workers' step times: {e}")
+            return None
+
     def warm(self, server: ManagedServer, workload: str) -> None:
         from bench.cli import run_main
 
@@ -529,11 +591,11 @@ class Sweep:
             run_main(self.bench_argv(server.base_url, workload, math.inf, WARMUP_SEED,
                                      self.warmup, "warm-up"))
 
-    def bench_server(self, server: ManagedServer) -> None:
+    def bench_server(self, server: ManagedServer, rnd: int = 1) -> None:
         for workload in self.workloads:
             self.warm(server, workload)
             if self.fractions:  # saturation first, then fractions of it
-                sat = self.run_point(server, workload, len(self.fractions), math.inf)
+                sat = self.run_point(server, workload, len(self.fractions), math.inf, rnd=rnd)
                 self._done(sat)
                 rps = (sat.summary or {}).get("throughput", {}).get("requests_per_s") or 0
                 if not rps:
@@ -544,21 +606,22 @@ class Sweep:
             else:
                 plan = list(enumerate(self.rates))
             for index, rate in plan:
-                self._done(self.run_point(server, workload, index, rate))
+                self._done(self.run_point(server, workload, index, rate, rnd=rnd))
             if self.args.single_stream:  # one request at a time: the per-token latency floor
-                self._done(self.run_point(server, workload, len(plan) + 1, math.inf, concurrency=1))
+                self._done(self.run_point(server, workload, len(plan) + 1, math.inf,
+                                          concurrency=1, rnd=rnd))
 
     def _done(self, pt: Point) -> None:
         self.points.append(pt)
         if pt.error or pt.summary is None:
-            log(f"[{pt.server}] {pt.workload} {point_label(asdict(pt))}: ERROR {pt.error}")
+            log(f"[{_who(asdict(pt))}] {pt.workload} {point_label(asdict(pt))}: ERROR {pt.error}")
             return
         s = pt.summary
         lat = s["latency_ms"]
         chk = ""
         if pt.counters and "match" in pt.counters:
             chk = ", /metrics counters " + ("match" if pt.counters["match"] else "DIFFER")
-        log(f"[{pt.server}] {pt.workload} {point_label(asdict(pt))}: "
+        log(f"[{_who(asdict(pt))}] {pt.workload} {point_label(asdict(pt))}: "
             f"{s['requests']['completed']}/{s['requests']['total']} ok, "
             f"{s['throughput']['requests_per_s']:.2f} req/s, "
             f"{s['throughput']['output_tokens_per_s']:.0f} out tok/s, "
@@ -566,12 +629,12 @@ class Sweep:
             f"{chk} ({pt.wall_s:.0f}s)")
 
     # -- servers
-    def make_server(self, name: str) -> ManagedServer | str:
+    def make_server(self, name: str, rnd: int = 1) -> ManagedServer | str:
         """The server, or a one-line reason to skip it."""
         from engine.models.builtin import builtin_model_path
 
         a, port = self.args, free_port()
-        log_path = self.out / "logs" / f"{name}.log"
+        log_path = self.out / "logs" / f"{name}{round_suffix(rnd)}.log"
         model = a.model or str(builtin_model_path())
         if name.startswith("tandem"):
             extra = (["--model", a.model] if a.model else []) + (["--dtype", a.tandem_dtype] if a.tandem_dtype else [])
@@ -600,7 +663,8 @@ class Sweep:
                 "slo": self.slo, "rates": [rate_name(r) for r in self.rates],
                 "auto_fractions": list(self.fractions or []),
                 "workloads": {w: WORKLOAD_ARGS[self.mode][w] for w in self.workloads},
-                "request_timeout_s": self.args.request_timeout,
+                "request_timeout_s": self.args.request_timeout, "rounds": self.rounds,
+                "repeat_servers": self.repeat if self.rounds > 1 else [],
                 "argv": sys.argv[1:], "loadavg_start": os.getloadavg()}
         if self.args.preset == "peers":
             from bench.bandwidth import floor
@@ -611,41 +675,42 @@ class Sweep:
                 f"{meta['bandwidth']['floor_ms_per_token']} ms/token")
         meta["model"] = self.args.model or "built-in"
         log(f"writing to {self.out}")
-        for name in self.servers:
-            server = self.make_server(name)
+        for rnd, name in self.turns():
+            tag = _who({"server": name, "round": rnd})
+            server = self.make_server(name, rnd)
             if isinstance(server, str):
-                log(f"[{name}] skipped: {server}")
-                self.server_info.append({"name": name, "skipped": server})
+                log(f"[{tag}] skipped: {server}")
+                self.server_info.append({"name": name, "round": rnd, "skipped": server})
                 self._save(meta)
                 continue
-            info = {"name": name, "command": server.display_command(),
+            info = {"name": name, "round": rnd, "command": server.display_command(),
                     "base_url": server.base_url, "log": str(server.log_path.relative_to(self.out))}
             self.server_info.append(info)
-            log(f"[{name}] starting: {info['command']}")
+            log(f"[{tag}] starting: {info['command']}")
             try:
                 server.start()
                 info["startup_s"] = round(server.wait_ready(), 1)
-                log(f"[{name}] ready after {info['startup_s']}s")
+                log(f"[{tag}] ready after {info['startup_s']}s")
                 from bench.peers import smoke_request
 
                 info["smoke"] = asyncio.run(smoke_request(server.base_url))
-                log(f"[{name}] smoke request: {info['smoke']}")
+                log(f"[{tag}] smoke request: {info['smoke']}")
                 if info["smoke"].startswith("FAILED"):
                     raise RuntimeError(f"smoke request {info['smoke']}")
-                self.bench_server(server)
+                self.bench_server(server, rnd)
             except KeyboardInterrupt:
                 info["error"] = "interrupted"
                 raise
             except Exception as e:  # one server's failure does not end the sweep
                 info["error"] = f"{type(e).__name__}: {e}"
-                log(f"[{name}] ERROR {info['error']}")
+                log(f"[{tag}] ERROR {info['error']}")
             finally:
                 shut = server.stop()
                 info["shutdown"] = asdict(shut) | {"clean": shut.clean,
                                                    "text": shut.describe()}
-                log(f"[{name}] stopped: {shut.describe()}")
+                log(f"[{tag}] stopped: {shut.describe()}")
                 for line in shut.leftovers:
-                    log(f"[{name}]   outlived the server: {line}")
+                    log(f"[{tag}]   outlived the server: {line}")
                 self._save(meta)
         meta["loadavg_end"] = os.getloadavg()
         meta["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -655,6 +720,15 @@ class Sweep:
         ok = all(p.error is None for p in self.points) and not any(
             "error" in s for s in self.server_info)
         return 0 if ok and self.points else 1
+
+    def turns(self) -> list[tuple[int, str]]:
+        """(round, server) in the order they run: every server in round 1, then the
+        --repeat-servers again in each further round, in reverse order every other round
+        so that a slow drift of the shared machine does not always favour the same one."""
+        out = [(1, name) for name in self.servers]
+        for rnd in range(2, self.rounds + 1):
+            out += [(rnd, name) for name in (self.repeat[::-1] if rnd % 2 == 0 else self.repeat)]
+        return out
 
     def _save(self, meta: dict[str, Any]) -> None:
         doc = {"tool": "tandem-bench-sweep", "schema_version": 1, "meta": meta,
@@ -782,48 +856,132 @@ def versions(args: argparse.Namespace) -> dict[str, str]:
 
 def _side_by_side(meta: dict[str, Any], ok: list[dict[str, Any]]) -> list[str]:
     """Per workload with a single-stream point: throughput at rate inf and one stream's
-    ms/token (TPOT p50) per server, as ratios to vLLM's and llama.cpp's in the same run,
-    next to the memory-bandwidth floor."""
+    ms/token (TPOT p50) per server, as ratios to vLLM's and llama.cpp's in the same run
+    (in the same round, where the peer ran in it), next to the memory-bandwidth floor;
+    with --rounds, also each server's median over its rounds and of its ratios."""
     L: list[str] = []
     bw = meta.get("bandwidth")
     for workload in meta["workloads"]:
         pts = [p for p in ok if p["workload"] == workload]
-        inf = {p["server"]: p for p in pts if not p.get("concurrency") and float(p["rate"]) == math.inf}
-        one = {p["server"]: p for p in pts if p.get("concurrency") == 1}
+        inf = {(p["server"], p.get("round") or 1): p for p in pts
+               if not p.get("concurrency") and float(p["rate"]) == math.inf}
+        one = {(p["server"], p.get("round") or 1): p for p in pts if p.get("concurrency") == 1}
         if not one:
             continue
-
-        def tput(name: str) -> float | None:
-            p = inf.get(name)
-            return p["summary"]["throughput"]["output_tokens_per_s"] if p else None
-
-        def tpot(name: str) -> float | None:
-            p = one.get(name)
-            return (p["summary"]["latency_ms"].get("tpot") or {}).get("p50") if p else None
-
-        def ratio(a: float | None, b: float | None) -> str:
-            return f"{a / b:.2f}x" if a and b else "-"
-
-        names = [n for n in PEERS_ORDER if n in inf or n in one] + sorted(
-            (set(inf) | set(one)) - set(PEERS_ORDER))
+        rows = SideBySide(inf, one)
+        turns = sorted(set(inf) | set(one), key=lambda k: (k[1], _peer_rank(k[0])))
         L += [f"## Side by side: {workload}", "",
               f"Model: {meta.get('model', 'built-in')}. Throughput: output tokens/s at rate inf "
               f"({meta['num_requests']} prompts at once). One stream: TPOT p50 with one request "
               "at a time. Ratios are to the peer in this same run (higher throughput and lower "
-              "ms/token are better).", ""]
+              "ms/token are better)" + (", and in the same round where the peer ran in it "
+                                        "(otherwise to the peer's median)" if rows.rounds > 1 else "")
+              + ".", ""]
         if bw:
             L += [f"Memory read bandwidth {bw['read_gbs']} GB/s (streaming read, bench/bandwidth.py); "
                   f"{bw['weight_bytes'] / 1e6:.1f} MB of weights read per token, so one stream's floor "
                   f"is {bw['floor_ms_per_token']} ms/token.", ""]
         L += ["| server | out tok/s, rate inf | vs vLLM | 1 stream ms/token | vs vLLM | vs llama.cpp | "
-              "vs the floor |", "|---|---|---|---|---|---|---|"]
-        for n in names:
-            t, m = tput(n), tpot(n)
+              "vs the floor | engine step ms | serving overhead ms |", "|---|---|---|---|---|---|---|---|---|"]
+        for name, rnd in turns:
+            t, m = rows.tput(name, rnd), rows.tpot(name, rnd)
             floor_x = f"{m / bw['floor_ms_per_token']:.2f}x" if bw and m else "-"
-            L.append(f"| {n} | {_f(t, 0)} | {ratio(t, tput('vllm'))} | {_f(m, 2)} | "
-                     f"{ratio(m, tpot('vllm'))} | {ratio(m, tpot('llamacpp'))} | {floor_x} |")
+            step, over = rows.step(name, rnd), rows.overhead(name, rnd)
+            L.append(f"| {_who({'server': name, 'round': rnd})} | {_f(t, 0)} | "
+                     f"{_x(rows.tput_ratio(name, rnd, 'vllm'))} | {_f(m, 2)} | "
+                     f"{_x(rows.tpot_ratio(name, rnd, 'vllm'))} | "
+                     f"{_x(rows.tpot_ratio(name, rnd, 'llamacpp'))} | {floor_x} | "
+                     f"{_f(step, 3)} | {_f(over, 3)} |")
         L.append("")
+        if any(rows.step(n, r) is not None for n, r in turns):
+            L += ["Engine step: the mean forward time of the decode worker's decode-only steps during "
+                  "the single-stream point (`tandem:worker_decode_step_seconds`, read before and after "
+                  "it); serving overhead: the point's mean TPOT minus that, i.e. what the path from "
+                  "the engine to the client's SSE event adds to each token, measured in the same "
+                  "minutes as the token times.", ""]
+        if rows.rounds > 1:
+            L += [f"Over the rounds (median, and the range in brackets; a ratio is taken within "
+                  f"each round, then its median): {rows.rounds} rounds, order reversed every other "
+                  "round.", "",
+                  "| server | rounds | out tok/s, rate inf | vs vLLM | 1 stream ms/token | vs vLLM | "
+                  "vs llama.cpp | serving overhead ms |", "|---|---|---|---|---|---|---|---|"]
+            for name in sorted({k[0] for k in turns}, key=_peer_rank):
+                rs = rows.rounds_of(name)
+                L.append(f"| {name} | {len(rs)} | "
+                         f"{_spread([rows.tput(name, r) for r in rs], 0)} | "
+                         f"{_spread([rows.tput_ratio(name, r, 'vllm') for r in rs], 2, 'x')} | "
+                         f"{_spread([rows.tpot(name, r) for r in rs], 2)} | "
+                         f"{_spread([rows.tpot_ratio(name, r, 'vllm') for r in rs], 2, 'x')} | "
+                         f"{_spread([rows.tpot_ratio(name, r, 'llamacpp') for r in rs], 2, 'x')} | "
+                         f"{_spread([rows.overhead(name, r) for r in rs], 3)} |")
+            L.append("")
     return L
+
+
+def _peer_rank(name: str) -> tuple[int, str]:
+    return (PEERS_ORDER.index(name) if name in PEERS_ORDER else len(PEERS_ORDER), name)
+
+
+def _x(r: float | None) -> str:
+    return f"{r:.2f}x" if r else "-"
+
+
+def _spread(xs: list[float | None], digits: int, unit: str = "") -> str:
+    """'1.21x (1.05x-1.30x)': the median of the values present, and their range."""
+    v = sorted(x for x in xs if x)
+    if not v:
+        return "-"
+    med = statistics.median(v)
+    if len(v) == 1:
+        return f"{_f(med, digits)}{unit}"
+    return f"{_f(med, digits)}{unit} ({_f(v[0], digits)}{unit}-{_f(v[-1], digits)}{unit})"
+
+
+class SideBySide:
+    """The side-by-side's figures, keyed by (server, round)."""
+
+    def __init__(self, inf: dict[tuple[str, int], dict[str, Any]],
+                 one: dict[tuple[str, int], dict[str, Any]]) -> None:
+        self.inf, self.one = inf, one
+        self.rounds = max((k[1] for k in (*inf, *one)), default=1)
+
+    def rounds_of(self, name: str) -> list[int]:
+        return sorted({r for n, r in (*self.inf, *self.one) if n == name})
+
+    def tput(self, name: str, rnd: int) -> float | None:
+        p = self.inf.get((name, rnd))
+        return p["summary"]["throughput"]["output_tokens_per_s"] if p else None
+
+    def tpot(self, name: str, rnd: int) -> float | None:
+        p = self.one.get((name, rnd))
+        return (p["summary"]["latency_ms"].get("tpot") or {}).get("p50") if p else None
+
+    def step(self, name: str, rnd: int) -> float | None:
+        """Mean decode-only engine step (ms) of the single-stream point (tandem only)."""
+        p = self.one.get((name, rnd))
+        return p.get("decode_step_ms") if p else None
+
+    def overhead(self, name: str, rnd: int) -> float | None:
+        """Mean TPOT minus the mean decode-only engine step, ms: the serving path's share."""
+        p, step = self.one.get((name, rnd)), self.step(name, rnd)
+        mean = ((p or {}).get("summary") or {}).get("latency_ms", {}).get("tpot", {}).get("mean")
+        return mean - step if mean is not None and step is not None else None
+
+    def _peer(self, get: Any, peer: str, rnd: int) -> float | None:
+        """The peer's figure in round `rnd`, or its median where it did not run then."""
+        v = get(peer, rnd)
+        if v is not None:
+            return v
+        vals = [x for x in (get(peer, r) for r in self.rounds_of(peer)) if x is not None]
+        return statistics.median(vals) if vals else None
+
+    def tput_ratio(self, name: str, rnd: int, peer: str) -> float | None:
+        a, b = self.tput(name, rnd), self._peer(self.tput, peer, rnd)
+        return a / b if a and b else None
+
+    def tpot_ratio(self, name: str, rnd: int, peer: str) -> float | None:
+        a, b = self.tpot(name, rnd), self._peer(self.tpot, peer, rnd)
+        return a / b if a and b else None
 
 
 def _rate_cell(p: dict[str, Any]) -> str:
@@ -840,10 +998,12 @@ def render(out: Path) -> list[Path]:
     doc = json.loads((out / "sweep.json").read_text())
     meta, servers, points = doc["meta"], doc["servers"], doc["points"]
     ok = [p for p in points if p.get("summary")]
-    order = {s["name"]: i for i, s in enumerate(servers)}
+    order: dict[str, int] = {}
+    for i, srv in enumerate(servers):
+        order.setdefault(srv["name"], i)
     worder = {w: i for i, w in enumerate(meta["workloads"])}
-    ok.sort(key=lambda p: (order.get(p["server"], 99), worder.get(p["workload"], 99),
-                           float(p["rate"])))
+    ok.sort(key=lambda p: (order.get(p["server"], 99), p.get("round") or 1,
+                           worder.get(p["workload"], 99), float(p["rate"])))
     for p in ok:  # results from before the burst share was recorded
         if p.get("itl_bunched") is None and p.get("raw"):
             from bench.report import load_json, records_of
@@ -867,7 +1027,7 @@ def _plots(out: Path, ok: list[dict[str, Any]], meta: dict[str, Any]) -> list[Pa
         pts = [p for p in ok if p["workload"] == workload and not p.get("concurrency")]
         by_server: dict[str, list[dict[str, Any]]] = {}
         for p in pts:
-            by_server.setdefault(p["server"], []).append(p)
+            by_server.setdefault(_who(p), []).append(p)
         runs = [(name, {"runs": [{"request_rate": p["rate"], "summary": p["summary"]}
                                  for p in ps]}) for name, ps in by_server.items()]
         if any(len(d["runs"]) > 1 for _, d in runs):
@@ -883,7 +1043,7 @@ def _plots(out: Path, ok: list[dict[str, Any]], meta: dict[str, Any]) -> list[Pa
                 except (OSError, ValueError, KeyError):
                     continue
                 rates.add(rate_name(p["rate"]))
-                curves.append((f"{p['server']} (rate {rate_name(p['rate'])})", recs))
+                curves.append((f"{_who(p)} (rate {rate_name(p['rate'])})", recs))
             if curves:
                 title = f"{workload}: rate {'/'.join(sorted(rates))} req/s"
                 written.append(plot_cdfs(curves, out / f"cdf_{workload}_point{index}.png",
@@ -918,9 +1078,9 @@ def _report_lines(meta: dict[str, Any], servers: list[dict[str, Any]],
                                   "layers, fp32 weights)") + ", the same weights for every server.", ""]
     for s in servers:
         if "skipped" in s:
-            L += [f"- **{s['name']}**: skipped: {s['skipped']}"]
+            L += [f"- **{_who(s)}**: skipped: {s['skipped']}"]
             continue
-        L += [f"- **{s['name']}**: `{s['command']}`",
+        L += [f"- **{_who(s)}**: `{s['command']}`",
               f"  - ready after {s.get('startup_s', '-')} s; smoke request: "
               f"{s.get('smoke', '-')}"]
         if s.get("error"):
@@ -938,7 +1098,12 @@ def _report_lines(meta: dict[str, Any], servers: list[dict[str, Any]],
               f"auto: saturation (rate inf) first, then {meta['auto_fractions']} of its "
               "req/s, per server" if meta["auto_fractions"] else ", ".join(meta["rates"])),
           f"- goodput SLO: {' '.join(meta['slo'])} (ms; a request meets it when every "
-          "limit holds)", f"- request timeout {meta['request_timeout_s']} s", ""]
+          "limit holds)", f"- request timeout {meta['request_timeout_s']} s"]
+    if (meta.get("rounds") or 1) > 1:
+        L += [f"- {meta['rounds']} rounds: after every server's turn, {', '.join(meta['repeat_servers'])} "
+              "ran again (restarted, same prompts) in each further round, in reverse order every "
+              "other round; raw results and logs of round k > 1 end in `-roundk`"]
+    L += [""]
     for w, wargs in meta["workloads"].items():
         L += [f"- `{w}`: `tandem bench --workload {w} {' '.join(wargs)}`"]
     L += ["", "Each point is `tandem bench --base-url URL --workload W <options above> "
@@ -959,7 +1124,7 @@ def _report_lines(meta: dict[str, Any], servers: list[dict[str, Any]],
         for p in pts:
             s = p["summary"]
             t, r, gp = s["throughput"], s["requests"], s.get("goodput") or {}
-            L.append(f"| {p['server']} | {_rate_cell(p)} | {r['completed']} | "
+            L.append(f"| {_who(p)} | {_rate_cell(p)} | {r['completed']} | "
                      f"{r['failed']} | {_f(s['duration_s'], 1)} | {_f(t['requests_per_s'], 2)} | "
                      f"{_f(t['input_tokens_per_s'], 1)} | {_f(t['output_tokens_per_s'], 1)} | "
                      f"{_f(gp.get('requests_per_s'), 2)} | "
@@ -971,7 +1136,7 @@ def _report_lines(meta: dict[str, Any], servers: list[dict[str, Any]],
         for p in pts:
             s = p["summary"]
             b = p.get("itl_bunched")
-            L.append(f"| {p['server']} | {_rate_cell(p)} | "
+            L.append(f"| {_who(p)} | {_rate_cell(p)} | "
                      + " | ".join(_lat(s, k, st) for k in ("ttft", "tpot", "itl", "e2e")
                                   for st in ("p50", "p99"))
                      + f" | {'-' if b is None else f'{b:.0%}'} |")
@@ -986,7 +1151,7 @@ def _report_lines(meta: dict[str, Any], servers: list[dict[str, Any]],
                   "TPOT p50 | TPOT p99 | E2E p99 |", "|---|---|---|---|---|---|---|---|---|---|"]
             for p in cats:
                 for name, s in p["categories"].items():
-                    L.append(f"| {p['server']} | {_rate_cell(p)} | {name} | "
+                    L.append(f"| {_who(p)} | {_rate_cell(p)} | {name} | "
                              f"{s['requests']['completed']} | "
                              f"{_f(s['throughput']['output_tokens_per_s'], 1)} | "
                              f"{_lat(s, 'ttft', 'p50')} | {_lat(s, 'ttft', 'p99')} | "
@@ -995,11 +1160,11 @@ def _report_lines(meta: dict[str, Any], servers: list[dict[str, Any]],
         fails = [(p, k, f) for p in pts for k, f in p["summary"]["failures"].items()]
         if fails:
             L += ["", "Failures:", ""]
-            L += [f"- {p['server']} {point_label(p)}: {k} x{f['count']}, e.g. "
+            L += [f"- {_who(p)} {point_label(p)}: {k} x{f['count']}, e.g. "
                   f"`{f['example'][:200]}`" for p, k, f in fails]
         mism = [p for p in pts if p["summary"]["tokens"]["output_len_mismatches"]]
         for p in mism:
-            L.append(f"- {p['server']} {point_label(p)}: "
+            L.append(f"- {_who(p)} {point_label(p)}: "
                      f"{p['summary']['tokens']['output_len_mismatches']} request(s) "
                      "produced a different number of tokens than max_tokens")
         imgs = [x for x in pngs if x.name.startswith((f"throughput_latency_{workload}.",
@@ -1019,19 +1184,19 @@ def _report_lines(meta: dict[str, Any], servers: list[dict[str, Any]],
         if not c:
             continue
         if "error" in c:
-            L.append(f"| {p['server']} | {p['workload']} | {_rate_cell(p)} | - | "
+            L.append(f"| {_who(p)} | {p['workload']} | {_rate_cell(p)} | - | "
                      f"{c['error']} | - |")
             continue
         b, d = c["bench"], c["server_delta"]
         verdict = "yes" if c["match"] else ("**NO**" if c["comparable"]
                                              else "no (failed requests: not comparable)")
-        L.append(f"| {p['server']} | {p['workload']} | {_rate_cell(p)} | "
+        L.append(f"| {_who(p)} | {p['workload']} | {_rate_cell(p)} | "
                  f"{b['prompt_tokens']:,} / {b['generation_tokens']:,} / "
                  f"{b['request_success']:,} | {d['prompt_tokens']:,.0f} / "
                  f"{d['generation_tokens']:,.0f} / {d['request_success']:,.0f} | {verdict} |")
     if failed_points:
         L += ["", "## Points that produced no result", ""]
-        L += [f"- {p['server']} {p['workload']} {point_label(p)}: {p['error']}"
+        L += [f"- {_who(p)} {p['workload']} {point_label(p)}: {p['error']}"
               for p in failed_points]
     L += ["", "## Files", "", "- `sweep.json`: everything above, machine-readable; "
           "`python -m bench.sweep --render-only DIR` rewrites this report from it",
@@ -1078,6 +1243,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-convert", help="llama.cpp's convert_hf_to_gguf.py, to make it")
     p.add_argument("--llama-parallel", type=int, default=128, help="llama-server -np")
     p.add_argument("--llama-threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="after every server's turn, N-1 more turns of --repeat-servers (each "
+                   "restarted, order reversed every other round): on a shared, noisy machine the "
+                   "side-by-side then reports each round's ratios and their median")
+    p.add_argument("--repeat-servers", default=None,
+                   help="comma-separated servers that --rounds repeats (default: all but llamacpp)")
     return p
 
 
@@ -1095,6 +1266,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.preset == "peers":
         parser.set_defaults(**PEERS_PRESET)
         args = parser.parse_args(argv)
+    if args.repeat_servers is None:  # llama.cpp's rate-inf point alone can take the 300 s timeout
+        args.repeat_servers = ",".join(s for s in args.servers.split(",") if s.strip() and s.strip() != "llamacpp")
     if args.render_only:
         for path in render(Path(args.render_only)):
             print(f"wrote {path}")

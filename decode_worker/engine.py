@@ -43,7 +43,7 @@ class LLMEngine:
         self.stats = StepStats()
         self.seqs: dict[str, Sequence] = {}
         self._last_plan = None
-        self.on_forward = None  # optional (num_tokens, forward_s) -> None, e.g. metrics
+        self.on_forward = None  # optional (num_tokens, forward_s, decode_only) -> None, e.g. metrics
 
     @classmethod
     def from_config(cls, config: EngineConfig, checkpoint=None) -> "LLMEngine":
@@ -146,7 +146,7 @@ class LLMEngine:
         self.stats.forward_s += result.forward_s
         self.stats.last_step_s = result.forward_s
         if self.on_forward is not None:
-            self.on_forward(result.num_tokens, result.forward_s)
+            self.on_forward(result.num_tokens, result.forward_s, not out.plan.prefills)
         if result.accepted:
             return self._spec_events(out, result)
         for seq in self.scheduler.update(out, result.token_ids, result.prompt_logprobs):

@@ -83,6 +83,11 @@ class WorkerMetrics:
         self.step_seconds = Histogram(
             "tandem:worker_step_seconds", "Forward pass time per engine step.", lab, buckets=STEP_BUCKETS, registry=reg
         ).labels(*self.labels)
+        self.decode_step_seconds = Histogram(
+            "tandem:worker_decode_step_seconds",
+            "Forward pass time per engine step that only decodes (no prompt chunk in it): at one stream, the "
+            "engine's own share of each token's time.", lab, buckets=STEP_BUCKETS, registry=reg
+        ).labels(*self.labels)
         self.step_tokens = Histogram(
             "tandem:worker_step_tokens", "Tokens computed per engine step.", lab, buckets=TOKEN_BUCKETS, registry=reg
         ).labels(*self.labels)
@@ -119,9 +124,11 @@ class WorkerMetrics:
         """Export speculative decoding's counters (`read` returns the engine's SpecStats)."""
         self.registry.register(_SpecCollector(self.labels, read))
 
-    def on_step(self, num_tokens: int, forward_s: float) -> None:
+    def on_step(self, num_tokens: int, forward_s: float, decode_only: bool = False) -> None:
         self.step_tokens.observe(num_tokens)
         self.step_seconds.observe(forward_s)
+        if decode_only:
+            self.decode_step_seconds.observe(forward_s)
 
 
 def _serve_text_format(registry: CollectorRegistry, host: str, port: int) -> ThreadingHTTPServer:

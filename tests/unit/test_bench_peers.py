@@ -40,3 +40,49 @@ def test_config_names_the_fix(fake_install, tmp_path):
         VllmConfig(model=model, venv=str(tmp_path))
     with pytest.raises(ValueError, match="--port"):
         VllmConfig(model=model, venv=venv, port=80)
+
+
+def _point(server: str, rnd: int, tput: float | None = None, tpot: float | None = None,
+           step: float | None = None) -> dict:
+    """A saved sweep point as bench.sweep writes it: rate inf (throughput) or single stream
+    (TPOT p50, a mean 0.5 ms above it, and for tandem the decode workers' mean step)."""
+    conc = 1 if tpot is not None else None
+    summary = {"throughput": {"output_tokens_per_s": tput},
+               "latency_ms": {"tpot": {"p50": tpot, "mean": None if tpot is None else tpot + 0.5}}}
+    return {"server": server, "workload": "random", "rate": "inf", "concurrency": conc,
+            "round": rnd, "summary": summary, "decode_step_ms": step}
+
+
+def test_sweep_rounds_order_and_side_by_side_medians():
+    """--rounds: every server once, then the repeated ones again with the order reversed
+    every other round; the side-by-side takes each ratio within its round (llama.cpp, run
+    once, through its only figure) and reports the medians and ranges over the rounds."""
+    from bench.sweep import Sweep, _side_by_side, build_parser, main
+
+    args = build_parser().parse_args(["--preset", "peers", "--rounds", "3", "--out", "/nonexistent"])
+    args.servers, args.repeat_servers = "vllm,llamacpp,tandem-colocated", "vllm,tandem-colocated"
+    assert Sweep(args).turns() == [(1, "vllm"), (1, "llamacpp"), (1, "tandem-colocated"),
+                                   (2, "tandem-colocated"), (2, "vllm"),
+                                   (3, "vllm"), (3, "tandem-colocated")]
+    args.repeat_servers = "vllm,tandem-disagg"  # not among --servers: refused
+    with pytest.raises(ValueError, match="repeat-servers"):
+        Sweep(args)
+    assert main(["--rounds", "2", "--servers", "vllm", "--repeat-servers", "llamacpp",
+                 "--out", "/nonexistent"]) == 2
+
+    vllm = {1: (500.0, 30.0), 2: (600.0, 32.0), 3: (400.0, 31.0)}
+    tandem = {1: (550.0, 29.0), 2: (600.0, 30.0), 3: (520.0, 33.0)}
+    pts = [_point("llamacpp", 1, tpot=25.0)]
+    for rnd in (1, 2, 3):
+        for name, figs in (("vllm", vllm), ("tandem-colocated", tandem)):
+            step = figs[rnd][1] - 0.25 * rnd if name.startswith("tandem") else None
+            pts += [_point(name, rnd, tput=figs[rnd][0]), _point(name, rnd, tpot=figs[rnd][1], step=step)]
+    meta = {"workloads": {"random": []}, "num_requests": 200, "model": "m"}
+    text = "\n".join(_side_by_side(meta, pts))
+    # per round: 550/500, 600/600, 520/400; one stream 29/30, 30/32, 33/31; vs llama.cpp x/25
+    # engine step: TPOT p50 - 0.25 x round; overhead: the mean (p50 + 0.5) minus the step
+    assert "| tandem-colocated (round 3) | 520 | 1.30x | 33.00 | 1.06x | 1.32x | - | 32.250 | 1.250 |" in text
+    assert "| vllm (round 2) | 600 | 1.00x | 32.00 | 1.00x | 1.28x | - | - | - |" in text
+    assert "| tandem-colocated | 3 | 550 (520-600) | 1.10x (1.00x-1.30x) | 30.00 (29.00-33.00) | " \
+           "0.97x (0.94x-1.06x) | 1.20x (1.16x-1.32x) | 1.000 (0.750-1.250) |" in text
+    assert "| llamacpp | 1 | - | - | 25.00 | 0.83x | 1.00x | - |" in text  # round 1: 25/30
