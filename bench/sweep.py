@@ -881,8 +881,10 @@ def _side_by_side(meta: dict[str, Any], ok: list[dict[str, Any]]) -> list[str]:
             L += [f"Memory read bandwidth {bw['read_gbs']} GB/s (streaming read, bench/bandwidth.py); "
                   f"{bw['weight_bytes'] / 1e6:.1f} MB of weights read per token, so one stream's floor "
                   f"is {bw['floor_ms_per_token']} ms/token.", ""]
+        steps = any(rows.step(n, r) is not None for n, r in turns)  # results from before the metric: no columns
         L += ["| server | out tok/s, rate inf | vs vLLM | 1 stream ms/token | vs vLLM | vs llama.cpp | "
-              "vs the floor | engine step ms | serving overhead ms |", "|---|---|---|---|---|---|---|---|---|"]
+              "vs the floor |" + (" engine step ms | serving overhead ms |" if steps else ""),
+              "|---|---|---|---|---|---|---|" + ("---|---|" if steps else "")]
         for name, rnd in turns:
             t, m = rows.tput(name, rnd), rows.tpot(name, rnd)
             floor_x = f"{m / bw['floor_ms_per_token']:.2f}x" if bw and m else "-"
@@ -890,10 +892,10 @@ def _side_by_side(meta: dict[str, Any], ok: list[dict[str, Any]]) -> list[str]:
             L.append(f"| {_who({'server': name, 'round': rnd})} | {_f(t, 0)} | "
                      f"{_x(rows.tput_ratio(name, rnd, 'vllm'))} | {_f(m, 2)} | "
                      f"{_x(rows.tpot_ratio(name, rnd, 'vllm'))} | "
-                     f"{_x(rows.tpot_ratio(name, rnd, 'llamacpp'))} | {floor_x} | "
-                     f"{_f(step, 3)} | {_f(over, 3)} |")
+                     f"{_x(rows.tpot_ratio(name, rnd, 'llamacpp'))} | {floor_x} |"
+                     + (f" {_f(step, 3)} | {_f(over, 3)} |" if steps else ""))
         L.append("")
-        if any(rows.step(n, r) is not None for n, r in turns):
+        if steps:
             L += ["Engine step: the mean forward time of the decode worker's decode-only steps during "
                   "the single-stream point (`tandem:worker_decode_step_seconds`, read before and after "
                   "it); serving overhead: the point's mean TPOT minus that, i.e. what the path from "
