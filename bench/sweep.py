@@ -34,6 +34,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -587,9 +588,10 @@ class Sweep:
     def warm(self, server: ManagedServer, workload: str) -> None:
         from bench.cli import run_main
 
-        if self.warmup > 0:
-            run_main(self.bench_argv(server.base_url, workload, math.inf, WARMUP_SEED,
-                                     self.warmup, "warm-up"))
+        if self.warmup > 0:  # its result is not kept (with --quiet and no -o it would fill stdout)
+            with tempfile.TemporaryDirectory() as tmp:
+                run_main([*self.bench_argv(server.base_url, workload, math.inf, WARMUP_SEED,
+                                           self.warmup, "warm-up"), "-o", str(Path(tmp) / "warm-up.json")])
 
     def bench_server(self, server: ManagedServer, rnd: int = 1) -> None:
         for workload in self.workloads:
