@@ -306,24 +306,16 @@ class TandemServer(ManagedServer):
     def decode_steps(self) -> tuple[float, float]:
         """(seconds, count) of decode-only engine steps, summed over the decode workers'
         `tandem:worker_decode_step_seconds`."""
-        from prometheus_client.parser import text_string_to_metric_families
-
         req = urllib.request.Request(self.base_url + "/admin/pools",
                                      headers={"Authorization": f"Bearer {self.admin_key}"})
         with urllib.request.urlopen(req, timeout=10) as resp:
             pools = json.loads(resp.read())["pools"]
+        names = ["tandem:worker_decode_step_seconds_sum", "tandem:worker_decode_step_seconds_count"]
         total, count = 0.0, 0.0
         for w in (pools.get("decode") or {}).get("workers", []):
-            if not w.get("metrics"):
-                continue
-            with urllib.request.urlopen(f"http://{w['metrics']}/metrics", timeout=10) as resp:
-                text = resp.read().decode()
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    if sample.name == "tandem:worker_decode_step_seconds_sum":
-                        total += sample.value
-                    elif sample.name == "tandem:worker_decode_step_seconds_count":
-                        count += sample.value
+            if w.get("metrics"):
+                sums = metric_sums(f"http://{w['metrics']}/metrics", names)
+                total, count = total + sums[names[0]], count + sums[names[1]]
         return total, count
 
     def env_overrides(self) -> dict[str, str]:
@@ -387,20 +379,26 @@ class LlamaCppServer(ManagedServer):
 COUNTERS = ("prompt_tokens", "generation_tokens", "request_success")
 
 
+def metric_sums(metrics_url: str, names: list[str]) -> dict[str, float]:
+    """The samples called `names` in the Prometheus text at `metrics_url`, each summed
+    over its label sets (0 where absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    out = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in out:
+                out[sample.name] += sample.value
+    return out
+
+
 def scrape_counters(base_url: str, prefix: str) -> dict[str, float]:
     """`{prefix}prompt_tokens_total`, `..generation_tokens_total` and
     `..request_success_total` from /metrics, each summed over its label sets."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out = {name: 0.0 for name in COUNTERS}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            for name in COUNTERS:
-                if sample.name == f"{prefix}{name}_total":
-                    out[name] += sample.value
-    return out
+    sums = metric_sums(base_url.rstrip("/") + "/metrics", [f"{prefix}{name}_total" for name in COUNTERS])
+    return {name: sums[f"{prefix}{name}_total"] for name in COUNTERS}
 
 
 def bench_totals(run: dict[str, Any]) -> dict[str, float]:
@@ -892,9 +890,9 @@ def _side_by_side(meta: dict[str, Any], ok: list[dict[str, Any]]) -> list[str]:
             floor_x = f"{m / bw['floor_ms_per_token']:.2f}x" if bw and m else "-"
             step, over = rows.step(name, rnd), rows.overhead(name, rnd)
             L.append(f"| {_who({'server': name, 'round': rnd})} | {_f(t, 0)} | "
-                     f"{_x(rows.tput_ratio(name, rnd, 'vllm'))} | {_f(m, 2)} | "
-                     f"{_x(rows.tpot_ratio(name, rnd, 'vllm'))} | "
-                     f"{_x(rows.tpot_ratio(name, rnd, 'llamacpp'))} | {floor_x} |"
+                     f"{_x(rows.ratio(rows.tput, name, rnd, 'vllm'))} | {_f(m, 2)} | "
+                     f"{_x(rows.ratio(rows.tpot, name, rnd, 'vllm'))} | "
+                     f"{_x(rows.ratio(rows.tpot, name, rnd, 'llamacpp'))} | {floor_x} |"
                      + (f" {_f(step, 3)} | {_f(over, 3)} |" if steps else ""))
         L.append("")
         if steps:
@@ -913,10 +911,10 @@ def _side_by_side(meta: dict[str, Any], ok: list[dict[str, Any]]) -> list[str]:
                 rs = rows.rounds_of(name)
                 L.append(f"| {name} | {len(rs)} | "
                          f"{_spread([rows.tput(name, r) for r in rs], 0)} | "
-                         f"{_spread([rows.tput_ratio(name, r, 'vllm') for r in rs], 2, 'x')} | "
+                         f"{_spread([rows.ratio(rows.tput, name, r, 'vllm') for r in rs], 2, 'x')} | "
                          f"{_spread([rows.tpot(name, r) for r in rs], 2)} | "
-                         f"{_spread([rows.tpot_ratio(name, r, 'vllm') for r in rs], 2, 'x')} | "
-                         f"{_spread([rows.tpot_ratio(name, r, 'llamacpp') for r in rs], 2, 'x')} | "
+                         f"{_spread([rows.ratio(rows.tpot, name, r, 'vllm') for r in rs], 2, 'x')} | "
+                         f"{_spread([rows.ratio(rows.tpot, name, r, 'llamacpp') for r in rs], 2, 'x')} | "
                          f"{_spread([rows.overhead(name, r) for r in rs], 3)} |")
             L.append("")
     return L
@@ -932,7 +930,7 @@ def _x(r: float | None) -> str:
 
 def _spread(xs: list[float | None], digits: int, unit: str = "") -> str:
     """'1.21x (1.05x-1.30x)': the median of the values present, and their range."""
-    v = sorted(x for x in xs if x)
+    v = sorted(x for x in xs if x is not None)
     if not v:
         return "-"
     med = statistics.median(v)
@@ -979,12 +977,9 @@ class SideBySide:
         vals = [x for x in (get(peer, r) for r in self.rounds_of(peer)) if x is not None]
         return statistics.median(vals) if vals else None
 
-    def tput_ratio(self, name: str, rnd: int, peer: str) -> float | None:
-        a, b = self.tput(name, rnd), self._peer(self.tput, peer, rnd)
-        return a / b if a and b else None
-
-    def tpot_ratio(self, name: str, rnd: int, peer: str) -> float | None:
-        a, b = self.tpot(name, rnd), self._peer(self.tpot, peer, rnd)
+    def ratio(self, get: Any, name: str, rnd: int, peer: str) -> float | None:
+        """`get` (tput or tpot) of `name` in round `rnd` over the peer's (_peer)."""
+        a, b = get(name, rnd), self._peer(get, peer, rnd)
         return a / b if a and b else None
 
 

@@ -18,9 +18,10 @@
 // Where the CPU has AMX (blocks hold a multiple of 32 tokens, D is 64 or 128, 4 to 16
 // query heads share a kv head), a bf16 item runs both passes on tiles instead (attend's
 // kAmx branches): the scores of a kv head's G query heads against 16 tokens are one tile
-// product per 32 dims, with no horizontal sums, and p.v takes 32 tokens an instruction. On the 2-core Xeon of
-// docs/performance.md (fifteenth round) a layer of small's shape (B=100, L=320) went from
-// 1.95 to 1.32 ms with the cache in L3 and 2.46 to 1.75-1.96 ms scattered.
+// product per 32 dims, with no horizontal sums, and p.v takes 32 tokens an instruction.
+// On the 2-core Xeon of docs/performance.md (fifteenth round) a layer of small's shape
+// (B=100, L=320) went from 1.95 to 1.32 ms with the cache in L3 and 2.46 to 1.75-1.96 ms
+// scattered.
 // Items are handed out through an atomic counter so ragged lengths balance.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
