@@ -7,6 +7,11 @@
                        CPU (engine/models/packed.py; default on where supported)
     TANDEM_CPU_PREFILL_KERNEL  0 sends bf16 prefill attention on CPU to torch's SDPA
                        instead of tandem's paged prefill kernel (engine/attention/cpu)
+    TANDEM_CPU_AMX_PREFILL_SDPA  where the kernel above is on, whether bf16 prompt
+                       chunks of 64 tokens or more go to torch's SDPA instead: auto (the
+                       default) where the CPU has AMX (torch's flash kernel multiplies on
+                       AMX tiles there, 1.8-3x faster than tandem's kernel), 1 always,
+                       0 never (engine/attention/cpu/backend.py)
     TANDEM_CPU_DECODE_PAIRS  0 keeps bf16 decode attention's p.v product in fp32 (p
                        unrounded) instead of on AVX512-BF16's dot-product instruction,
                        two tokens an instruction, p rounded to bf16 (engine/cpu_kernels/
@@ -155,16 +160,26 @@ def cpu_lend_cores() -> bool:
     return _on("TANDEM_CPU_LEND_CORES")
 
 
-def cpu_small_batch_linear() -> str:
-    """"auto", "on" or "off" (TANDEM_CPU_SMALL_BATCH_LINEAR)."""
-    raw = os.environ.get("TANDEM_CPU_SMALL_BATCH_LINEAR", "auto").strip().lower()
+def _mode(name: str) -> str:
+    """A three-way setting: "auto" (unset or auto), "on" (1/true/yes/on) or "off"."""
+    raw = os.environ.get(name, "auto").strip().lower()
     if raw in ("", "auto"):
         return "auto"
     if raw in ("1", "true", "yes", "on"):
         return "on"
     if raw in OFF:
         return "off"
-    raise ValueError(f"TANDEM_CPU_SMALL_BATCH_LINEAR must be auto, 1 or 0, not {raw!r}")
+    raise ValueError(f"{name} must be auto, 1 or 0, not {raw!r}")
+
+
+def cpu_small_batch_linear() -> str:
+    """"auto", "on" or "off" (TANDEM_CPU_SMALL_BATCH_LINEAR)."""
+    return _mode("TANDEM_CPU_SMALL_BATCH_LINEAR")
+
+
+def cpu_amx_prefill_sdpa() -> str:
+    """"auto", "on" or "off" (TANDEM_CPU_AMX_PREFILL_SDPA)."""
+    return _mode("TANDEM_CPU_AMX_PREFILL_SDPA")
 
 
 def physical_memory_bytes() -> int:

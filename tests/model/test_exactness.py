@@ -156,7 +156,9 @@ def test_bf16_packed_weights_change_no_token(builtin_dir, monkeypatch):
 def test_bf16_prefill_kernel_changes_no_token(builtin_dir, monkeypatch):
     """bf16 prefill on CPU runs tandem's paged prefill kernel (where the CPU has
     AVX512-BF16): the greedy tokens are those of the same engine on torch's SDPA, for
-    whole prompts, chunked prompts (chunks over a cached prefix) and prefix-cache hits."""
+    whole prompts, chunked prompts (chunks over a cached prefix) and prefix-cache hits.
+    The kernel takes every chunk here, and once more with chunks of 64+ tokens on SDPA
+    (the default where the CPU has AMX)."""
     import inspect
     import json
 
@@ -171,7 +173,7 @@ def test_bf16_prefill_kernel_changes_no_token(builtin_dir, monkeypatch):
 
     def tokens():
         out = []
-        for budget in (4096, 48):  # whole prompts, then chunks of at most 48 tokens
+        for budget in (4096, 96, 48):  # whole prompts, then chunks of at most 96 and 48 tokens
             engine = bf16_engine(builtin_dir, budget)
             greedy = SamplingParams(max_tokens=NEW, temperature=0)
             out.append(run(engine, prompts, greedy))
@@ -179,13 +181,17 @@ def test_bf16_prefill_kernel_changes_no_token(builtin_dir, monkeypatch):
             kernel = isinstance(engine.runner.backend, CpuAttention) and engine.runner.backend._bf16_prefill
         return kernel, out
 
+    monkeypatch.setenv("TANDEM_CPU_AMX_PREFILL_SDPA", "0")
     kernel, got = tokens()
+    monkeypatch.setenv("TANDEM_CPU_AMX_PREFILL_SDPA", "1")
+    _, split = tokens()
     monkeypatch.setenv("TANDEM_CPU_PREFILL_KERNEL", "0")
     sdpa, want = tokens()
     assert not sdpa
     if not kernel:
         pytest.skip("no AVX512-BF16 here: prefill stayed on SDPA")
     assert got == want
+    assert split == want
 
 
 def test_bf16_decode_matches_transformers_in_bf16(builtin_dir):

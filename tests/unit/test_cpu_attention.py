@@ -285,6 +285,50 @@ def test_backend_prefill_uses_the_kernel_for_bf16_only(monkeypatch):
     assert calls == [1]
 
 
+@needs_bf16_prefill
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_long_prompt_chunks_go_to_sdpa_where_switched_on(monkeypatch, head_dim):
+    """With TANDEM_CPU_AMX_PREFILL_SDPA on, chunks of 64+ tokens take SDPA: fresh ones (a
+    run of two of one length, then others) on their own keys and values, one over a
+    cached context (70 of 150) on its gathered context; the shorter ones (fresh or not)
+    the paged kernel, one call each. The whole step matches the reference, SDPA's rows to
+    the bit. Off: one kernel call for all. Auto follows AMX."""
+    calls = []
+    real = kernels.paged_prefill_attention
+    monkeypatch.setattr(kernels, "paged_prefill_attention",
+                        lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    chunks = [(64, 64), (64, 64), (100, 100), (6, 30), (20, 20), (70, 70), (40, 90), (70, 150)]
+    query, kc, vc, tables, starts, seq_lens, key, value = prefill_case(4, head_dim, chunks)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.int64), num_decode_tokens=0,
+        decode_block_tables=torch.zeros(0, 1, dtype=torch.int32), decode_seq_lens=torch.zeros(0, dtype=torch.int32),
+        decode_max_seq_len=0, prefill_block_tables=tables.clamp(min=0), prefill_query_lens=[q for q, _ in chunks],
+        prefill_seq_lens=[s for _, s in chunks], prefill_query_start_loc=starts, prefill_seq_lens_tensor=seq_lens)
+    want = reference.varlen_attention(query, key, value, kc, vc, meta.prefill_block_tables,
+                                      meta.prefill_query_lens, meta.prefill_seq_lens, 0.125)
+    monkeypatch.setenv("TANDEM_CPU_AMX_PREFILL_SDPA", "1")
+    on = CpuAttention()
+    assert on.long_chunks_sdpa
+    got = on.prefill(query, key, value, kc, vc, meta, 0.125)
+    assert calls == [6, 20, 40]
+    torch.testing.assert_close(got.float(), want.float(), **TOL[torch.bfloat16])
+    long = [0, 1, 2, 5, 7]  # SDPA's rows equal the reference's (SDPA per sequence) to the bit
+    rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in long])
+    assert torch.equal(got[rows], want[rows])
+    monkeypatch.setenv("TANDEM_CPU_AMX_PREFILL_SDPA", "0")
+    calls.clear()
+    off = CpuAttention()
+    assert not off.long_chunks_sdpa
+    torch.testing.assert_close(off.prefill(query, key, value, kc, vc, meta, 0.125).float(), want.float(),
+                               **TOL[torch.bfloat16])
+    assert calls == [query.shape[0]]
+    monkeypatch.delenv("TANDEM_CPU_AMX_PREFILL_SDPA")
+    assert CpuAttention().long_chunks_sdpa == bool(build.load().decode_amx_supported())
+    monkeypatch.setenv("TANDEM_CPU_AMX_PREFILL_SDPA", "sometimes")
+    with pytest.raises(ValueError, match="TANDEM_CPU_AMX_PREFILL_SDPA"):
+        CpuAttention()
+
+
 def test_get_backend_picks_cpu_on_cpu():
     assert get_backend("auto", torch.device("cpu")).name == "cpu"
     assert get_backend("cpu", torch.device("cpu")).name == "cpu"

@@ -1,16 +1,31 @@
 """CPU attention backend: paged decode and the KV store run the C++ kernels (kernels.py,
 engine/cpu_kernels). Prefill runs the C++ paged prefill kernel for bf16 models where the
 CPU has AVX512-BF16 (head_dim 64 or 128), and the torch reference (SDPA) otherwise: fp32
-models keep torch's own attention, the same as transformers'."""
+models keep torch's own attention, the same as transformers'.
+
+Where the CPU also has AMX, bf16 prompt chunks of SDPA_MIN_ROWS tokens or more go to
+torch's SDPA instead: a fresh chunk (no cached context before it) on its own keys and
+values, a chunk over a cached context on its context gathered from the cache with a
+causal mask (as the reference does). torch's flash kernel multiplies on AMX tiles there
+and was 1.8-3x faster than tandem's kernel, which walks AVX512-BF16 dot products, for
+fresh chunks of 256-2,048 tokens, and 2-2.4x over cached contexts (docs/performance.md,
+seventeenth round). Shorter chunks stay on the kernel, as does everything on CPUs without
+AMX, where the kernel was up to 5x faster than SDPA. `TANDEM_CPU_AMX_PREFILL_SDPA` =
+auto / 1 / 0."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from engine import envs
 from engine.attention import AttentionBackend, reference
 from engine.attention.cpu import kernels
 from engine.cpu_kernels import build
+
+# chunks shorter than this stay on the kernel (on the AMX machine it beat SDPA at 16 fresh
+# tokens and at 48 over a context of 300; SDPA was 10% faster at 64 fresh, 2x over a context)
+SDPA_MIN_ROWS = 64
 
 
 class CpuAttention(AttentionBackend):
@@ -20,6 +35,9 @@ class CpuAttention(AttentionBackend):
         self.ops = build.load()  # compile (or load the cached build) now, not on the first step
         self._bf16_prefill = envs.cpu_prefill_kernel() and bool(self.ops.paged_prefill_attention_supported())
         self.prefill_tensors = self._bf16_prefill  # the runner then builds the int32 lengths
+        mode = envs.cpu_amx_prefill_sdpa()
+        self.long_chunks_sdpa = self._bf16_prefill and (
+            mode == "on" or (mode == "auto" and bool(self.ops.decode_amx_supported())))
         self.bf16_pairs = envs.cpu_decode_pairs()  # bf16 decode: p.v on the dot-product instruction
         # bf16 decode on AMX tiles where the CPU has them (a process-wide switch of the kernels)
         self.ops.set_decode_amx(envs.cpu_amx_attention())
@@ -44,6 +62,46 @@ class CpuAttention(AttentionBackend):
         if (self._bf16_prefill and query.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
                 and query.shape[-1] in (64, 128) and query.stride(-1) == 1 and k_cache.is_contiguous()
                 and v_cache.is_contiguous() and meta.prefill_query_start_loc is not None):
+            if self.long_chunks_sdpa and max(meta.prefill_query_lens) >= SDPA_MIN_ROWS:
+                return self._prefill_split(query, key, value, k_cache, v_cache, meta, scale)
             return kernels.paged_prefill_attention(query, k_cache, v_cache, meta.prefill_block_tables,
                                                    meta.prefill_query_start_loc, meta.prefill_seq_lens_tensor, scale)
         return super().prefill(query, key, value, k_cache, v_cache, meta, scale)
+
+    def _prefill_split(self, query, key, value, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+        """Chunks of SDPA_MIN_ROWS tokens or more through SDPA (a run of fresh neighbours
+        of one length in one batched call), shorter ones through the paged kernel, one
+        call each."""
+        out = torch.empty_like(query)
+        heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[2]
+        lens = list(zip(meta.prefill_query_lens, meta.prefill_seq_lens))
+        starts = [0]
+        for q_len, _ in lens:
+            starts.append(starts[-1] + q_len)
+        i = 0
+        while i < len(lens):
+            q_len, s_len = lens[i]
+            lo, hi = starts[i], starts[i + 1]
+            if q_len < SDPA_MIN_ROWS:
+                out[lo:hi] = kernels.paged_prefill_attention(
+                    query[lo:hi], k_cache, v_cache, meta.prefill_block_tables[i:i + 1],
+                    torch.tensor([0, q_len], dtype=torch.int32), meta.prefill_seq_lens_tensor[i:i + 1], scale)
+                i += 1
+                continue
+            if q_len != s_len:  # over a cached context: gathered, with a causal mask
+                out[lo:hi] = reference.varlen_attention(
+                    query[lo:hi], key[lo:hi], value[lo:hi], k_cache, v_cache,
+                    meta.prefill_block_tables[i:i + 1], [q_len], [s_len], scale)
+                i += 1
+                continue
+            j = i + 1
+            while j < len(lens) and lens[j] == (q_len, q_len):
+                j += 1
+            n, hi = j - i, starts[j]
+            q = query[lo:hi].view(n, q_len, heads, dim).transpose(1, 2)
+            k = key[lo:hi].view(n, q_len, kv_heads, dim).transpose(1, 2)
+            v = value[lo:hi].view(n, q_len, kv_heads, dim).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            out[lo:hi] = o.transpose(1, 2).reshape(hi - lo, heads, dim)
+            i = j
+        return out
