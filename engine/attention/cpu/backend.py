@@ -75,9 +75,7 @@ class CpuAttention(AttentionBackend):
         out = torch.empty_like(query)
         heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[2]
         lens = list(zip(meta.prefill_query_lens, meta.prefill_seq_lens))
-        starts = [0]
-        for q_len, _ in lens:
-            starts.append(starts[-1] + q_len)
+        starts = meta.prefill_query_start_loc.tolist()
         i = 0
         while i < len(lens):
             q_len, s_len = lens[i]
