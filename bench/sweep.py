@@ -303,20 +303,27 @@ class TandemServer(ManagedServer):
     def display_command(self) -> str:
         return "tandem " + shlex.join(self.command()[3:]).replace(self.admin_key, "KEY")
 
-    def decode_steps(self) -> tuple[float, float]:
-        """(seconds, count) of decode-only engine steps, summed over the decode workers'
-        `tandem:worker_decode_step_seconds`."""
+    def step_sums(self) -> dict[str, float]:
+        """The workers' engine-step histograms, summed per pool: `decode_only_s` and
+        `decode_only_n` (the decode workers' decode-only steps,
+        `tandem:worker_decode_step_seconds`), `decode_s` and `prefill_s` (every step's
+        forward time, `tandem:worker_step_seconds`, of the decode and the prefill pool)."""
         req = urllib.request.Request(self.base_url + "/admin/pools",
                                      headers={"Authorization": f"Bearer {self.admin_key}"})
         with urllib.request.urlopen(req, timeout=10) as resp:
             pools = json.loads(resp.read())["pools"]
-        names = ["tandem:worker_decode_step_seconds_sum", "tandem:worker_decode_step_seconds_count"]
-        total, count = 0.0, 0.0
-        for w in (pools.get("decode") or {}).get("workers", []):
-            if w.get("metrics"):
-                sums = metric_sums(f"http://{w['metrics']}/metrics", names)
-                total, count = total + sums[names[0]], count + sums[names[1]]
-        return total, count
+        names = ["tandem:worker_decode_step_seconds_sum", "tandem:worker_decode_step_seconds_count",
+                 "tandem:worker_step_seconds_sum"]
+        out = {"decode_only_s": 0.0, "decode_only_n": 0.0, "decode_s": 0.0, "prefill_s": 0.0}
+        for pool in ("decode", "prefill"):
+            for w in (pools.get(pool) or {}).get("workers", []):
+                if w.get("metrics"):
+                    sums = metric_sums(f"http://{w['metrics']}/metrics", names)
+                    out[f"{pool}_s"] += sums[names[2]]
+                    if pool == "decode":
+                        out["decode_only_s"] += sums[names[0]]
+                        out["decode_only_n"] += sums[names[1]]
+        return out
 
     def env_overrides(self) -> dict[str, str]:
         return {"TANDEM_CACHE_DIR": os.environ["TANDEM_CACHE_DIR"]} \
@@ -445,6 +452,8 @@ class Point:
     # tandem: the decode workers' decode-only steps during the point (mean ms, count)
     decode_step_ms: float | None = None
     decode_steps: int | None = None
+    # tandem: seconds of engine forward passes during the point, per pool ("decode", "prefill")
+    engine_s: dict[str, float] | None = None
 
 
 def parse_rates(text: str) -> tuple[list[float], tuple[float, ...] | None]:
@@ -544,14 +553,17 @@ class Sweep:
                 before = scrape_counters(server.base_url, server.metrics_prefix)
             except (OSError, ValueError) as e:
                 pt.counters = {"error": f"cannot scrape /metrics: {e}"}
-        steps0 = self._decode_steps(server)
+        steps0 = self._step_sums(server)
         t0 = time.monotonic()
         code = run_main([*pt.argv, "-o", str(path)])
         pt.wall_s = time.monotonic() - t0
-        steps1 = self._decode_steps(server)
-        if steps0 and steps1 and steps1[1] > steps0[1]:
-            pt.decode_steps = int(steps1[1] - steps0[1])
-            pt.decode_step_ms = round((steps1[0] - steps0[0]) / pt.decode_steps * 1e3, 4)
+        steps1 = self._step_sums(server)
+        if steps0 and steps1:
+            d = {k: steps1[k] - steps0[k] for k in steps1}
+            if d["decode_only_n"] > 0:
+                pt.decode_steps = int(d["decode_only_n"])
+                pt.decode_step_ms = round(d["decode_only_s"] / pt.decode_steps * 1e3, 4)
+            pt.engine_s = {pool: round(d[f"{pool}_s"], 3) for pool in ("decode", "prefill")}
         if not path.is_file():
             pt.error = f"tandem bench exited with {code} and wrote no result"
             return pt
@@ -574,11 +586,11 @@ class Sweep:
         return pt
 
     @staticmethod
-    def _decode_steps(server: ManagedServer) -> tuple[float, float] | None:
+    def _step_sums(server: ManagedServer) -> dict[str, float] | None:
         if not isinstance(server, TandemServer):
             return None
         try:
-            return server.decode_steps()
+            return server.step_sums()
         except (OSError, ValueError, KeyError) as e:
             log(f"[{server.name}] cannot read the decode workers' step times: {e}")
             return None
@@ -901,6 +913,20 @@ def _side_by_side(meta: dict[str, Any], ok: list[dict[str, Any]]) -> list[str]:
                   "it); serving overhead: the point's mean TPOT minus that, i.e. what the path from "
                   "the engine to the client's SSE event adds to each token, measured in the same "
                   "minutes as the token times.", ""]
+        busy = [(name, rnd, rows.busy(name, rnd)) for name, rnd in turns]
+        busy = [(n, r, b) for n, r, b in busy if b is not None]
+        if busy:
+            L += ["Engine time at rate inf (tandem): the seconds of engine forward passes during the "
+                  "rate-inf point (`tandem:worker_step_seconds`, summed per pool, read before and after "
+                  "it) against the point's duration. Near 100% in the pool that bounds the run means "
+                  "the run went at the engine's speed in those minutes; the rest of the duration is "
+                  "time with no forward pass running (waiting for work, hand-offs, the serving path).",
+                  "", "| server | duration s | decode pool forward s | share | prefill pool forward s | share |",
+                  "|---|---|---|---|---|---|"]
+            for name, rnd, (dur, dec, pre) in busy:
+                L.append(f"| {_who({'server': name, 'round': rnd})} | {_f(dur, 1)} | {_f(dec, 1)} | "
+                         f"{dec / dur:.0%} | " + (f"{_f(pre, 1)} | {pre / dur:.0%} |" if pre else "- | - |"))
+            L.append("")
         if rows.rounds > 1:
             L += [f"Over the rounds (median, and the range in brackets; a ratio is taken within "
                   f"each round, then its median): {rows.rounds} rounds, order reversed every other "
@@ -962,6 +988,15 @@ class SideBySide:
         """Mean decode-only engine step (ms) of the single-stream point (tandem only)."""
         p = self.one.get((name, rnd))
         return p.get("decode_step_ms") if p else None
+
+    def busy(self, name: str, rnd: int) -> tuple[float, float, float] | None:
+        """(duration s, decode pool forward s, prefill pool forward s) of the rate-inf
+        point (tandem, from results that recorded them)."""
+        p = self.inf.get((name, rnd))
+        eng, dur = (p or {}).get("engine_s"), ((p or {}).get("summary") or {}).get("duration_s")
+        if not eng or not dur:
+            return None
+        return dur, eng.get("decode", 0.0), eng.get("prefill", 0.0)
 
     def overhead(self, name: str, rnd: int) -> float | None:
         """Mean TPOT minus the mean decode-only engine step, ms: the serving path's share."""

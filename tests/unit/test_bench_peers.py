@@ -43,14 +43,14 @@ def test_config_names_the_fix(fake_install, tmp_path):
 
 
 def _point(server: str, rnd: int, tput: float | None = None, tpot: float | None = None,
-           step: float | None = None) -> dict:
+           step: float | None = None, engine: dict | None = None, duration: float | None = None) -> dict:
     """A saved sweep point as bench.sweep writes it: rate inf (throughput) or single stream
     (TPOT p50, a mean 0.5 ms above it, and for tandem the decode workers' mean step)."""
     conc = 1 if tpot is not None else None
-    summary = {"throughput": {"output_tokens_per_s": tput},
+    summary = {"throughput": {"output_tokens_per_s": tput}, "duration_s": duration,
                "latency_ms": {"tpot": {"p50": tpot, "mean": None if tpot is None else tpot + 0.5}}}
     return {"server": server, "workload": "random", "rate": "inf", "concurrency": conc,
-            "round": rnd, "summary": summary, "decode_step_ms": step}
+            "round": rnd, "summary": summary, "decode_step_ms": step, "engine_s": engine}
 
 
 def test_sweep_rounds_order_and_side_by_side_medians():
@@ -86,3 +86,24 @@ def test_sweep_rounds_order_and_side_by_side_medians():
     assert "| tandem-colocated | 3 | 550 (520-600) | 1.10x (1.00x-1.30x) | 30.00 (29.00-33.00) | " \
            "0.97x (0.94x-1.06x) | 1.20x (1.16x-1.32x) | 1.000 (0.750-1.250) |" in text
     assert "| llamacpp | 1 | - | - | 25.00 | 0.83x | 1.00x | - |" in text  # round 1: 25/30
+
+
+def test_side_by_side_reports_engine_time_at_rate_inf():
+    """The rate-inf point's engine forward seconds per pool (read from the workers'
+    step histograms) against its duration; servers or older results without them get no
+    row, and with none at all the table is left out."""
+    from bench.sweep import _side_by_side
+
+    meta = {"workloads": {"random": []}, "num_requests": 200, "model": "m"}
+    pts = [_point("vllm", 1, tput=500.0, duration=51.0), _point("vllm", 1, tpot=30.0),
+           _point("tandem-colocated", 1, tput=480.0, duration=50.0, engine={"decode": 47.5, "prefill": 0.0}),
+           _point("tandem-colocated", 1, tpot=29.0, step=28.0),
+           _point("tandem-disagg", 1, tput=520.0, duration=40.0, engine={"decode": 30.0, "prefill": 12.0}),
+           _point("tandem-disagg", 1, tpot=28.0, step=27.5)]
+    text = "\n".join(_side_by_side(meta, pts))
+    assert "| tandem-colocated | 50.0 | 47.5 | 95% | - | - |" in text
+    assert "| tandem-disagg | 40.0 | 30.0 | 75% | 12.0 | 30% |" in text
+    assert "| vllm | 51.0 |" not in text
+    for p in pts:
+        p["engine_s"] = None
+    assert "Engine time at rate inf" not in "\n".join(_side_by_side(meta, pts))
