@@ -592,7 +592,7 @@ class Sweep:
         try:
             return server.step_sums()
         except (OSError, ValueError, KeyError) as e:
-            log(f"[{server.name}] cannot read the decode workers' step times: {e}")
+            log(f"[{server.name}] cannot read the workers' step times: {e}")
             return None
 
     def warm(self, server: ManagedServer, workload: str) -> None:
