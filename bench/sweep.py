@@ -913,8 +913,7 @@ def _side_by_side(meta: dict[str, Any], ok: list[dict[str, Any]]) -> list[str]:
                   "it); serving overhead: the point's mean TPOT minus that, i.e. what the path from "
                   "the engine to the client's SSE event adds to each token, measured in the same "
                   "minutes as the token times.", ""]
-        busy = [(name, rnd, rows.busy(name, rnd)) for name, rnd in turns]
-        busy = [(n, r, b) for n, r, b in busy if b is not None]
+        busy = [(name, rnd, b) for name, rnd in turns if (b := rows.busy(name, rnd)) is not None]
         if busy:
             L += ["Engine time at rate inf (tandem): the seconds of engine forward passes during the "
                   "rate-inf point (`tandem:worker_step_seconds`, summed per pool, read before and after "

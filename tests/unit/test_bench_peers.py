@@ -44,8 +44,9 @@ def test_config_names_the_fix(fake_install, tmp_path):
 
 def _point(server: str, rnd: int, tput: float | None = None, tpot: float | None = None,
            step: float | None = None, engine: dict | None = None, duration: float | None = None) -> dict:
-    """A saved sweep point as bench.sweep writes it: rate inf (throughput) or single stream
-    (TPOT p50, a mean 0.5 ms above it, and for tandem the decode workers' mean step)."""
+    """A saved sweep point as bench.sweep writes it: rate inf (throughput, the run's
+    duration, for tandem the pools' forward seconds) or single stream (TPOT p50, a mean
+    0.5 ms above it, and for tandem the decode workers' mean step)."""
     conc = 1 if tpot is not None else None
     summary = {"throughput": {"output_tokens_per_s": tput}, "duration_s": duration,
                "latency_ms": {"tpot": {"p50": tpot, "mean": None if tpot is None else tpot + 0.5}}}
