@@ -243,19 +243,18 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
   // a tile of scores is 16 tokens by the G heads of one kv head, and the softmax then
   // runs across tokens with one head per vector lane.
   const int64_t SW = kAmx ? 16 : GT;
-  // AMX only: the query tiles [ng][D / 32][16][16] words, a zero-padded K tile [16][D]
-  // bf16, the probabilities head-major [16][Lp / 2] words, four V tiles [4][16][16] words.
-  const int64_t qt_words = kAmx ? ng * (D / 32) * 256 : 0, zt_words = kAmx ? 8 * D : 0;
+  // AMX only: the query tiles [ng][D / 32][16][16] words, the probabilities head-major
+  // [16][Lp / 2] words, four V tiles [4][16][16] words.
+  const int64_t qt_words = kAmx ? ng * (D / 32) * 256 : 0;
   const int64_t pt_words = kAmx ? 8 * Lp : 0, vt_words = kAmx ? 1024 : 0;
-  float* q = thread_scratch(2 * GT * D + SW * Lp + SW + SW * Lp / 2 + qt_words + zt_words + pt_words + vt_words);
+  float* q = thread_scratch(2 * GT * D + SW * Lp + SW + SW * Lp / 2 + qt_words + pt_words + vt_words);
   // q: [GT, D] query * scale (not used on tiles)
   float* acc = q + GT * D;                                 // [GT, D] unnormalised output
   float* s = acc + GT * D;                                 // [GT, Lp] scores, then exp(s - max); AMX: [Lp, 16]
   float* inv_sum = s + SW * Lp;                            // [GT]
   uint32_t* pp = reinterpret_cast<uint32_t*>(inv_sum + SW);  // [GT, Lp / 2] bf16 pairs (bf16 pass 2); AMX: [Lp / 2, 16]
   uint32_t* qt = pp + SW * Lp / 2;
-  uint32_t* zt_raw = qt + qt_words;
-  uint32_t* pT = zt_raw + zt_words;
+  uint32_t* pT = qt + qt_words;
   uint32_t* vt = pT + pt_words;
   const Q* qb = query + b * P.q_seq + g0 * G * P.q_head;
   if constexpr (!kAmx)
@@ -269,6 +268,10 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
   // kSegBlocks blocks with nothing but loads, which the core issues back to back, and
   // then computes on the segment from L2. Measured on B=200, L=320, H=16, Hkv=4, D=64:
   // 3.3 -> 1.9 ms with each sequence's blocks in address order, 4.2 -> 2.6 ms scattered.
+  // The AMX branches below do not do this: on the AMX Xeon of docs/performance.md
+  // (nineteenth round) the tile loads stream from memory at the rate a pure load loop
+  // gets, and the separate loads only added their own time (12 layers of small's shape,
+  // B=192, L=314, cache scattered: 43.9-54.0 ms with them, 33.0-45.8 without).
   const int64_t row_bytes = ng * P.kv_head * static_cast<int64_t>(sizeof(KV));
   const bool whole_rows = ng == P.num_kv_heads && P.kv_token == P.num_kv_heads * P.kv_head;
   auto load_blocks = [&](const KV* cache, int64_t i0, int64_t i1) {
@@ -321,7 +324,6 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
     // fp32 score in the softmax.
     static_assert(C == 4 || C == 8, "the AMX path handles head_dim 64 and 128");
     constexpr int CB = C / 2;
-    KV* zt = reinterpret_cast<KV*>(zt_raw);
     std::memset(qt, 0, qt_words * sizeof(uint32_t));
     for (int64_t gg = 0; gg < ng; ++gg)
       for (int64_t j = 0; j < G; ++j)
@@ -333,7 +335,6 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
     const int64_t kstride = P.kv_token * static_cast<int64_t>(sizeof(KV));
     for (int64_t i0 = 0; i0 < nblk; i0 += kSegBlocks) {
       const int64_t i1 = std::min(nblk, i0 + kSegBlocks);
-      load_blocks(kc, i0, i1);
       for (int64_t gg = 0; gg < ng; ++gg) {
         const uint32_t* qg = qt + gg * CB * 256;
         _tile_loadd(2, qg, 64);
@@ -345,25 +346,20 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
         for (int64_t i = i0; i < i1; ++i) {
           const KV* kb = block_of(kc, i) + gg * P.kv_head;
           const int64_t n = std::min(bs, L - i * bs);
+          // The context's last tile may be partial: its rows past L are still inside
+          // the block (blocks hold a multiple of 32 tokens), so the tile reads them
+          // whatever they hold, and their scores, never read below, are discarded.
           for (int64_t t0 = 0; t0 < n; t0 += 16) {
-            const int64_t nt = std::min<int64_t>(16, n - t0);
             const KV* rows = kb + t0 * P.kv_token;
-            int64_t stride = kstride;
-            if (nt < 16) {  // the context's last, partial tile: never read past it
-              for (int64_t t = 0; t < 16; ++t)
-                for (int64_t d = 0; d < D; ++d) zt[t * D + d] = t < nt ? rows[t * P.kv_token + d] : KV(0.f);
-              rows = zt;
-              stride = D * static_cast<int64_t>(sizeof(KV));
-            }
             _tile_zero(0);
-            _tile_loadd(1, rows, stride);
+            _tile_loadd(1, rows, kstride);
             _tile_dpbf16ps(0, 1, 2);
-            _tile_loadd(6, rows + 32, stride);
+            _tile_loadd(6, rows + 32, kstride);
             _tile_dpbf16ps(0, 6, 3);
             if constexpr (CB > 2) {
-              _tile_loadd(1, rows + 64, stride);
+              _tile_loadd(1, rows + 64, kstride);
               _tile_dpbf16ps(0, 1, 4);
-              _tile_loadd(6, rows + 96, stride);
+              _tile_loadd(6, rows + 96, kstride);
               _tile_dpbf16ps(0, 6, 5);
             }
             _tile_stored(0, s + (i * bs + t0) * 16 + gg * G, 64);
@@ -496,7 +492,6 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
       const int64_t cstride = D * static_cast<int64_t>(sizeof(float));
       for (int64_t i0 = 0; i0 < nblk; i0 += kSegBlocks) {
         const int64_t i1 = std::min(nblk, i0 + kSegBlocks);
-        load_blocks(vc, i0, i1);
         for (int64_t gg = 0; gg < ng; ++gg) {
           for (int64_t half = 0; half < D / 64; ++half) {
             float* ag = acc + gg * G * D + 64 * half;
@@ -581,8 +576,21 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
         const __m512 lo = _mm512_loadu_ps(acc + h * D + 32 * c2), hi = _mm512_loadu_ps(acc + h * D + 32 * c2 + 16);
         const __m512 r[2] = {_mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), inv),
                              _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), inv)};
-        for (int u = 0; u < 2; ++u)
-          for (int k = 0; k < 16; ++k) o[h * P.o_head + 32 * c2 + 16 * u + k] = Q(r[u][k]);
+        for (int u = 0; u < 2; ++u) {
+          Q* dst = o + h * P.o_head + 32 * c2 + 16 * u;
+          // bf16: 16 values an instruction (round to nearest even, as c10::BFloat16);
+          // that instruction flushes denormals and keeps NaN payloads, so a vector
+          // holding either takes the scalar conversion instead
+#if defined(__AVX512DQ__)
+          if constexpr (std::is_same_v<Q, BFloat16>) {
+            if (_mm512_fpclass_ps_mask(r[u], 0x20 | 0x01 | 0x80) == 0) {
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(r[u]));
+              continue;
+            }
+          }
+#endif
+          for (int k = 0; k < 16; ++k) dst[k] = Q(r[u][k]);
+        }
       }
     }
     return;

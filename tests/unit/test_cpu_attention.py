@@ -385,6 +385,27 @@ def test_decode_bf16_pairs_never_read_past_a_sequence():
     _assert_nothing_read_past_the_end([1, 3, 15, 17, 31, 33], block_size=16, num_kv_heads=2)
 
 
+@pytest.mark.parametrize("amx", [False, True])
+def test_decode_bf16_nan_output_is_written_as_torch_writes_it(amx, compiled):
+    """A NaN inside a sequence's V reaches its heads' outputs; the bf16 store writes it
+    as c10::BFloat16 does (0x7fc0), where the 16-wide conversion instruction would keep
+    the NaN's sign and payload. The other sequences' outputs stay finite."""
+    if amx and not compiled.decode_amx_supported():
+        pytest.skip("this CPU (or build, or kernel) has no AMX tiles")
+    query, k_cache, v_cache, tables, seq_lens = _bf16_case(4, 64, 32, [5, 40, 70], seed=3, num_kv_heads=4)
+    # sequence 1, token 2, kv head 0: a negative NaN with a payload (0xffa1)
+    v_cache.view(torch.int16)[int(tables[1, 0]), 2, 0] = 0xFFA1 - 0x10000
+    before = compiled.set_decode_amx(amx)
+    try:
+        got = kernels.paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, 0.125)
+    finally:
+        compiled.set_decode_amx(before)
+    bits = got.view(torch.int16)
+    assert torch.isnan(got[1, :4].float()).all()
+    assert (bits[1, :4] == 0x7FC0).all()
+    assert torch.isfinite(got[1, 4:].float()).all() and torch.isfinite(got[[0, 2]].float()).all()
+
+
 def _assert_nothing_read_past_the_end(lens, block_size, num_kv_heads):
     """Poisons every cache slot past each sequence's end with NaN: the output must not move."""
     query, k_cache, v_cache, tables, seq_lens = _bf16_case(4, 64, block_size, lens, seed=9,
@@ -445,7 +466,8 @@ def test_decode_amx_matches_reference_and_the_avx512_path(amx_switch, group, hea
 @needs_amx
 def test_decode_amx_never_reads_past_a_sequence(amx_switch):
     """NaN in every cache slot past each sequence's length (K and V): the partial last
-    tile of K is padded with zeros and V rows past the end enter as zeros."""
+    tile of K reads the block's rows past the end, whose scores are never used, and V
+    rows past the end enter as zeros."""
     _assert_nothing_read_past_the_end([1, 3, 15, 16, 17, 31, 33, 63, 64, 65], block_size=32, num_kv_heads=4)
 
 
