@@ -8,18 +8,18 @@
     TANDEM_CPU_PREFILL_KERNEL  0 sends bf16 prefill attention on CPU to torch's SDPA
                        instead of tandem's paged prefill kernel (engine/attention/cpu)
     TANDEM_CPU_AMX_PREFILL_SDPA  where the kernel above is on, whether bf16 prompt
-                       chunks of 64 tokens or more go to torch's SDPA instead: auto (the
-                       default) where the CPU has AMX (torch's flash kernel multiplies on
-                       AMX tiles there, 1.8-3x faster than tandem's kernel), 1 always,
-                       0 never (engine/attention/cpu/backend.py)
+                       chunks of 64 tokens or more go to torch's SDPA instead: 1 always;
+                       auto (the default) and 0 never, now that the kernel multiplies on
+                       AMX tiles where the CPU has them (engine/attention/cpu/backend.py)
     TANDEM_CPU_DECODE_PAIRS  0 keeps bf16 decode attention's p.v product in fp32 (p
                        unrounded) instead of on AVX512-BF16's dot-product instruction,
                        two tokens an instruction, p rounded to bf16 (engine/cpu_kernels/
                        paged_attention.cpp)
-    TANDEM_CPU_AMX_ATTENTION  0 keeps bf16 decode attention on AVX512-BF16 where the CPU
-                       has AMX; by default its scores and its p.v product run on AMX tiles
-                       (blocks of a multiple of 32 tokens, head_dim 64 or 128, 4 to 16
-                       query heads per kv head)
+    TANDEM_CPU_AMX_ATTENTION  0 keeps bf16 attention on AVX512-BF16 where the CPU has
+                       AMX; by default its scores and its p.v product run on AMX tiles:
+                       decode (blocks of a multiple of 32 tokens, head_dim 64 or 128, 4 to
+                       16 query heads per kv head) and the paged prefill kernel (head_dim
+                       64 or 128)
     TANDEM_KEPT_ROWS   0 runs every prefill token through the whole last layer; by
                        default the last layer computes attention, o_proj and the MLP
                        only for the rows a step samples from, the others needing just

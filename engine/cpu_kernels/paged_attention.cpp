@@ -886,6 +886,194 @@ void prefill_item(const PrefillProblem& P, const BFloat16* kc, const BFloat16* v
     }
   }
 }
+
+#if TANDEM_AMX
+std::atomic<bool> g_prefill_amx{true};
+
+// prefill_item on AMX tiles: the same K and V layouts, the same fp32 softmax and the
+// same roundings (p to bf16 for the product with V, the output from fp32), but the
+// products are tile products over 16 query rows of one head at a time:
+//   scores  C [16 rows][16 keys] += Q rows [16][32 dims] x kt [16 dim pairs][16 keys]
+//   output  C [16 rows][16 dims] += p [16][32 keys]     x vp [16 key pairs][16 dims]
+// kt and vp are already the pair layouts a tile's B operand wants. Rows of a whole block
+// are read from the query in place; a sequence's last, partial block is copied into a
+// zero-padded scratch block first, so no row past the sequence is read.
+// Every tile is 16 rows of 64 bytes: tmm0 scores (then tmm0-3 outputs), tmm1-4 query
+// (then tmm4 p), tmm5 the B operand.
+inline void configure_prefill_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+template <int C>  // C = D / 16
+void prefill_item_amx(const PrefillProblem& P, const BFloat16* kc, const BFloat16* vc, const BFloat16* query,
+                      BFloat16* out, int64_t b, int64_t g) {
+  constexpr int D = 16 * C, NP = D / 2, KC = D / 32;
+  static_assert(KC == 2 || KC == 4, "head_dim 64 or 128");
+  const int64_t G = P.num_heads / P.num_kv_heads, bs = P.block_size;
+  const int64_t r0 = P.query_start[b], q_len = P.query_start[b + 1] - r0, L = P.seq_lens[b];
+  if (q_len <= 0) return;
+  TORCH_CHECK(L >= q_len && L <= P.max_blocks * bs, "sequence ", b, ": seq_len ", L, " with ", q_len,
+              " new tokens does not fit its block table (", P.max_blocks, " blocks of ", bs, ")");
+  const int32_t* table = P.block_tables + b * P.bt_row;
+  const int64_t nblk = (L + bs - 1) / bs;
+  for (int64_t i = 0; i < nblk; ++i)
+    TORCH_CHECK(table[i] >= 0 && table[i] < P.num_cache_blocks, "block id ", table[i], " of sequence ", b,
+                " is outside the cache (", P.num_cache_blocks, " blocks)");
+  const int64_t Lp = (L + 31) & ~int64_t(31), ntile = Lp / 16;  // keys padded to whole 32-key blocks
+  // scratch (4-byte words): kt [ntile][NP][16], vp [Lp/2][D], scores [16][Lp], p [16][Lp/2],
+  // output [16][D], a padded query block [16][D/2]
+  float* base = thread_scratch(ntile * NP * 16 + (Lp / 2) * D + 16 * Lp + 16 * (Lp / 2) + 16 * D + 8 * D + 16);
+  uint32_t* kt = reinterpret_cast<uint32_t*>(base);
+  uint32_t* vp = kt + ntile * NP * 16;
+  float* sc = reinterpret_cast<float*>(vp + (Lp / 2) * D);
+  uint32_t* pp = reinterpret_cast<uint32_t*>(sc + 16 * Lp);
+  float* ob = reinterpret_cast<float*>(pp + 16 * (Lp / 2));
+  BFloat16* qpad = reinterpret_cast<BFloat16*>(ob + 16 * D);
+  for (int64_t t = 0; t < Lp; ++t) {
+    uint32_t* kdst = kt + (t / 16) * NP * 16 + (t % 16);
+    if (t < L) {
+      const uint32_t* krow = reinterpret_cast<const uint32_t*>(
+          kc + table[t / bs] * P.kv_block + (t % bs) * P.kv_token + g * P.kv_head);
+      for (int c = 0; c < NP; ++c) kdst[c * 16] = krow[c];
+    } else {
+      for (int c = 0; c < NP; ++c) kdst[c * 16] = 0;
+    }
+  }
+  for (int64_t s = 0; s < Lp / 2; ++s) {
+    uint16_t* dst = reinterpret_cast<uint16_t*>(vp + s * D);
+    for (int u = 0; u < 2; ++u) {
+      const int64_t t = 2 * s + u;
+      if (t < L) {
+        const uint16_t* vrow = reinterpret_cast<const uint16_t*>(
+            vc + table[t / bs] * P.kv_block + (t % bs) * P.kv_token + g * P.kv_head);
+        for (int d = 0; d < D; ++d) dst[2 * d + u] = vrow[d];
+      } else {
+        for (int d = 0; d < D; ++d) dst[2 * d + u] = 0;
+      }
+    }
+  }
+  configure_prefill_tiles();
+  const __m512 vscale = _mm512_set1_ps(P.scale), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const int64_t sstride = Lp * static_cast<int64_t>(sizeof(float)), pstride = (Lp / 2) * static_cast<int64_t>(sizeof(uint32_t));
+  const int64_t vstride = D * static_cast<int64_t>(sizeof(uint32_t)), ostride = D * static_cast<int64_t>(sizeof(float));
+  for (int64_t h = 0; h < G; ++h) {
+    for (int64_t j0 = 0; j0 < q_len; j0 += 16) {
+      const int64_t nr = std::min<int64_t>(16, q_len - j0);
+      const int64_t nk_max = L - q_len + j0 + nr;  // keys the block's last row sees
+      const int64_t ntk = (nk_max + 15) / 16, nkb = (nk_max + 31) / 32;
+      const BFloat16* qsrc = query + (r0 + j0) * P.q_tok + (g * G + h) * P.q_head;
+      int64_t qstride = P.q_tok * static_cast<int64_t>(sizeof(BFloat16));
+      if (nr < 16) {
+        for (int64_t r = 0; r < 16; ++r)
+          for (int d = 0; d < D; ++d) qpad[r * D + d] = r < nr ? qsrc[r * P.q_tok + d] : BFloat16(0.f);
+        qsrc = qpad;
+        qstride = D * static_cast<int64_t>(sizeof(BFloat16));
+      }
+      // scores of the block's rows against every key tile up to the last row's position
+      _tile_loadd(1, qsrc, qstride);
+      _tile_loadd(2, qsrc + 32, qstride);
+      if constexpr (KC > 2) {
+        _tile_loadd(3, qsrc + 64, qstride);
+        _tile_loadd(4, qsrc + 96, qstride);
+      }
+      for (int64_t tt = 0; tt < ntk; ++tt) {
+        const uint32_t* kb = kt + tt * NP * 16;
+        _tile_zero(0);
+        _tile_loadd(5, kb, 64);
+        _tile_dpbf16ps(0, 1, 5);
+        _tile_loadd(5, kb + 256, 64);
+        _tile_dpbf16ps(0, 2, 5);
+        if constexpr (KC > 2) {
+          _tile_loadd(5, kb + 512, 64);
+          _tile_dpbf16ps(0, 3, 5);
+          _tile_loadd(5, kb + 768, 64);
+          _tile_dpbf16ps(0, 4, 5);
+        }
+        _tile_stored(0, sc + tt * 16, sstride);
+      }
+      // softmax per row over its own keys (0 .. its position), p as bf16 pairs, zero
+      // beyond them up to the block's last 32-key block
+      float inv_sum[16];
+      for (int64_t r = 0; r < 16; ++r) {
+        float* sr = sc + r * Lp;
+        __m256i* pr = reinterpret_cast<__m256i*>(pp + r * (Lp / 2));
+        const int64_t nk = r < nr ? L - q_len + j0 + r + 1 : 0;
+        if (nk == 0) {
+          for (int64_t t = 0; t < nkb * 32; t += 16) _mm256_storeu_si256(pr + t / 16, _mm256_setzero_si256());
+          inv_sum[r] = 0.f;
+          continue;
+        }
+        // max over the row's scores: whole tiles as they are (x * scale is monotonic in x,
+        // so the max scales exactly), the last one masked past the row's own keys
+        const int64_t nt = (nk + 15) / 16;
+        const __mmask16 last = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(nk - (nt - 1) * 16)));
+        __m512 m4[4] = {ninf, ninf, ninf, ninf};
+        for (int64_t tt = 0; tt + 1 < nt; ++tt) m4[tt & 3] = _mm512_max_ps(m4[tt & 3], _mm512_loadu_ps(sr + tt * 16));
+        m4[0] = _mm512_mask_max_ps(m4[0], last, m4[0], _mm512_loadu_ps(sr + (nt - 1) * 16));
+        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m4[0], m4[1]), _mm512_max_ps(m4[2], m4[3])));
+        const V16 neg_max = vset1(-(mx * P.scale));
+        // exp(score * scale - max), four tiles an iteration (independent polynomials);
+        // the sum adds them in tile order
+        __m512 sum = _mm512_setzero_ps();
+        auto numer = [&](int64_t tt) {
+          const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sr + tt * 16), vscale);
+          const __m512 e = vexp(vadd(V16{x}, neg_max)).v;
+          return tt == nt - 1 ? _mm512_maskz_mov_ps(last, e) : e;
+        };
+        int64_t tt = 0;
+        for (; tt + 4 <= nt; tt += 4) {
+          __m512 e[4];
+          for (int u = 0; u < 4; ++u) e[u] = numer(tt + u);
+          for (int u = 0; u < 4; ++u) {
+            sum = _mm512_add_ps(sum, e[u]);
+            _mm256_storeu_si256(pr + tt + u, (__m256i)_mm512_cvtneps_pbh(e[u]));
+          }
+        }
+        for (; tt < nt; ++tt) {
+          const __m512 e = numer(tt);
+          sum = _mm512_add_ps(sum, e);
+          _mm256_storeu_si256(pr + tt, (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        for (tt = nt; tt < 2 * nkb; ++tt) _mm256_storeu_si256(pr + tt, _mm256_setzero_si256());
+        inv_sum[r] = 1.f / _mm512_reduce_add_ps(sum);
+      }
+      // output: p times V, 64 dims (four C tiles) at a time
+      for (int half = 0; half < D / 64; ++half) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < nkb; ++kb) {
+          const uint32_t* vb = vp + kb * 16 * D + 64 * half;
+          _tile_loadd(4, pp + kb * 16, pstride);
+          _tile_loadd(5, vb, vstride);
+          _tile_dpbf16ps(0, 4, 5);
+          _tile_loadd(5, vb + 16, vstride);
+          _tile_dpbf16ps(1, 4, 5);
+          _tile_loadd(5, vb + 32, vstride);
+          _tile_dpbf16ps(2, 4, 5);
+          _tile_loadd(5, vb + 48, vstride);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, ob + 64 * half, ostride);
+        _tile_stored(1, ob + 64 * half + 16, ostride);
+        _tile_stored(2, ob + 64 * half + 32, ostride);
+        _tile_stored(3, ob + 64 * half + 48, ostride);
+      }
+      for (int64_t r = 0; r < nr; ++r) {
+        BFloat16* o = out + (r0 + j0 + r) * P.o_tok + (g * G + h) * P.o_head;
+        const __m512 inv = _mm512_set1_ps(inv_sum[r]);
+        for (int c = 0; c < C; ++c)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(ob + r * D + 16 * c), inv)));
+      }
+    }
+  }
+}
+#endif
 #endif
 
 bool paged_prefill_attention_supported() {
@@ -936,7 +1124,22 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, con
   BFloat16* o = reinterpret_cast<BFloat16*>(out.data_ptr());
   const int64_t items = Bp * Hkv, threads = at::get_num_threads();
   std::atomic<int64_t> next{0};
+#if TANDEM_AMX
+  const bool amx = g_prefill_amx.load(std::memory_order_relaxed) && amx_usable();
+#else
+  const bool amx = false;
+#endif
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+#if TANDEM_AMX
+    if (amx) {
+      for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1)) {
+        if (D == 64) prefill_item_amx<4>(P, kc, vc, q, o, it / Hkv, it % Hkv);
+        else prefill_item_amx<8>(P, kc, vc, q, o, it / Hkv, it % Hkv);
+      }
+      _tile_release();
+      return;
+    }
+#endif
     for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1)) {
       if (D == 64) prefill_item<4>(P, kc, vc, q, o, it / Hkv, it % Hkv);
       else prefill_item<8>(P, kc, vc, q, o, it / Hkv, it % Hkv);
@@ -952,6 +1155,15 @@ int64_t simd_lanes() { return kAvx512 ? 16 : 0; }
 // tests compare both paths). `set_decode_amx` returns the previous setting.
 bool decode_amx_supported() { return amx_usable(); }
 bool set_decode_amx(bool on) { return g_decode_amx.exchange(on); }
+// The same for bf16 prefill attention (prefill_item_amx); false where there are no tiles.
+bool set_prefill_amx(bool on) {
+#if TANDEM_AMX && defined(__AVX512BF16__)
+  return g_prefill_amx.exchange(on);
+#else
+  (void)on;
+  return false;
+#endif
+}
 
 }  // namespace
 
@@ -966,4 +1178,5 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("simd_lanes() -> int", &simd_lanes);  // 16 with AVX-512, 0 for the portable build
   m.def("decode_amx_supported() -> bool", &decode_amx_supported);
   m.def("set_decode_amx(bool on) -> bool", &set_decode_amx);
+  m.def("set_prefill_amx(bool on) -> bool", &set_prefill_amx);
 }

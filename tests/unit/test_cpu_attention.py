@@ -292,7 +292,8 @@ def test_long_prompt_chunks_go_to_sdpa_where_switched_on(monkeypatch, head_dim):
     run of two of one length, then others) on their own keys and values, one over a
     cached context (70 of 150) on its gathered context; the shorter ones (fresh or not)
     the paged kernel, one call each. The whole step matches the reference, SDPA's rows to
-    the bit. Off: one kernel call for all. Auto follows AMX."""
+    the bit. Off: one kernel call for all. Auto is off (the kernel multiplies on AMX
+    tiles where the CPU has them)."""
     calls = []
     real = kernels.paged_prefill_attention
     monkeypatch.setattr(kernels, "paged_prefill_attention",
@@ -323,7 +324,7 @@ def test_long_prompt_chunks_go_to_sdpa_where_switched_on(monkeypatch, head_dim):
                                **TOL[torch.bfloat16])
     assert calls == [query.shape[0]]
     monkeypatch.delenv("TANDEM_CPU_AMX_PREFILL_SDPA")
-    assert CpuAttention().long_chunks_sdpa == bool(build.load().decode_amx_supported())
+    assert not CpuAttention().long_chunks_sdpa
     monkeypatch.setenv("TANDEM_CPU_AMX_PREFILL_SDPA", "sometimes")
     with pytest.raises(ValueError, match="TANDEM_CPU_AMX_PREFILL_SDPA"):
         CpuAttention()
@@ -502,3 +503,68 @@ def test_decode_amx_leaves_small_groups_on_avx512(amx_switch, group):
     amx_switch(False)
     off = kernels.paged_decode_attention(*case, scale=0.125)
     assert torch.equal(on, off)
+
+
+@pytest.fixture
+def prefill_amx_switch(compiled):
+    """Sets the kernels' process-wide prefill AMX switch for one test and restores it."""
+    before = compiled.set_prefill_amx(True)
+    yield compiled.set_prefill_amx
+    compiled.set_prefill_amx(before)
+
+
+def _prefill_both_ways(switch, case, scale):
+    switch(True)
+    tiles = kernels.paged_prefill_attention(*case, scale=scale)
+    switch(False)
+    vectors = kernels.paged_prefill_attention(*case, scale=scale)
+    return tiles, vectors
+
+
+@needs_bf16_prefill
+@needs_amx
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_prefill_amx_matches_reference_and_the_avx512_path(prefill_amx_switch, group, head_dim):
+    """bf16 prefill on AMX tiles (16 query rows of a head at a time): within bf16
+    tolerance of the fp32 reference and of the AVX512-BF16 path, for fresh prompts that
+    end inside, on and past a 16-row block and a 32-key block, and chunks over a cached
+    prefix, in one call."""
+    chunks = [(1, 1), (15, 15), (16, 16), (17, 17), (33, 33), (300, 300), (1, 40), (33, 100), (64, 257), (7, 333)]
+    query, kc, vc, tables, starts, seq_lens, key, value = prefill_case(group, head_dim, chunks, seed=group * head_dim)
+    scale = head_dim**-0.5
+    tiles, vectors = _prefill_both_ways(prefill_amx_switch, (query, kc, vc, tables, starts, seq_lens), scale)
+    want = reference.varlen_attention(query.float(), key.float(), value.float(), kc.float(), vc.float(),
+                                      tables.clamp(min=0), [q for q, _ in chunks], [s for _, s in chunks], scale)
+    torch.testing.assert_close(tiles.float(), want, **TOL[torch.bfloat16])
+    torch.testing.assert_close(tiles.float(), vectors.float(), **TOL[torch.bfloat16])
+    assert not torch.equal(tiles, vectors)  # the switch does change the path
+
+
+@needs_bf16_prefill
+@needs_amx
+def test_prefill_amx_never_reads_past_a_sequence(prefill_amx_switch):
+    """NaN in every cache slot past each sequence's length (K and V): outputs finite and
+    unchanged (the padded keys and values are zeros, never the cache's slots)."""
+    chunks = [(17, 17), (5, 40), (33, 70)]
+    query, kc, vc, tables, starts, seq_lens, _, _ = prefill_case(4, 64, chunks, num_kv_heads=2, seed=5)
+    prefill_amx_switch(True)
+    clean = kernels.paged_prefill_attention(query, kc, vc, tables, starts, seq_lens, 0.125)
+    for b, (_, s_len) in enumerate(chunks):
+        for t in range(s_len, tables.shape[1] * kc.shape[1]):
+            block = int(tables[b, t // kc.shape[1]])
+            if block >= 0:
+                kc[block, t % kc.shape[1]] = float("nan")
+                vc[block, t % kc.shape[1]] = float("nan")
+    got = kernels.paged_prefill_attention(query, kc, vc, tables, starts, seq_lens, 0.125)
+    assert torch.isfinite(got.float()).all()
+    assert torch.equal(got, clean)
+
+
+@needs_bf16_prefill
+@needs_amx
+def test_prefill_amx_is_bitwise_independent_of_threads(prefill_amx_switch):
+    case = prefill_case(4, 64, [(50, 50), (20, 90), (1, 17)], num_kv_heads=4)[:6]
+    prefill_amx_switch(True)
+    outs = outputs_over_threads(lambda: kernels.paged_prefill_attention(*case, scale=0.125), (1, 3))
+    assert torch.equal(outs[0], outs[1])

@@ -3,15 +3,15 @@ engine/cpu_kernels). Prefill runs the C++ paged prefill kernel for bf16 models w
 CPU has AVX512-BF16 (head_dim 64 or 128), and the torch reference (SDPA) otherwise: fp32
 models keep torch's own attention, the same as transformers'.
 
-Where the CPU also has AMX, bf16 prompt chunks of SDPA_MIN_ROWS tokens or more go to
-torch's SDPA instead: a fresh chunk (no cached context before it) on its own keys and
-values, a chunk over a cached context on its context gathered from the cache with a
-causal mask (as the reference does). torch's flash kernel multiplies on AMX tiles there
-and was 1.8-3x faster than tandem's kernel, which walks AVX512-BF16 dot products, for
-fresh chunks of 256-2,048 tokens, and 2-2.4x over cached contexts (docs/performance.md,
-seventeenth round). Shorter chunks stay on the kernel, as does everything on CPUs without
-AMX, where the kernel was up to 5x faster than SDPA. `TANDEM_CPU_AMX_PREFILL_SDPA` =
-auto / 1 / 0."""
+Where the CPU also has AMX, the kernel's products run on AMX tiles (16 query rows of a
+head at a time; `TANDEM_CPU_AMX_ATTENTION=0` keeps them on AVX512-BF16). Before it did,
+torch's flash kernel (AMX tiles) was 1.8-3x faster than the kernel's AVX512-BF16 dot
+products on long chunks, and chunks of SDPA_MIN_ROWS tokens or more went to SDPA; on
+tiles the kernel is the faster of the two (docs/performance.md, nineteenth round), so
+that split is now only taken with `TANDEM_CPU_AMX_PREFILL_SDPA=1`: a fresh chunk (no
+cached context before it) on its own keys and values, a chunk over a cached context on
+its context gathered from the cache with a causal mask (as the reference does), shorter
+chunks on the kernel."""
 
 from __future__ import annotations
 
@@ -35,12 +35,12 @@ class CpuAttention(AttentionBackend):
         self.ops = build.load()  # compile (or load the cached build) now, not on the first step
         self._bf16_prefill = envs.cpu_prefill_kernel() and bool(self.ops.paged_prefill_attention_supported())
         self.prefill_tensors = self._bf16_prefill  # the runner then builds the int32 lengths
-        mode = envs.cpu_amx_prefill_sdpa()
-        self.long_chunks_sdpa = self._bf16_prefill and (
-            mode == "on" or (mode == "auto" and bool(self.ops.decode_amx_supported())))
+        self.long_chunks_sdpa = self._bf16_prefill and envs.cpu_amx_prefill_sdpa() == "on"
         self.bf16_pairs = envs.cpu_decode_pairs()  # bf16 decode: p.v on the dot-product instruction
-        # bf16 decode on AMX tiles where the CPU has them (a process-wide switch of the kernels)
+        # bf16 decode and prefill on AMX tiles where the CPU has them (process-wide
+        # switches of the kernels)
         self.ops.set_decode_amx(envs.cpu_amx_attention())
+        self.ops.set_prefill_amx(envs.cpu_amx_attention())
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         fits = (key.dtype == k_cache.dtype and value.dtype == k_cache.dtype and k_cache.is_contiguous()
