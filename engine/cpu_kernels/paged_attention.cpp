@@ -1,6 +1,6 @@
 // Paged attention on CPU, reading K/V in place from the paged cache (no gather, no
 // mask, no padded copies): decode (one query token per sequence) below, prefill chunks
-// (bf16, AVX512-BF16) further down.
+// (bf16, AVX512-BF16, or AMX tiles where the CPU has them) further down.
 //
 //   query, out:  [B, H, D]            (last dim contiguous)
 //   k/v_cache:   [N, bs, Hkv, D]      (last dim contiguous; K and V share strides)
@@ -759,7 +759,8 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query, cons
 //   vp[s][d]    = the pair (v[2s][d], v[2s+1][d]): p . v over two tokens per instruction.
 // Per row: exact softmax over the scores in fp32 (max, exp, sum), the probabilities
 // rounded to bf16 for the product with V (as torch's flash kernel does for bf16), the
-// output divided by the fp32 sum.
+// output divided by the fp32 sum. Where the CPU has AMX, prefill_item_amx does the same
+// with both products on tiles (kt and vp are already the tiles' B layouts).
 #if defined(__AVX512BF16__)
 struct PrefillProblem {
   int64_t num_heads, num_kv_heads, block_size, max_blocks, num_cache_blocks;
