@@ -771,13 +771,10 @@ struct PrefillProblem {
   float scale;
 };
 
-template <int C>  // C = D / 16
-void prefill_item(const PrefillProblem& P, const BFloat16* kc, const BFloat16* vc, const BFloat16* query,
-                  BFloat16* out, int64_t b, int64_t g) {
-  constexpr int D = 16 * C, NP = D / 2;  // NP: dim pairs per row
-  const int64_t G = P.num_heads / P.num_kv_heads, bs = P.block_size;
-  const int64_t r0 = P.query_start[b], q_len = P.query_start[b + 1] - r0, L = P.seq_lens[b];
-  if (q_len <= 0) return;
+// Item b's block table row, after checking that its lengths fit it and its block ids
+// lie inside the cache.
+const int32_t* checked_table(const PrefillProblem& P, int64_t b, int64_t q_len, int64_t L) {
+  const int64_t bs = P.block_size;
   TORCH_CHECK(L >= q_len && L <= P.max_blocks * bs, "sequence ", b, ": seq_len ", L, " with ", q_len,
               " new tokens does not fit its block table (", P.max_blocks, " blocks of ", bs, ")");
   const int32_t* table = P.block_tables + b * P.bt_row;
@@ -785,15 +782,17 @@ void prefill_item(const PrefillProblem& P, const BFloat16* kc, const BFloat16* v
   for (int64_t i = 0; i < nblk; ++i)
     TORCH_CHECK(table[i] >= 0 && table[i] < P.num_cache_blocks, "block id ", table[i], " of sequence ", b,
                 " is outside the cache (", P.num_cache_blocks, " blocks)");
-  const int64_t ntile = (L + 15) / 16, Lp = ntile * 16;  // keys padded to whole tiles
-  // scratch (floats): kt [ntile][NP][16] u32, vp [Lp/2][D] u32, scores [G][Lp], p [G][Lp/2] u32
-  float* base = thread_scratch(ntile * NP * 16 + (Lp / 2) * D + G * Lp + G * (Lp / 2) + 16);
-  uint32_t* kt = reinterpret_cast<uint32_t*>(base);
-  uint32_t* vp = kt + ntile * NP * 16;
-  float* sc = reinterpret_cast<float*>(vp + (Lp / 2) * D);
-  uint32_t* pp = reinterpret_cast<uint32_t*>(sc + G * Lp);
-  // Copy the context: token t's K row as NP uint32 pairs goes to column t % 16 of its tile;
-  // V rows t and t+1 are interleaved element by element. Padding tokens are zeros.
+  return table;
+}
+
+// The context of kv head g (L tokens, padded with zeros to Lp) copied from the cache
+// into kt and vp: token t's K row as D / 2 uint32 pairs goes to column t % 16 of its
+// tile; V rows t and t + 1 are interleaved element by element.
+template <int D>
+void copy_context(const PrefillProblem& P, const BFloat16* kc, const BFloat16* vc, const int32_t* table,
+                  int64_t L, int64_t Lp, int64_t g, uint32_t* kt, uint32_t* vp) {
+  constexpr int NP = D / 2;
+  const int64_t bs = P.block_size;
   for (int64_t t = 0; t < Lp; ++t) {
     uint32_t* kdst = kt + (t / 16) * NP * 16 + (t % 16);
     if (t < L) {
@@ -817,6 +816,24 @@ void prefill_item(const PrefillProblem& P, const BFloat16* kc, const BFloat16* v
       }
     }
   }
+}
+
+template <int C>  // C = D / 16
+void prefill_item(const PrefillProblem& P, const BFloat16* kc, const BFloat16* vc, const BFloat16* query,
+                  BFloat16* out, int64_t b, int64_t g) {
+  constexpr int D = 16 * C, NP = D / 2;  // NP: dim pairs per row
+  const int64_t G = P.num_heads / P.num_kv_heads;
+  const int64_t r0 = P.query_start[b], q_len = P.query_start[b + 1] - r0, L = P.seq_lens[b];
+  if (q_len <= 0) return;
+  const int32_t* table = checked_table(P, b, q_len, L);
+  const int64_t ntile = (L + 15) / 16, Lp = ntile * 16;  // keys padded to whole tiles
+  // scratch (floats): kt [ntile][NP][16] u32, vp [Lp/2][D] u32, scores [G][Lp], p [G][Lp/2] u32
+  float* base = thread_scratch(ntile * NP * 16 + (Lp / 2) * D + G * Lp + G * (Lp / 2) + 16);
+  uint32_t* kt = reinterpret_cast<uint32_t*>(base);
+  uint32_t* vp = kt + ntile * NP * 16;
+  float* sc = reinterpret_cast<float*>(vp + (Lp / 2) * D);
+  uint32_t* pp = reinterpret_cast<uint32_t*>(sc + G * Lp);
+  copy_context<D>(P, kc, vc, table, L, Lp, g, kt, vp);
   const __m512 vscale = _mm512_set1_ps(P.scale), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   constexpr int RH = 4;  // query heads whose scores are computed together
@@ -912,16 +929,10 @@ void prefill_item_amx(const PrefillProblem& P, const BFloat16* kc, const BFloat1
                       BFloat16* out, int64_t b, int64_t g) {
   constexpr int D = 16 * C, NP = D / 2, KC = D / 32;
   static_assert(KC == 2 || KC == 4, "head_dim 64 or 128");
-  const int64_t G = P.num_heads / P.num_kv_heads, bs = P.block_size;
+  const int64_t G = P.num_heads / P.num_kv_heads;
   const int64_t r0 = P.query_start[b], q_len = P.query_start[b + 1] - r0, L = P.seq_lens[b];
   if (q_len <= 0) return;
-  TORCH_CHECK(L >= q_len && L <= P.max_blocks * bs, "sequence ", b, ": seq_len ", L, " with ", q_len,
-              " new tokens does not fit its block table (", P.max_blocks, " blocks of ", bs, ")");
-  const int32_t* table = P.block_tables + b * P.bt_row;
-  const int64_t nblk = (L + bs - 1) / bs;
-  for (int64_t i = 0; i < nblk; ++i)
-    TORCH_CHECK(table[i] >= 0 && table[i] < P.num_cache_blocks, "block id ", table[i], " of sequence ", b,
-                " is outside the cache (", P.num_cache_blocks, " blocks)");
+  const int32_t* table = checked_table(P, b, q_len, L);
   const int64_t Lp = (L + 31) & ~int64_t(31), ntile = Lp / 16;  // keys padded to whole 32-key blocks
   // scratch (4-byte words): kt [ntile][NP][16], vp [Lp/2][D], scores [16][Lp], p [16][Lp/2],
   // output [16][D], a padded query block [16][D/2]
@@ -932,29 +943,7 @@ void prefill_item_amx(const PrefillProblem& P, const BFloat16* kc, const BFloat1
   uint32_t* pp = reinterpret_cast<uint32_t*>(sc + 16 * Lp);
   float* ob = reinterpret_cast<float*>(pp + 16 * (Lp / 2));
   BFloat16* qpad = reinterpret_cast<BFloat16*>(ob + 16 * D);
-  for (int64_t t = 0; t < Lp; ++t) {
-    uint32_t* kdst = kt + (t / 16) * NP * 16 + (t % 16);
-    if (t < L) {
-      const uint32_t* krow = reinterpret_cast<const uint32_t*>(
-          kc + table[t / bs] * P.kv_block + (t % bs) * P.kv_token + g * P.kv_head);
-      for (int c = 0; c < NP; ++c) kdst[c * 16] = krow[c];
-    } else {
-      for (int c = 0; c < NP; ++c) kdst[c * 16] = 0;
-    }
-  }
-  for (int64_t s = 0; s < Lp / 2; ++s) {
-    uint16_t* dst = reinterpret_cast<uint16_t*>(vp + s * D);
-    for (int u = 0; u < 2; ++u) {
-      const int64_t t = 2 * s + u;
-      if (t < L) {
-        const uint16_t* vrow = reinterpret_cast<const uint16_t*>(
-            vc + table[t / bs] * P.kv_block + (t % bs) * P.kv_token + g * P.kv_head);
-        for (int d = 0; d < D; ++d) dst[2 * d + u] = vrow[d];
-      } else {
-        for (int d = 0; d < D; ++d) dst[2 * d + u] = 0;
-      }
-    }
-  }
+  copy_context<D>(P, kc, vc, table, L, Lp, g, kt, vp);
   configure_prefill_tiles();
   const __m512 vscale = _mm512_set1_ps(P.scale), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
