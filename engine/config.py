@@ -264,7 +264,7 @@ class DeviceConfig:
     # and clients share: a small step gains little from a second thread, and each time
     # the serving path preempts one, the whole parallel region waits (docs/performance.md).
     serial_step_work: int | None = None
-    # CPU bf16: steps of one or two tokens on tandem's small-batch linear kernel, which keeps
+    # CPU bf16: steps of up to four tokens on tandem's small-batch linear kernel, which keeps
     # a row-major copy of the weights (engine/models/packed.py). Prefill workers, whose steps
     # are whole prompts, turn it off and keep only oneDNN's packed copy.
     small_batch_linear: bool = True

@@ -45,7 +45,7 @@ using Attend = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, con
                     const at::Tensor&, double, bool);
 
 constexpr int64_t kLinears = 5;  // qkv, o, gate, up, down
-constexpr int64_t kSmallBatchRows = 2;  // engine/models/packed.py SMALL_BATCH_ROWS
+constexpr int64_t kSmallBatchRows = 4;  // engine/models/packed.py SMALL_BATCH_ROWS
 
 // oneDNN's linear layer on a weight packed by mkldnn::_reorder_linear_weight, as
 // PackedLinear calls it from Python (no bias, no post-op)

@@ -11,11 +11,12 @@ linear layers of the 200M test model at batch 1 went from 20 ms to 14 ms, those 
 Used only where it pays and is exact: CPU, bf16 weights, a PyTorch built with oneDNN
 that reports native bf16 support. `TANDEM_CPU_PACKED_WEIGHTS=0` turns it off.
 
-Steps of one or two tokens (a single stream's decode) go to tandem's own kernel instead
-(engine/cpu_kernels/linear.cpp): it streams the checkpoint's row-major weights at
-1.3-1.4x oneDNN's byte rate at one token, 1.2x at two, and loses to oneDNN from three
-tokens on. It needs that row-major copy next to the packed one, so it is used when the
-extra memory is small: `TANDEM_CPU_SMALL_BATCH_LINEAR=auto` (the default) keeps the
+Steps of one to four tokens (a few streams' decode) go to tandem's own kernel instead
+(engine/cpu_kernels/linear.cpp): with its weight stream prefetched ahead, small's layers
+took 1.2-1.6x less time than oneDNN's at one to four tokens on the Intel AMX machine,
+about the same at six and more at eight (docs/performance.md, twentieth round). It
+needs that row-major copy next to the packed one, so it is used when the extra memory
+is small: `TANDEM_CPU_SMALL_BATCH_LINEAR=auto` (the default) keeps the
 copies when they take at most 1/8 of the machine's memory, `1` always, `0` never. A
 tied output head reads the embedding itself and costs nothing extra.
 """
@@ -42,13 +43,13 @@ def can_pack(model: nn.Module, device: torch.device) -> bool:
             and hasattr(mkldnn, "_is_mkldnn_bf16_supported") and bool(mkldnn._is_mkldnn_bf16_supported()))
 
 
-SMALL_BATCH_ROWS = 2  # steps of at most this many tokens use the small-batch kernel
+SMALL_BATCH_ROWS = 4  # steps of at most this many tokens use the small-batch kernel
 
 
 class PackedLinear(nn.Module):
     """`y = x @ W.T + b` with W held in oneDNN's packed layout, and, when `keep_plain`
-    and the small-batch kernel `ops` is given, also row-major for steps of one or two
-    tokens. Otherwise the plain copy is freed."""
+    and the small-batch kernel `ops` is given, also row-major for steps of up to
+    SMALL_BATCH_ROWS tokens. Otherwise the plain copy is freed."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops=None, keep_plain: bool = False) -> None:
         super().__init__()
@@ -105,6 +106,7 @@ def pack_linears(model: nn.Module, head_weight: torch.Tensor | None = None, smal
             model.lm_head = PackedLinear(head_weight, None, ops, ops is not None)
     n = len(swaps) + (head_weight is not None)
     log.info("packed %d bf16 linear layers for oneDNN; %s", n,
-             f"one- and two-token steps on the small-batch kernel ({extra / 2**20:.0f} MiB of row-major copies)"
+             f"steps of up to {SMALL_BATCH_ROWS} tokens on the small-batch kernel "
+             f"({extra / 2**20:.0f} MiB of row-major copies)"
              if keep else "small-batch kernel off")
     return n

@@ -132,8 +132,9 @@ def bf16_engine(path, max_num_batched_tokens: int = 4096) -> LLMEngine:
 
 def test_bf16_packed_weights_change_no_token(builtin_dir, monkeypatch):
     """bf16 on CPU runs its linear layers on oneDNN-packed weights (where supported),
-    and steps of one or two tokens on the small-batch kernel: the greedy tokens are
-    those of the same engine on plain F.linear, for a batch and for one stream alone."""
+    and steps of one to four tokens on the small-batch kernel: the greedy tokens are
+    those of the same engine on plain F.linear, for a batch, for three and four streams
+    together and for one stream alone."""
     from engine.models.packed import PackedLinear
 
     prompts = random_prompts(LENGTHS, seed=6)
@@ -142,7 +143,8 @@ def test_bf16_packed_weights_change_no_token(builtin_dir, monkeypatch):
         engine = bf16_engine(builtin_dir)
         packed = any(isinstance(m, PackedLinear) for m in engine.runner.model.modules())
         greedy = SamplingParams(max_tokens=NEW, temperature=0)
-        return packed, (run(engine, prompts, greedy), [run(engine, [p], greedy)[0] for p in prompts[:3]])
+        return packed, (run(engine, prompts, greedy), run(engine, prompts[2:5], greedy),
+                        run(engine, prompts[5:9], greedy), [run(engine, [p], greedy)[0] for p in prompts[:3]])
 
     packed, got = tokens()
     monkeypatch.setenv("TANDEM_CPU_PACKED_WEIGHTS", "0")
