@@ -12,7 +12,7 @@
 // (several interleaved row streams measured 30-40% slower on an earlier machine). The
 // hardware's stream prefetcher stops at every 4 KB page, which a 1,024-wide bf16 row
 // crosses every other row, so the loop also asks for the bytes 8 KB ahead of the one it
-// reads (into L2): on the Intel AMX machine that took small's 73 linear layers at one
+// reads (into L2): on the Intel AMX machine that took small's 61 linear layers at one
 // token from 25.8-29.0 to 18.6-19.6 ms (docs/performance.md, twentieth round). A prefetch
 // past the end of the weights is a hint that never faults. AVX512-BF16's dot-product
 // instruction multiplies bf16 pairs into fp32 sums. Up to four rows of x share one pass
