@@ -20,6 +20,13 @@
                        decode (blocks of a multiple of 32 tokens, head_dim 64 or 128, 4 to
                        16 query heads per kv head) and the paged prefill kernel (head_dim
                        64 or 128)
+    TANDEM_CPU_SMALL_BATCH_LINEAR  whether bf16 linear layers keep a second copy of
+                       their weights for decode steps' own kernels: auto (the default)
+                       when the copies take at most 1/8 of the machine's memory, 1
+                       always, 0 never (engine/models/packed.py)
+    TANDEM_CPU_TILE_LINEAR  0 gives decode steps of one to four tokens the row-major
+                       kernel instead of the AMX tile kernel (steps of up to 256 tokens),
+                       where the CPU has AMX
     TANDEM_KEPT_ROWS   0 runs every prefill token through the whole last layer; by
                        default the last layer computes attention, o_proj and the MLP
                        only for the rows a step samples from, the others needing just
@@ -175,6 +182,12 @@ def _mode(name: str) -> str:
 def cpu_small_batch_linear() -> str:
     """"auto", "on" or "off" (TANDEM_CPU_SMALL_BATCH_LINEAR)."""
     return _mode("TANDEM_CPU_SMALL_BATCH_LINEAR")
+
+
+def cpu_tile_linear() -> str:
+    """"auto", "on" or "off" (TANDEM_CPU_TILE_LINEAR): decode steps' linear layers on the
+    AMX tile kernel where the CPU has it (engine/models/packed.py)."""
+    return _mode("TANDEM_CPU_TILE_LINEAR")
 
 
 def cpu_amx_prefill_sdpa() -> str:

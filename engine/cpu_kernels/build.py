@@ -40,6 +40,7 @@ from engine import envs
 log = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # part of the fingerprint, not compiled alone
 TURN_WAIT_S = 1800.0  # a first compile takes about a minute on 2 cores
 # -ffp-contract=off: no multiply-add fused into one rounding unless the source asks for it
 # (fused.cpp rounds where torch does)
@@ -128,9 +129,9 @@ def march_flags() -> list[str]:
 
 
 def extension_name(cflags: list[str]) -> str:
-    """`tandem_cpu_<hash>` over torch version, flags, CPU flags and the sources."""
+    """`tandem_cpu_<hash>` over torch version, flags, CPU flags and the sources (headers too)."""
     h = hashlib.sha256()
-    sources = [p.read_bytes() for p in SOURCES]
+    sources = [p.read_bytes() for p in SOURCES + HEADERS]
     for part in (torch.__version__, " ".join(cflags), platform.machine(), _cpu_flags(), *sources):
         h.update(part.encode() if isinstance(part, str) else part)
         h.update(b"\0")

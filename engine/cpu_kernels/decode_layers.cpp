@@ -10,8 +10,8 @@
 //   h = add_rms_norm(residual += o Wo^T)
 //   delta = (silu_(h Wg^T) *= h Wu^T) Wd^T
 //
-// with the kernels this extension registers (small_batch_linear, rms_norm, add_rms_norm,
-// rotary_, store_kv, paged_decode_attention) and oneDNN's packed linear layer, reached
+// with the kernels this extension registers (tile_linear, small_batch_linear, rms_norm,
+// add_rms_norm, rotary_, store_kv, paged_decode_attention) and oneDNN's packed linear layer, reached
 // through the dispatcher, and torch's own silu_ and mul_, so every value is rounded where
 // engine/models/llama.py rounds it and the outputs are bitwise the same. Layers without
 // biases only (the caller checks).
@@ -45,7 +45,6 @@ using Attend = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, con
                     const at::Tensor&, double, bool);
 
 constexpr int64_t kLinears = 5;  // qkv, o, gate, up, down
-constexpr int64_t kSmallBatchRows = 4;  // engine/models/packed.py SMALL_BATCH_ROWS
 
 // oneDNN's linear layer on a weight packed by mkldnn::_reorder_linear_weight, as
 // PackedLinear calls it from Python (no bias, no post-op)
@@ -59,13 +58,18 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w) {
 
 // `residual` [M, hidden] holds the embedded tokens and is updated in place, as the
 // Python layers update it; returns the last layer's MLP output (the next delta).
+// The linear layers' weights: `packed` for oneDNN; and either `tiles` (the tile kernel's
+// copies, for steps of up to `tile_rows` tokens) or `plain` (row-major copies for the
+// row-major kernel, up to `small_rows`), or neither: engine/models/packed.py's choice.
 at::Tensor decode_layers(const at::Tensor& residual, at::TensorList norms,
-                   at::TensorList packed, at::TensorList plain,
+                   at::TensorList packed, at::TensorList plain, at::TensorList tiles,
                    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& positions,
                    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t head_dim, double scale, double eps, bool bf16_pairs) {
+                   int64_t num_kv_heads, int64_t head_dim, double scale, double eps, bool bf16_pairs,
+                   int64_t small_rows, int64_t tile_rows) {
   static const auto linear = sibling<Linear>("small_batch_linear");
+  static const auto tile_linear = sibling<Linear>("tile_linear");
   static const auto norm = sibling<Norm>("rms_norm");
   static const auto add_norm = sibling<AddNorm>("add_rms_norm");
   static const auto rotary = sibling<Rotary>("rotary_");
@@ -76,19 +80,23 @@ at::Tensor decode_layers(const at::Tensor& residual, at::TensorList norms,
   TORCH_CHECK(L > 0 && static_cast<int64_t>(norms.size()) == 2 * L &&
                   static_cast<int64_t>(packed.size()) == kLinears * L &&
                   (plain.empty() || static_cast<int64_t>(plain.size()) == kLinears * L) &&
+                  (tiles.empty() || static_cast<int64_t>(tiles.size()) == kLinears * L) &&
                   static_cast<int64_t>(v_caches.size()) == L,
               "decode_layers: 2 norms, ", kLinears, " packed (and optionally ", kLinears,
-              " row-major) weights and one K and V cache per layer");
+              " row-major or tile-order) weights and one K and V cache per layer");
   TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "decode_layers: residual must be contiguous [M, hidden]");
   const int64_t M = residual.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const auto opts = residual.options();
-  // the linear layers as engine/models/packed.py runs them: the small-batch kernel on
-  // the row-major copy for one or two rows, oneDNN on the packed weight otherwise
-  const bool small = M <= kSmallBatchRows && !plain.empty();
+  // the linear layers as engine/models/packed.py runs them: the tile kernel on the
+  // tile-order copy, or the row-major kernel on the row-major one, for steps of up to
+  // their rows; oneDNN on the packed weight otherwise
+  const bool tiled = M <= tile_rows && !tiles.empty();
+  const bool small = !tiled && M <= small_rows && !plain.empty();
   auto project = [&](const at::Tensor& x, int64_t layer, int64_t j, int64_t n_out) -> at::Tensor {
-    if (small) {
+    if (tiled || small) {
       at::Tensor y = at::empty({M, n_out}, opts);
-      linear.call(y, x, plain[kLinears * layer + j], std::nullopt);
+      if (tiled) tile_linear.call(y, x, tiles[kLinears * layer + j], std::nullopt);
+      else linear.call(y, x, plain[kLinears * layer + j], std::nullopt);
       return y;
     }
     return packed_linear(x, packed[kLinears * layer + j]);
@@ -122,8 +130,9 @@ at::Tensor decode_layers(const at::Tensor& residual, at::TensorList norms,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_layers(Tensor(a!) residual, Tensor[] norms, Tensor[] packed, Tensor[] plain, "
+  m.def("decode_layers(Tensor(a!) residual, Tensor[] norms, Tensor[] packed, Tensor[] plain, Tensor[] tiles, "
         "Tensor[] k_caches, Tensor[] v_caches, Tensor positions, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, "
-        "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float scale, float eps, bool bf16_pairs=True) -> Tensor",
+        "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float scale, float eps, bool bf16_pairs, "
+        "int small_rows, int tile_rows) -> Tensor",
         &decode_layers);
 }

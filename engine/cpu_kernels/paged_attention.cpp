@@ -38,13 +38,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define TANDEM_AMX 1
-#else
-#define TANDEM_AMX 0
-#endif
+#include "amx.h"
 
 namespace {
 
@@ -131,35 +125,15 @@ constexpr bool kAvx512 = false;
 #endif
 
 
-// ---- AMX (Intel's tile matrix unit): bf16 K rows times the query in one instruction.
-// Linux hands a process the 8 KB of tile state only once it asks (arch_prctl
-// ARCH_REQ_XCOMP_PERM for XTILEDATA, kernel 5.16 and later); oneDNN asks too when its
-// matmuls use AMX. `amx_usable()` asks once and remembers the answer; the decode
-// kernel uses tiles only where the build targets AMX, the kernel granted them and
-// `set_decode_amx` has not turned them off.
+// ---- AMX (Intel's tile matrix unit, amx.h): bf16 K rows times the query in one
+// instruction. The decode kernel uses tiles only where the build targets AMX, the kernel
+// granted them and `set_decode_amx` has not turned them off.
 std::atomic<bool> g_decode_amx{true};
 
-bool amx_usable() {
-#if TANDEM_AMX
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-#else
-  return false;
-#endif
-}
+bool amx_usable() { return tandem_amx::usable(); }
 
 #if TANDEM_AMX
-// Palette 1: up to 8 tiles of at most 16 rows of 64 bytes, each tile's shape set here.
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using tandem_amx::TileConfig;
 
 // Scores of one kv head's G query heads against 16 tokens:
 //   tmm0  C  [16 tokens][G]        fp32 scores

@@ -19,6 +19,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig, RopeScaling
+from engine.models.packed import SMALL_BATCH_ROWS, TILE_ROWS
 from engine.models.shapes import expected_shapes  # noqa: F401 - re-exported
 
 
@@ -234,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
                                           positions, self.rotary.cos, self.rotary.sin, meta.slot_mapping.contiguous(),
                                           tables, lens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                           self.layers[0].self_attn.scale, self.layers[0].input_layernorm.eps,
-                                          backend.bf16_pairs)
+                                          backend.bf16_pairs, SMALL_BATCH_ROWS, TILE_ROWS)
                 return self.norm.add_forward(residual, delta, ops)
         rope = self.rotary.rotation(positions, residual.dtype, ops)
         delta = None
@@ -249,7 +250,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _decode_stack(self, ops, kv_caches, dtype: torch.dtype):
         """The weights `ops.decode_layers` takes: (norms, 2 a layer; packed linear
-        weights, 5 a layer; their row-major copies, 5 a layer or none), or None where
+        weights, 5 a layer; their row-major copies and their tile-order copies, each 5 a
+        layer or none), or None where
         that operator cannot run this model: no such operator in the build, a linear
         layer not packed for oneDNN or with a bias, a head_dim the attention kernel does
         not walk, a cache dtype other than the model's. Decided once."""
@@ -259,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
         if not hasattr(ops, "decode_layers") or self.cfg.head_dim % 16 or any(
                 k.dtype != dtype or not k.is_contiguous() or not v.is_contiguous() for k, v in kv_caches):
             return None
-        norms, packed, plain = [], [], []
+        norms, packed, plain, tiles = [], [], [], []
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
             linears = (a.qkv_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
@@ -268,13 +270,18 @@ class LlamaForCausalLM(nn.Module):
             norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             packed += [x.packed for x in linears]
             plain += [x.plain for x in linears]
-        if any(w is None for w in plain):
-            if any(w is not None for w in plain):
+            tiles += [x.tiles for x in linears]
+        copies = []
+        for ws in (plain, tiles):  # each kind of copy: every layer's or none
+            if any(w is None for w in ws) and any(w is not None for w in ws):
                 return None
-            plain = []
-        if any(w.dtype != dtype or not w.is_contiguous() for w in norms + plain):
+            copies.append([] if ws[0] is None else ws)
+        plain, tiles = copies
+        if plain and tiles:
             return None
-        self._stack = (norms, packed, plain)
+        if any(w.dtype != dtype or not w.is_contiguous() for w in norms + plain + tiles):
+            return None
+        self._stack = (norms, packed, plain, tiles)
         return self._stack
 
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:

@@ -11,14 +11,23 @@ linear layers of the 200M test model at batch 1 went from 20 ms to 14 ms, those 
 Used only where it pays and is exact: CPU, bf16 weights, a PyTorch built with oneDNN
 that reports native bf16 support. `TANDEM_CPU_PACKED_WEIGHTS=0` turns it off.
 
-Steps of one to four tokens (a few streams' decode) go to tandem's own kernel instead
-(engine/cpu_kernels/linear.cpp): with its weight stream prefetched ahead, small's layers
-took 1.2-1.6x less time than oneDNN's at one to four tokens on the Intel AMX machine,
-about the same at six and more at eight (docs/performance.md, twentieth round). It
-needs that row-major copy next to the packed one, so it is used when the extra memory
-is small: `TANDEM_CPU_SMALL_BATCH_LINEAR=auto` (the default) keeps the
-copies when they take at most 1/8 of the machine's memory, `1` always, `0` never. A
-tied output head reads the embedding itself and costs nothing extra.
+Decode steps also take tandem's own kernels (engine/cpu_kernels/linear.cpp), each on a
+second copy of the weights laid out for it:
+- where the CPU has AMX tiles, the tile kernel for steps of up to TILE_ROWS tokens, on a
+  copy in tile order. It prefetches its weight stream ahead and, like oneDNN, runs on
+  the tile unit: small's 61 linear layers at one to 16 tokens took 17-22 ms against
+  oneDNN's 32-36 (and the row-major kernel's 23-26 at one to four), at 200 tokens 95
+  against 121, at 256 and 384 the same (docs/performance.md, twenty-first round). Its
+  results equal F.linear's bits up to 32 rows, and are one bf16 step apart in about 1 in
+  10,000 outputs above (oneDNN's order of additions changes there; the kernel's does
+  not, so a row's result never depends on the rows beside it);
+- elsewhere with AVX512-BF16, the row-major kernel for steps of one to four tokens
+  (SMALL_BATCH_ROWS), on a row-major copy: 1.2-1.6x less time than oneDNN's on the
+  Intel AMX machine before the tile kernel, the same at six, slower at eight.
+The copies are kept when the extra memory is small: `TANDEM_CPU_SMALL_BATCH_LINEAR=auto`
+(the default) keeps them when they take at most 1/8 of the machine's memory, `1`
+always, `0` never. `TANDEM_CPU_TILE_LINEAR=0` takes the row-major kernel where the tile
+kernel would run. A tied output head's row-major copy is the embedding itself, free.
 """
 
 from __future__ import annotations
@@ -43,27 +52,45 @@ def can_pack(model: nn.Module, device: torch.device) -> bool:
             and hasattr(mkldnn, "_is_mkldnn_bf16_supported") and bool(mkldnn._is_mkldnn_bf16_supported()))
 
 
-SMALL_BATCH_ROWS = 4  # steps of at most this many tokens use the small-batch kernel
+SMALL_BATCH_ROWS = 4  # steps of at most this many tokens use the row-major kernel
+TILE_ROWS = 256  # steps of at most this many tokens use the tile kernel (AMX)
+
+
+def tileable(weight: torch.Tensor) -> bool:
+    """Whether the tile kernel takes this weight: both dimensions multiples of 32."""
+    return weight.dim() == 2 and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0
 
 
 class PackedLinear(nn.Module):
-    """`y = x @ W.T + b` with W held in oneDNN's packed layout, and, when `keep_plain`
-    and the small-batch kernel `ops` is given, also row-major for steps of up to
-    SMALL_BATCH_ROWS tokens. Otherwise the plain copy is freed."""
+    """`y = x @ W.T + b` with W held in oneDNN's packed layout and, when `keep_copy` and
+    the compiled kernels `ops` are given, a second copy for decode steps: in tile order
+    when `ops.tile_linear` runs here and takes W's shape (steps of up to TILE_ROWS
+    tokens), else row-major (up to SMALL_BATCH_ROWS). `ops` None or `keep_copy` False:
+    oneDNN alone."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops=None, keep_plain: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops=None, keep_copy: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+        w = weight.detach().contiguous()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
         self.bias = None if bias is None else bias.detach().clone()
-        self.plain = weight.detach().contiguous() if ops is not None and keep_plain else None
-        self._small = ops.small_batch_linear if self.plain is not None else None
+        self.plain = self.tiles = None
+        self._small = self._tile = None
+        if ops is not None and keep_copy:
+            if tile_kernel_on(ops) and tileable(w):
+                self.tiles, self._tile = ops.tile_pack_linear_weight(w), ops.tile_linear
+            else:
+                self.plain, self._small = w, ops.small_batch_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self._small is not None and x2.shape[0] <= SMALL_BATCH_ROWS:
-            y = x2.new_empty(x2.shape[0], self.out_features)
+        rows = x2.shape[0]
+        if self._tile is not None and rows <= TILE_ROWS:
+            y = x2.new_empty(rows, self.out_features)
+            self._tile(y, x2.contiguous(), self.tiles, self.bias)
+        elif self._small is not None and rows <= SMALL_BATCH_ROWS:
+            y = x2.new_empty(rows, self.out_features)
             self._small(y, x2.contiguous(), self.plain, self.bias)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
@@ -71,6 +98,12 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def tile_kernel_on(ops) -> bool:
+    """Whether linear layers take the tile kernel here: the build and the CPU have AMX
+    tiles (and the kernel granted them), and TANDEM_CPU_TILE_LINEAR is not 0."""
+    return envs.cpu_tile_linear() != "off" and hasattr(ops, "tile_linear") and bool(ops.tile_linear_supported())
 
 
 def small_batch_ops():
@@ -82,7 +115,7 @@ def small_batch_ops():
 
 
 def keep_plain_copies(extra_bytes: int) -> bool:
-    """Whether to keep row-major copies of `extra_bytes` for the small-batch kernel."""
+    """Whether to keep second copies of `extra_bytes` for the decode-step kernels."""
     mode = envs.cpu_small_batch_linear()
     if mode != "auto":
         return mode == "on"
@@ -93,20 +126,27 @@ def pack_linears(model: nn.Module, head_weight: torch.Tensor | None = None, smal
     """Replace every nn.Linear of `model` by a PackedLinear; returns how many. A model
     whose output head is its (tied) embedding passes that weight as `head_weight`: the
     head gets a packed copy of its own under `model.lm_head`. `small_batch=False` keeps
-    no row-major copies whatever the environment says (a prefill worker)."""
+    no second copies whatever the environment says (a prefill worker)."""
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if isinstance(child, nn.Linear)]
-    extra = sum(child.weight.numel() * child.weight.element_size() for _, _, child in swaps)
     ops = small_batch_ops() if small_batch and envs.cpu_small_batch_linear() != "off" else None
+    tiles = ops is not None and tile_kernel_on(ops)
+    weights = [child.weight for _, _, child in swaps]
+    if head_weight is not None and tiles and tileable(head_weight):  # a row-major head copy would be free
+        weights.append(head_weight)
+    extra = sum(w.numel() * w.element_size() for w in weights)
     keep = ops is not None and keep_plain_copies(extra)
     with torch.no_grad():
         for parent, name, child in swaps:
             setattr(parent, name, PackedLinear(child.weight, child.bias, ops, keep))
-        if head_weight is not None:  # the embedding stays anyway: its row-major copy is free
-            model.lm_head = PackedLinear(head_weight, None, ops, ops is not None)
+        if head_weight is not None:
+            model.lm_head = PackedLinear(head_weight, None, ops, keep or (ops is not None and not tiles))
     n = len(swaps) + (head_weight is not None)
-    log.info("packed %d bf16 linear layers for oneDNN; %s", n,
-             f"steps of up to {SMALL_BATCH_ROWS} tokens on the small-batch kernel "
-             f"({extra / 2**20:.0f} MiB of row-major copies)"
-             if keep else "small-batch kernel off")
+    if not keep:
+        how = "decode-step kernels off"
+    elif tiles:
+        how = f"steps of up to {TILE_ROWS} tokens on the tile kernel ({extra / 2**20:.0f} MiB of tile-order copies)"
+    else:
+        how = f"steps of up to {SMALL_BATCH_ROWS} tokens on the row-major kernel ({extra / 2**20:.0f} MiB of copies)"
+    log.info("packed %d bf16 linear layers for oneDNN; %s", n, how)
     return n

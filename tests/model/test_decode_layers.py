@@ -1,8 +1,9 @@
 """A step of decode tokens only runs the decoder layers in one C++ call
 (engine/cpu_kernels/decode_layers.cpp) with the same kernels and rounding as the Python
 layers: tokens and logprobs bitwise equal to the same engine with the call turned off,
-for one stream (one-token steps on the small-batch kernel), a pair and four at once
-(two- and four-token steps, the same kernel) and six (oneDNN's packed linear layers)."""
+for one stream, a pair, four and six at once: with the tile kernel (AMX) all of them on
+it; with the row-major kernel (TANDEM_CPU_TILE_LINEAR=0, or no AMX) one to four tokens
+on it and six on oneDNN's packed linear layers."""
 
 import pytest
 
@@ -54,7 +55,9 @@ def run(builtin_dir, fused: bool):
     return out, counting.calls, model._stack is not None
 
 
-def test_fused_decode_layers_equal_the_python_layers_bitwise(builtin_dir):
+@pytest.mark.parametrize("tiles", ["auto", "0"])
+def test_fused_decode_layers_equal_the_python_layers_bitwise(builtin_dir, tiles, monkeypatch):
+    monkeypatch.setenv("TANDEM_CPU_TILE_LINEAR", tiles)
     got, calls, available = run(builtin_dir, fused=True)
     if not available:
         pytest.skip("no small-batch kernel here (AVX512-BF16): the layers stay in Python")

@@ -130,13 +130,16 @@ def bf16_engine(path, max_num_batched_tokens: int = 4096) -> LLMEngine:
         scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_model_len=1024)))
 
 
-def test_bf16_packed_weights_change_no_token(builtin_dir, monkeypatch):
+@pytest.mark.parametrize("tiles", ["auto", "0"])
+def test_bf16_packed_weights_change_no_token(builtin_dir, monkeypatch, tiles):
     """bf16 on CPU runs its linear layers on oneDNN-packed weights (where supported),
-    and steps of one to four tokens on the small-batch kernel: the greedy tokens are
-    those of the same engine on plain F.linear, for a batch, for three and four streams
-    together and for one stream alone."""
+    and decode steps on tandem's own kernels (the tile kernel where the CPU has AMX, up
+    to 256 tokens; else, or with TANDEM_CPU_TILE_LINEAR=0, the row-major kernel for one
+    to four): the greedy tokens are those of the same engine on plain F.linear, for a
+    batch, for three and four streams together and for one stream alone."""
     from engine.models.packed import PackedLinear
 
+    monkeypatch.setenv("TANDEM_CPU_TILE_LINEAR", tiles)
     prompts = random_prompts(LENGTHS, seed=6)
 
     def tokens():
@@ -196,13 +199,20 @@ def test_bf16_prefill_kernel_changes_no_token(builtin_dir, monkeypatch):
     assert split == want
 
 
-def test_bf16_decode_matches_transformers_in_bf16(builtin_dir):
+def test_bf16_decode_matches_transformers_in_bf16(builtin_dir, monkeypatch):
     """bf16 decode attention on CPU multiplies p, rounded to bf16, into V on the
     dot-product instruction, two tokens at a time (as torch's SDPA, transformers'
     default attention, rounds p for bf16): the greedy tokens equal transformers' in
     bf16, for a batch (batched decode steps) and for one stream alone (the one-token
     path through decode_layers). With p kept in fp32 one of these prompts parts from
-    transformers at its 23rd token (measured when this path came in)."""
+    transformers at its 23rd token (measured when this path came in).
+
+    transformers' matmuls run on oneDNN's AVX512-BF16 kernels here (tests/conftest.py
+    caps oneDNN below AMX), so the engine's decode steps take the row-major kernel, not
+    the tile kernel: the tile kernel adds each output's terms in the order of the AMX
+    tile unit (oneDNN's own AMX order up to 32 rows), and with it the 33-token prompt
+    parts from transformers-on-AVX512 at its 13th token (a near-tie, measured when the
+    kernel came in), while matching transformers when both run on AMX."""
     import inspect
     import json
 
@@ -211,6 +221,7 @@ def test_bf16_decode_matches_transformers_in_bf16(builtin_dir):
     from engine.attention.cpu.backend import CpuAttention
     from engine.tokenizer import Tokenizer
 
+    monkeypatch.setenv("TANDEM_CPU_TILE_LINEAR", "0")
     ids = Tokenizer.from_dir(builtin_dir).encode(inspect.getsource(json.decoder))
     prompts = [ids[29 * i: 29 * i + n] for i, n in enumerate(LENGTHS + [130, 257])]
     engine = bf16_engine(builtin_dir)
