@@ -264,9 +264,10 @@ class DeviceConfig:
     # and clients share: a small step gains little from a second thread, and each time
     # the serving path preempts one, the whole parallel region waits (docs/performance.md).
     serial_step_work: int | None = None
-    # CPU bf16: steps of up to four tokens on tandem's small-batch linear kernel, which keeps
-    # a row-major copy of the weights (engine/models/packed.py). Prefill workers, whose steps
-    # are whole prompts, turn it off and keep only oneDNN's packed copy.
+    # CPU bf16: decode steps on tandem's own linear kernels (the tile kernel where the CPU has
+    # AMX, up to 256 tokens; else the row-major kernel, up to four), which keep a second copy
+    # of the weights (engine/models/packed.py). Prefill workers, whose steps are whole
+    # prompts, turn it off and keep only oneDNN's packed copy.
     small_batch_linear: bool = True
     # CPU, several workers on one host's cores (router/pool.py): a step also runs threads on
     # the cores of `shared_cores` whose owners are idle, as the ledger file at `core_ledger`

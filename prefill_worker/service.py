@@ -51,7 +51,7 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
 
     async def start(self) -> str:
         cfg = self.config
-        # whole prompts only: no row-major weight copies for steps of a few tokens
+        # whole prompts only: no second weight copies for the decode-step kernels
         engine_cfg = dataclasses.replace(
             cfg.engine, device=dataclasses.replace(cfg.engine.device, small_batch_linear=False))
         parts = await asyncio.to_thread(build_parts, engine_cfg)
