@@ -287,6 +287,14 @@ bool supported() {
 #endif
 }
 
+// The bias's values (nullptr when there is none), checked: a contiguous bf16 [N]
+const BFloat16* bias_data(const std::optional<at::Tensor>& bias, int64_t N, const char* op) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
+              op, ": bias must be a contiguous bf16 [", N, "]");
+  return bias->data_ptr<BFloat16>();
+}
+
 void small_batch_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(supported(), "small_batch_linear: this build has no AVX512-BF16");
@@ -297,12 +305,7 @@ void small_batch_linear(const at::Tensor& out, const at::Tensor& x, const at::Te
   for (const at::Tensor* t : {&out, &x, &weight})
     TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->device().is_cpu(),
                 "small_batch_linear: tensors must be contiguous bf16 on CPU");
-  const BFloat16* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
-                "small_batch_linear: bias must be a contiguous bf16 [", N, "]");
-    bp = bias->data_ptr<BFloat16>();
-  }
+  const BFloat16* bp = bias_data(bias, N, "small_batch_linear");
 #if defined(__AVX512BF16__)
   const BFloat16* xp = x.data_ptr<BFloat16>();
   const BFloat16* wp = weight.data_ptr<BFloat16>();
@@ -359,12 +362,7 @@ void tile_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& t
   for (const at::Tensor* t : {&out, &x})
     TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->device().is_cpu(),
                 "tile_linear: x and out must be contiguous bf16 on CPU");
-  const BFloat16* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
-                "tile_linear: bias must be a contiguous bf16 [", N, "]");
-    bp = bias->data_ptr<BFloat16>();
-  }
+  const BFloat16* bp = bias_data(bias, N, "tile_linear");
   if (M == 0) return;
 #if TANDEM_AMX
   const BFloat16* xp = x.data_ptr<BFloat16>();
