@@ -323,7 +323,7 @@ void small_batch_linear(const at::Tensor& out, const at::Tensor& x, const at::Te
 #endif
 }
 
-bool tile_supported() { return TANDEM_AMX && tandem_amx::usable(); }
+bool tile_supported() { return tandem_amx::usable(); }  // false where the build has no AMX
 
 // W [N, K] bf16 -> [N/32, K/32, 2, 16, 32]: the tile linear layer's layout (above)
 at::Tensor tile_pack_linear_weight(const at::Tensor& weight) {

@@ -130,8 +130,6 @@ constexpr bool kAvx512 = false;
 // granted them and `set_decode_amx` has not turned them off.
 std::atomic<bool> g_decode_amx{true};
 
-bool amx_usable() { return tandem_amx::usable(); }
-
 #if TANDEM_AMX
 using tandem_amx::TileConfig;
 
@@ -638,7 +636,7 @@ void run_all(const Problem& P, const at::Tensor& k_cache, const at::Tensor& v_ca
   constexpr bool kAmxShape = TANDEM_AMX && std::is_same_v<KV, BFloat16> && std::is_same_v<Q, BFloat16> &&
                              (C == 4 || C == 8);
   const bool amx = kAmxShape && pairs && P.block_size % 32 == 0 && G >= 4 && G <= 16 &&
-                   g_decode_amx.load(std::memory_order_relaxed) && amx_usable();
+                   g_decode_amx.load(std::memory_order_relaxed) && tandem_amx::usable();
   if (amx)
     while (ng > 1 && ng * G > 16) ng = ng % 2 == 0 ? ng / 2 : 1;
   const int64_t runs = hkv / ng, items = num_seqs * runs;
@@ -1089,7 +1087,7 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, con
   const int64_t items = Bp * Hkv, threads = at::get_num_threads();
   std::atomic<int64_t> next{0};
 #if TANDEM_AMX
-  const bool amx = g_prefill_amx.load(std::memory_order_relaxed) && amx_usable();
+  const bool amx = g_prefill_amx.load(std::memory_order_relaxed) && tandem_amx::usable();
 #else
   const bool amx = false;
 #endif
@@ -1117,7 +1115,7 @@ int64_t simd_lanes() { return kAvx512 ? 16 : 0; }
 // Whether bf16 decode attention can run on AMX tiles here (the build targets
 // AMX and the kernel granted the tile state), and the switch for it (TANDEM_CPU_AMX_ATTENTION;
 // tests compare both paths). `set_decode_amx` returns the previous setting.
-bool decode_amx_supported() { return amx_usable(); }
+bool decode_amx_supported() { return tandem_amx::usable(); }
 bool set_decode_amx(bool on) { return g_decode_amx.exchange(on); }
 // The same for bf16 prefill attention (prefill_item_amx); false where there are no tiles.
 bool set_prefill_amx(bool on) {

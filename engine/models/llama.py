@@ -272,13 +272,11 @@ class LlamaForCausalLM(nn.Module):
             plain += [x.plain for x in linears]
             tiles += [x.tiles for x in linears]
         copies = []
-        for ws in (plain, tiles):  # each kind of copy: every layer's or none
+        for ws in (plain, tiles):  # each kind of copy: every layer's or none (a layer keeps at most one kind)
             if any(w is None for w in ws) and any(w is not None for w in ws):
                 return None
             copies.append([] if ws[0] is None else ws)
         plain, tiles = copies
-        if plain and tiles:
-            return None
         if any(w.dtype != dtype or not w.is_contiguous() for w in norms + plain + tiles):
             return None
         self._stack = (norms, packed, plain, tiles)

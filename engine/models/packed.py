@@ -103,7 +103,7 @@ class PackedLinear(nn.Module):
 def tile_kernel_on(ops) -> bool:
     """Whether linear layers take the tile kernel here: the build and the CPU have AMX
     tiles (and the kernel granted them), and TANDEM_CPU_TILE_LINEAR is not 0."""
-    return envs.cpu_tile_linear() != "off" and hasattr(ops, "tile_linear") and bool(ops.tile_linear_supported())
+    return envs.cpu_tile_linear() != "off" and bool(ops.tile_linear_supported())
 
 
 def small_batch_ops():
