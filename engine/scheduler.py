@@ -148,7 +148,10 @@ class Scheduler:
         if self._slots_left() <= 0:
             raise NoCapacity("max_num_seqs reached")
         n_prompt = len(seq.prompt_ids)
-        hit = self.cache.match(seq, max_tokens=n_prompt)  # the remote side samples token 0: all may hit
+        # the remote side samples token 0 and writes the blocks past the hit: at least the
+        # last block is left to it (a whole-prompt hit would leave a write of no blocks,
+        # which no transport carries), as a local prefill always computes the last token
+        hit = self.cache.match(seq, max_tokens=n_prompt - 1)
         need = math.ceil(n_prompt / self.bs) - hit.num_blocks
         if not self.cache.can_fit(hit, need):
             raise NoCapacity(f"{need} blocks needed, {self.pool.num_free_blocks} free")

@@ -26,7 +26,7 @@ from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, Sequence
 from engine.structured import StructuredOutputs, attach_grammar
-from kv_transfer.base import PeerId, TransferHandle, Transport, XferState
+from kv_transfer.base import PeerId, TransferError, TransferHandle, Transport, XferState
 from kv_transfer.ledger import Entry, Ledger
 from prefill_worker.scheduler import PrefillScheduler
 from protos import tandem_pb2 as pb
@@ -65,6 +65,7 @@ class Job:
     handles: list[TransferHandle] = field(default_factory=list)
     final: TransferHandle | None = None
     logprobs: TokenLogprobs | None = None
+    refused: str | None = None  # why the transport refused one of its writes (the request fails)
 
 
 def landed_message(request_id: str, first_token: int, logprobs: TokenLogprobs | None) -> bytes:
@@ -119,8 +120,9 @@ class PrefillEngine:
             raise ValueError(
                 f"target has {len(target_blocks)} blocks; a {len(prompt_ids)}-token prompt needs {n_blocks}"
             )
-        if num_cached_tokens % bs or not 0 <= num_cached_tokens <= len(prompt_ids):
-            raise ValueError(f"num_cached_tokens={num_cached_tokens} must be a multiple of {bs} within the prompt")
+        if num_cached_tokens % bs or not 0 <= num_cached_tokens < len(prompt_ids):
+            raise ValueError(f"num_cached_tokens={num_cached_tokens} must be a multiple of {bs} below the prompt's "
+                             f"{len(prompt_ids)} tokens (at least one block is written)")
         # original params: the first token is sampled exactly as a single process would
         # (seed index 0, EOS banned under min_tokens); PrefillScheduler ends it after one token
         seq = Sequence(request_id, list(prompt_ids), params, self.eos_ids, priority)
@@ -187,9 +189,12 @@ class PrefillEngine:
             ready = self.runner.compute_marker()  # the layer's kernels may still be queued (CUDA)
             for job in jobs:
                 local, remote = self._block_pairs(job)
-                if local:
-                    job.handles.append(self.transport.write_blocks(
-                        job.peer, local, remote, layers=range(layer, layer + 1), ready=ready))
+                if local and job.refused is None:
+                    try:
+                        job.handles.append(self.transport.write_blocks(
+                            job.peer, local, remote, layers=range(layer, layer + 1), ready=ready))
+                    except TransferError as e:  # that request fails once computed; the step goes on
+                        job.refused = str(e)
 
         return on_layer_done
 
@@ -206,15 +211,22 @@ class PrefillEngine:
         self.ledger.reserve(seq.seq_id, self.scheduler.cache.block_table(seq.seq_id), peer=job.peer)
         self.ledger.start_writing(seq.seq_id)
         layers = range(self.num_layers - 1, self.num_layers) if self.layerwise and job.handles else None
-        job.final = self.transport.write_blocks(
-            job.peer,
-            local,
-            remote,
-            layers=layers,
-            notify=landed_message(seq.seq_id, first, job.logprobs),
-            after=job.handles,
-            ready=self.runner.compute_marker(),
-        )
+        if job.refused is None:
+            try:
+                job.final = self.transport.write_blocks(
+                    job.peer,
+                    local,
+                    remote,
+                    layers=layers,
+                    notify=landed_message(seq.seq_id, first, job.logprobs),
+                    after=job.handles,
+                    ready=self.runner.compute_marker(),
+                )
+            except TransferError as e:
+                job.refused = str(e)
+        if job.refused is not None:  # a bad target (the transport checks it): this request fails, not the engine
+            log.warning("prefill of %s: the KV write was refused: %s", seq.seq_id, job.refused)
+            self.ledger.fail(seq.seq_id, f"the KV write to the decode worker was refused: {job.refused}")
 
     def _poll_transfers(self) -> None:
         self.ledger.sweep()

@@ -110,6 +110,65 @@ async def test_injected_transfer_failure(spawn, model_path):
     await assert_clean(dc, pc)
 
 
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+async def test_prompt_the_decode_worker_holds_whole(spawn, model_path, transport):
+    """A prompt of whole blocks that the decode worker already caches entirely (the same
+    prompt again): its reservation needs no KV written, only the first token. The prefill
+    worker still sends the last block (the decode side never counts the whole prompt as
+    cached), so the request is exact and the prefill worker lives on."""
+    d = spawn("decode", "decode-0", transport=transport)
+    p = spawn("prefill", "prefill-0", transport=transport)
+    dc, pc = d.client(), p.client()
+    await wait_ready(dc)
+    await wait_ready(pc)
+    [prompt] = random_prompts([128], seed=27)  # whole blocks at 16 or 64 tokens a block
+    want = hf_greedy(model_path, prompt, 12, ignore_eos=True)
+    epoch = (await pc.health()).epoch
+    cached = []
+    for rid in ("first", "again", "third"):
+        out, hit = [], 0
+        async for b in disaggregated_stream(pc, dc, req(rid, prompt), fallback_local=False):
+            out += b.token_ids
+            hit = max(hit, b.cached_tokens)
+        assert out == want, rid
+        cached.append(hit)
+    # the repeats hit the decode worker's cache: all but the last block
+    assert cached[0] == 0 and cached[1] == cached[2] and 0 < cached[1] < len(prompt), cached
+    health = await pc.health()
+    assert health.healthy and health.epoch == epoch, health.error
+    await assert_clean(dc, pc)
+
+
+async def test_a_refused_kv_write_fails_its_request_only(spawn, model_path):
+    """A prefill whose target names blocks the decode worker does not have (a caller's
+    bug, sent straight to the prefill worker): the transport refuses the write, that
+    request fails with the reason, and the prefill worker serves the next one (no engine
+    death, no restart, no block held)."""
+    d = spawn("decode", "decode-0", args=QUARANTINE)
+    p = spawn("prefill", "prefill-0")
+    dc, pc = d.client(), p.client()
+    await wait_ready(dc)
+    await wait_ready(pc)
+    [warm, prompt] = random_prompts([20, 70], seed=28)
+    await collect(disaggregated_stream(pc, dc, req("warm", warm)))  # the prefill worker now knows this peer
+    epoch = (await pc.health()).epoch
+    r = req("bad", prompt)
+    call = dc.stub.Decode(_decode_request(r, pb.REMOTE_PREFILL, 30.0), metadata=dc.metadata)
+    first = await call.read()
+    assert first.WhichOneof("kind") == "reservation"
+    res = pb.Reservation()
+    res.CopyFrom(first.reservation)
+    res.block_ids[-1] = 1 << 30  # no such block on the decode worker
+    outcome = await asyncio.wait_for(run_prefill(pc, dc, r, res, timeout=30.0), 40)
+    assert outcome.reply is None and "out of range" in outcome.error, outcome.error
+    call.cancel()
+    health = await pc.health()
+    assert health.healthy and health.epoch == epoch, health.error
+    out = await collect(disaggregated_stream(pc, dc, req("after", prompt), fallback_local=False))
+    assert out == hf_greedy(model_path, prompt, 12, ignore_eos=True)
+    await assert_clean(dc, pc)
+
+
 async def test_decode_worker_killed_after_reserving(spawn, model_path):
     d = spawn("decode", "decode-0")
     p = spawn("prefill", "prefill-0")
