@@ -47,6 +47,16 @@ async def assert_clean(*clients, timeout=10.0):
             await asyncio.sleep(0.2)
 
 
+async def started(spawn, decode_args=(), transport="tcp", **prefill):
+    """A decode worker and a prefill worker, both ready: (decode, prefill, their clients)."""
+    d = spawn("decode", "decode-0", transport=transport, args=decode_args)
+    p = spawn("prefill", "prefill-0", transport=transport, **prefill)
+    dc, pc = d.client(), p.client()
+    await wait_ready(dc)
+    await wait_ready(pc)
+    return d, p, dc, pc
+
+
 @pytest.mark.parametrize("transport", ["tcp", "nixl"])
 async def test_sixteen_concurrent_requests_match_transformers(spawn, model_path, transport):
     d = spawn("decode", "decode-0", transport=transport)
@@ -116,11 +126,7 @@ async def test_prompt_the_decode_worker_holds_whole(spawn, model_path, transport
     prompt again): its reservation needs no KV written, only the first token. The prefill
     worker still sends the last block (the decode side never counts the whole prompt as
     cached), so the request is exact and the prefill worker lives on."""
-    d = spawn("decode", "decode-0", transport=transport)
-    p = spawn("prefill", "prefill-0", transport=transport)
-    dc, pc = d.client(), p.client()
-    await wait_ready(dc)
-    await wait_ready(pc)
+    _, _, dc, pc = await started(spawn, transport=transport)
     [prompt] = random_prompts([128], seed=27)  # whole blocks at 16 or 64 tokens a block
     want = hf_greedy(model_path, prompt, 12, ignore_eos=True)
     epoch = (await pc.health()).epoch
@@ -144,11 +150,7 @@ async def test_a_refused_kv_write_fails_its_request_only(spawn, model_path):
     bug, sent straight to the prefill worker): the transport refuses the write, that
     request fails with the reason, and the prefill worker serves the next one (no engine
     death, no restart, no block held)."""
-    d = spawn("decode", "decode-0", args=QUARANTINE)
-    p = spawn("prefill", "prefill-0")
-    dc, pc = d.client(), p.client()
-    await wait_ready(dc)
-    await wait_ready(pc)
+    _, _, dc, pc = await started(spawn, QUARANTINE)
     [warm, prompt] = random_prompts([20, 70], seed=28)
     await collect(disaggregated_stream(pc, dc, req("warm", warm)))  # the prefill worker now knows this peer
     epoch = (await pc.health()).epoch
@@ -170,11 +172,7 @@ async def test_a_refused_kv_write_fails_its_request_only(spawn, model_path):
 
 
 async def test_decode_worker_killed_after_reserving(spawn, model_path):
-    d = spawn("decode", "decode-0")
-    p = spawn("prefill", "prefill-0")
-    dc, pc = d.client(), p.client()
-    await wait_ready(dc)
-    await wait_ready(pc)
+    d, _, dc, pc = await started(spawn)
     [warm, prompt] = random_prompts([20, 70], seed=26)
     await collect(disaggregated_stream(pc, dc, req("warm", warm)))  # the prefill worker now knows this peer
     r = req("doomed", prompt)
