@@ -34,7 +34,9 @@ def test_freeze_collects_first_then_freezes_what_lives(unfrozen, monkeypatch):
     kept = _Node()
     n = freeze_startup_heap("test")
     assert dead() is None  # collected, not frozen for good
-    assert n == gc.get_freeze_count() > 0
+    # n is what it froze; a frozen object that dies since (in any thread of this process,
+    # e.g. the asyncio or gRPC threads earlier tests left) leaves the permanent generation
+    assert 0 < gc.get_freeze_count() <= n
     assert gc.is_tracked(kept) and all(o is not kept for o in gc.get_objects())  # in no generation now
     # what is made afterwards is collected as before
     later = _garbage_cycle()
