@@ -189,12 +189,10 @@ class PrefillEngine:
             ready = self.runner.compute_marker()  # the layer's kernels may still be queued (CUDA)
             for job in jobs:
                 local, remote = self._block_pairs(job)
-                if local and job.refused is None:
-                    try:
-                        job.handles.append(self.transport.write_blocks(
-                            job.peer, local, remote, layers=range(layer, layer + 1), ready=ready))
-                    except TransferError as e:  # that request fails once computed; the step goes on
-                        job.refused = str(e)
+                if local:
+                    handle = self._write(job, local, remote, layers=range(layer, layer + 1), ready=ready)
+                    if handle is not None:
+                        job.handles.append(handle)
 
         return on_layer_done
 
@@ -211,22 +209,23 @@ class PrefillEngine:
         self.ledger.reserve(seq.seq_id, self.scheduler.cache.block_table(seq.seq_id), peer=job.peer)
         self.ledger.start_writing(seq.seq_id)
         layers = range(self.num_layers - 1, self.num_layers) if self.layerwise and job.handles else None
-        if job.refused is None:
-            try:
-                job.final = self.transport.write_blocks(
-                    job.peer,
-                    local,
-                    remote,
-                    layers=layers,
-                    notify=landed_message(seq.seq_id, first, job.logprobs),
-                    after=job.handles,
-                    ready=self.runner.compute_marker(),
-                )
-            except TransferError as e:
-                job.refused = str(e)
+        job.final = self._write(job, local, remote, layers=layers, after=job.handles,
+                                notify=landed_message(seq.seq_id, first, job.logprobs),
+                                ready=self.runner.compute_marker())
         if job.refused is not None:  # a bad target (the transport checks it): this request fails, not the engine
             log.warning("prefill of %s: the KV write was refused: %s", seq.seq_id, job.refused)
             self.ledger.fail(seq.seq_id, f"the KV write to the decode worker was refused: {job.refused}")
+
+    def _write(self, job: Job, local: list[int], remote: list[int], **kw) -> TransferHandle | None:
+        """One of `job`'s KV writes; None once the transport has refused one (`job.refused`
+        says why: the request fails when computed, the step goes on)."""
+        if job.refused is not None:
+            return None
+        try:
+            return self.transport.write_blocks(job.peer, local, remote, **kw)
+        except TransferError as e:
+            job.refused = str(e)
+            return None
 
     def _poll_transfers(self) -> None:
         self.ledger.sweep()
