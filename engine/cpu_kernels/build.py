@@ -11,6 +11,14 @@ different machines, never loads a stale or illegal binary.
 Where: $TANDEM_CACHE_DIR/torch_extensions/<name> when that variable is set, else
 torch's own extension cache ($TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions).
 
+Compiler: the one torch's loader would use ($CXX, else `c++`), checked once per machine
+for how it links the C++ runtime. An extension that carries a private, static copy of
+libstdc++ next to the one torch uses loads fine but breaks at the first `std::ostringstream`
+(every check with a formatted message: a segmentation fault on one GPU image, whose `g++`
+is a wrapper around a relocated GCC; garbled messages elsewhere). Such a compiler is passed
+over for the system's /usr/bin/g++ when that one links the runtime as a shared library; if
+none does, the build is refused (callers fall back to torch operators).
+
 Concurrency: processes that build or load the same kernels take turns on an flock of
 `<build dir>/tandem.lock` (the first compiles, the others then load its binary). The
 kernel releases an flock when its holder dies, so a build killed halfway (Ctrl-C on a
@@ -45,6 +53,8 @@ TURN_WAIT_S = 1800.0  # a first compile takes about a minute on 2 cores
 # -ffp-contract=off: no multiply-add fused into one rounding unless the source asks for it
 # (fused.cpp rounds where torch does)
 BASE_CFLAGS = ["-O3", "-fopenmp", "-DNDEBUG", "-ffp-contract=off"]
+LDFLAGS = ["-fopenmp"]
+SYSTEM_CXX = ("/usr/bin/g++", "/usr/bin/c++")  # tried, in this order, when the configured compiler fails the check
 
 
 class KernelBuildError(RuntimeError):
@@ -86,11 +96,9 @@ def _build_and_load() -> Any:
 
     if shutil.which("ninja") is None:
         raise KernelBuildError("ninja is not installed (`pip install ninja`)")
-    cxx = cpp_extension.get_cxx_compiler()
-    if shutil.which(cxx) is None:
-        raise KernelBuildError(f"no C++ compiler: {cxx!r} not found (install g++ or set CXX)")
-    cflags = BASE_CFLAGS + march_flags()
-    name = extension_name(cflags)
+    cxx = choose_compiler()
+    cflags = BASE_CFLAGS + march_flags(cxx)
+    name = extension_name(cflags + LDFLAGS + [compiler_identity(cxx)])
     build_dir = build_directory(name)
     build_dir.mkdir(parents=True, exist_ok=True)
     with _turn(build_dir / "tandem.lock"):
@@ -100,10 +108,11 @@ def _build_and_load() -> Any:
             log.info("compiling the cpu kernels into %s (once per machine)", build_dir)
         t0 = time.perf_counter()
         try:
-            cpp_extension.load(  # registers the ops with torch (TORCH_LIBRARY)
-                name=name, sources=[str(p) for p in SOURCES], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir), verbose=False, is_python_module=False,
-            )
+            with _cxx_env(cxx):
+                cpp_extension.load(  # registers the ops with torch (TORCH_LIBRARY)
+                    name=name, sources=[str(p) for p in SOURCES], extra_cflags=cflags, extra_ldflags=LDFLAGS,
+                    build_directory=str(build_dir), verbose=False, is_python_module=False,
+                )
             ops = getattr(torch.ops, name)
             ops.simd_lanes()
         except Exception as e:  # compiler errors arrive as RuntimeError with the log
@@ -113,12 +122,127 @@ def _build_and_load() -> Any:
     return ops
 
 
-def march_flags() -> list[str]:
-    """["-march=native"] when the compiler accepts it, else [] (portable build)."""
+def configured_compiler() -> str:
+    """The compiler torch's loader uses unless told otherwise: $CXX, else `c++`."""
     from torch.utils import cpp_extension
 
+    return cpp_extension.get_cxx_compiler()
+
+
+@functools.lru_cache(maxsize=None)
+def choose_compiler() -> str:
+    """The configured compiler if it links libstdc++ as a shared library, else the first of
+    SYSTEM_CXX that does (a warning says so). KernelBuildError when none is usable."""
+    configured = configured_compiler()
+    if shutil.which(configured) is None:
+        raise KernelBuildError(f"no C++ compiler: {configured!r} not found (install g++ or set CXX)")
+    reasons = []
+    for cxx in [configured, *SYSTEM_CXX]:
+        path = shutil.which(cxx)
+        if path is None or (cxx != configured and os.path.realpath(path) == os.path.realpath(shutil.which(configured))):
+            continue
+        reason = shared_runtime_problem(cxx)
+        if reason is None:
+            if cxx != configured:
+                log.warning("cpu kernels: %s (%s); building with %s instead", configured, reasons[0], cxx)
+            return cxx
+        reasons.append(reason)
+    raise KernelBuildError(f"no usable C++ compiler: {configured} {reasons[0]} (set CXX to one that links it as a "
+                           "shared library)")
+
+
+_RUNTIME_PROBE = """#include <sstream>
+#include <string>
+std::string tandem_probe(int x) { std::ostringstream o; o << x; return o.str(); }
+"""
+
+
+def shared_runtime_problem(cxx: str) -> str | None:
+    """None when a shared library that `cxx` links needs libstdc++.so (as torch's own
+    libraries do), else why not. The verdict is kept in the cache directory per compiler
+    identity, so a process pays the probe's compile (about a second) once per machine."""
+    verdict_file = envs.cache_dir() / "torch_extensions" / "compilers" / hashlib.sha256(
+        compiler_identity(cxx).encode()).hexdigest()[:16]
     try:
-        cxx = cpp_extension.get_cxx_compiler()
+        text = verdict_file.read_text()
+        return None if text == "ok" else text
+    except OSError:
+        pass
+    reason = _probe_runtime(cxx)
+    try:
+        verdict_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = verdict_file.with_suffix(f".{os.getpid()}")
+        tmp.write_text(reason or "ok")
+        tmp.replace(verdict_file)
+    except OSError:
+        pass
+    return reason
+
+
+def _probe_runtime(cxx: str) -> str | None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="tandem-cxx-") as d:
+        src, lib = Path(d) / "probe.cpp", Path(d) / "probe.so"
+        src.write_text(_RUNTIME_PROBE)
+        try:
+            run = subprocess.run([cxx, "-shared", "-fPIC", "-O1", str(src), *LDFLAGS, "-o", str(lib)],
+                                 capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"cannot link a shared library ({e})"
+        if run.returncode != 0:
+            return f"cannot link a shared library ({(run.stderr.strip().splitlines() or ['?'])[-1][:200]})"
+        needed = elf_needed(lib)
+        if needed is None:
+            return None  # no readelf here to tell; assume the usual dynamic link
+        if not any(n.startswith("libstdc++.so") or n.startswith("libc++.so") for n in needed):
+            return "links libstdc++ statically (a private copy beside torch's breaks formatted messages)"
+    return None
+
+
+def elf_needed(lib: Path) -> list[str] | None:
+    """The shared libraries an ELF file names as NEEDED (`readelf -d`), None without readelf."""
+    if shutil.which("readelf") is None:
+        return None
+    try:
+        out = subprocess.run(["readelf", "-d", str(lib)], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [ln.split("[", 1)[1].split("]", 1)[0] for ln in out.splitlines() if "(NEEDED)" in ln and "[" in ln]
+
+
+def compiler_identity(cxx: str) -> str:
+    """The compiler's resolved path and the first line of its `--version`: part of the
+    extension's fingerprint, so another compiler never reuses a build."""
+    path = shutil.which(cxx) or cxx
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    return f"{os.path.realpath(path)} {(version.splitlines() or [''])[0]}"
+
+
+@contextlib.contextmanager
+def _cxx_env(cxx: str):
+    """$CXX set to `cxx` while torch's loader writes its build file (it reads $CXX there)."""
+    old = os.environ.get("CXX")
+    if cxx == configured_compiler():
+        yield
+        return
+    os.environ["CXX"] = cxx
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CXX", None)
+        else:
+            os.environ["CXX"] = old
+
+
+def march_flags(cxx: str | None = None) -> list[str]:
+    """["-march=native"] when the compiler accepts it, else [] (portable build)."""
+    try:
+        cxx = cxx or configured_compiler()
         probe = subprocess.run(
             [cxx, "-march=native", "-x", "c++", "-E", "-o", os.devnull, os.devnull],
             capture_output=True, timeout=30,
