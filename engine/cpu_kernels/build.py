@@ -160,7 +160,7 @@ std::string tandem_probe(int x) { std::ostringstream o; o << x; return o.str(); 
 def shared_runtime_problem(cxx: str) -> str | None:
     """None when a shared library that `cxx` links needs libstdc++.so (as torch's own
     libraries do), else why not. The verdict is kept in the cache directory per compiler
-    identity, so a process pays the probe's compile (about a second) once per machine."""
+    identity, so the probe's compile (0.3 s here) is paid once per machine and compiler."""
     verdict_file = envs.cache_dir() / "torch_extensions" / "compilers" / hashlib.sha256(
         compiler_identity(cxx).encode()).hexdigest()[:16]
     try:
@@ -169,6 +169,8 @@ def shared_runtime_problem(cxx: str) -> str | None:
     except OSError:
         pass
     reason = _probe_runtime(cxx)
+    if reason is not None and reason.startswith("cannot link"):
+        return reason  # possibly passing (a timeout, a full disk): asked again next time
     try:
         verdict_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = verdict_file.with_suffix(f".{os.getpid()}")
