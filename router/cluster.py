@@ -196,7 +196,7 @@ class ClusterBackend(Backend):
                     return d, None, "fallback"
                 prefills = [self._view(w, hashes) for w in self.pool.ready(Role.PREFILL)]
                 route = plan(len(req.prompt_ids), best, prefills, self.routing, self.block_size,
-                             local_only=req.params.prompt_logprobs is not None)
+                             local_only=req.params.prompt_logprobs is not None, lease_s=self.lease_s)
                 return d, (self.pool.get(route.prefill) if route.prefill else None), route.reason
             if not decodes and time.monotonic() > deadline - self.capacity_wait_s + 5.0:
                 raise BackendError("no decode worker is ready", 503, retry_after=2.0)

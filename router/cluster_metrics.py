@@ -164,6 +164,7 @@ class ClusterMetrics:
             ("local", "fallback"),
             ("local", "prompt_logprobs"),
             ("local", "spill"),
+            ("local", "lease"),
             ("remote", "remote"),
         ):
             self.decisions.labels(where, reason)

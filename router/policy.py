@@ -22,11 +22,18 @@ whether a prompt is worth disaggregating at all. No I/O here.
   prefill worker that has not measured its rate yet (no step run) takes every prompt.
   NVIDIA Dynamo's disaggregated router likewise weighs the prefill queue when it
   chooses between remote and local prefill.
+- Lease: a prompt that the least-loaded prefill worker could not finish, at its measured
+  rate, within LEASE_FILL of the decode worker's reservation lease prefills on the decode
+  worker at once (`lease`). Sent remote, it would wait out the lease in the prefill
+  worker's queue, be cancelled and come back to the decode worker anyway (`fallback`),
+  30 s later (docs/performance.md, twenty-third round).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+LEASE_FILL = 0.8  # of the reservation lease a remote prefill's expected queue and compute may take
 
 
 @dataclass(frozen=True)
@@ -114,7 +121,7 @@ def choose_prefill(workers: list[WorkerView], block_size: int) -> WorkerView | N
 
 
 def plan(prompt_len: int, decode: WorkerView, prefills: list[WorkerView], cfg: RoutingConfig,
-         block_size: int, local_only: bool = False) -> Route:
+         block_size: int, local_only: bool = False, lease_s: float | None = None) -> Route:
     if cfg.colocated:
         return Route(decode.worker_id, None, "colocated")
     if local_only:  # prompt logprobs: every prompt position is computed where the request decodes
@@ -130,4 +137,7 @@ def plan(prompt_len: int, decode: WorkerView, prefills: list[WorkerView], cfg: R
         if (backlog >= cfg.spill_prefill_s * p.prefill_tokens_per_s
                 and decode.queued_tokens + decode.in_flight_tokens + uncached <= backlog):
             return Route(decode.worker_id, None, "spill")
+    if lease_s and p.prefill_tokens_per_s > 0 and (
+            p.queued_tokens + p.in_flight_tokens + uncached) / p.prefill_tokens_per_s > LEASE_FILL * lease_s:
+        return Route(decode.worker_id, None, "lease")
     return Route(decode.worker_id, p.worker_id, "remote")

@@ -92,6 +92,25 @@ def test_spill_to_the_decode_worker_when_every_prefill_queue_is_seconds_long():
         RoutingConfig(spill_prefill_s=-1)
 
 
+def test_a_prompt_the_prefill_worker_could_not_finish_within_the_lease_stays_on_the_decode_worker():
+    cfg = RoutingConfig(spill_prefill_s=0)  # the lease rule alone
+
+    def p(queued, rate, in_flight=0):
+        return WorkerView("p", 100, 100, queued_tokens=queued, in_flight_tokens=in_flight, prefill_tokens_per_s=rate)
+
+    d = WorkerView("d", 90, 100)
+    # 1,000 tok/s and a 30 s lease: 24 s (LEASE_FILL) of queue and prompt may go remote
+    assert plan(256, d, [p(23_744, 1000.0)], cfg, 16, lease_s=30.0).reason == "remote"
+    r = plan(256, d, [p(23_745, 1000.0)], cfg, 16, lease_s=30.0)
+    assert (r.prefill, r.reason) == (None, "lease")
+    assert plan(256, d, [p(20_000, 1000.0, in_flight=4_000)], cfg, 16, lease_s=30.0).reason == "lease"
+    # no lease known, or no rate measured yet: remote, as before
+    assert plan(256, d, [p(50_000, 1000.0)], cfg, 16).reason == "remote"
+    assert plan(256, d, [p(50_000, 0.0)], cfg, 16, lease_s=30.0).reason == "remote"
+    # the spill rule, when it applies, still comes first
+    assert plan(256, d, [p(50_000, 1000.0)], RoutingConfig(spill_prefill_s=2.0), 16, lease_s=30.0).reason == "spill"
+
+
 def test_rate_meter_averages_steps_and_skips_small_ones():
     m = RateMeter(weight=0.5, min_tokens=16)
     assert m.value == 0.0
