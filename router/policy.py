@@ -22,7 +22,7 @@ whether a prompt is worth disaggregating at all. No I/O here.
   prefill worker that has not measured its rate yet (no step run) takes every prompt.
   NVIDIA Dynamo's disaggregated router likewise weighs the prefill queue when it
   chooses between remote and local prefill.
-- Lease: a prompt that the least-loaded prefill worker could not finish, at its measured
+- Lease: a prompt that the chosen prefill worker could not finish, at its measured
   rate, within LEASE_FILL of the decode worker's reservation lease prefills on the decode
   worker at once (`lease`). Sent remote, it would wait out the lease in the prefill
   worker's queue, be cancelled and come back to the decode worker anyway (`fallback`),
@@ -132,12 +132,11 @@ def plan(prompt_len: int, decode: WorkerView, prefills: list[WorkerView], cfg: R
     if uncached < cfg.local_prefill_threshold:
         return Route(decode.worker_id, None, "short_uncached")
     p = choose_prefill(prefills, block_size)
-    if cfg.spill_prefill_s and p.prefill_tokens_per_s > 0:
-        backlog = p.queued_tokens + p.in_flight_tokens
-        if (backlog >= cfg.spill_prefill_s * p.prefill_tokens_per_s
+    backlog, rate = p.queued_tokens + p.in_flight_tokens, p.prefill_tokens_per_s
+    if rate > 0:  # a worker that has not measured its rate yet takes the prompt
+        if (cfg.spill_prefill_s and backlog >= cfg.spill_prefill_s * rate
                 and decode.queued_tokens + decode.in_flight_tokens + uncached <= backlog):
             return Route(decode.worker_id, None, "spill")
-    if lease_s and p.prefill_tokens_per_s > 0 and (
-            p.queued_tokens + p.in_flight_tokens + uncached) / p.prefill_tokens_per_s > LEASE_FILL * lease_s:
-        return Route(decode.worker_id, None, "lease")
+        if lease_s and (backlog + uncached) / rate > LEASE_FILL * lease_s:
+            return Route(decode.worker_id, None, "lease")
     return Route(decode.worker_id, p.worker_id, "remote")

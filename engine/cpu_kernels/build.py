@@ -213,9 +213,11 @@ def elf_needed(lib: Path) -> list[str] | None:
     return [ln.split("[", 1)[1].split("]", 1)[0] for ln in out.splitlines() if "(NEEDED)" in ln and "[" in ln]
 
 
+@functools.lru_cache(maxsize=None)
 def compiler_identity(cxx: str) -> str:
     """The compiler's resolved path and the first line of its `--version`: part of the
-    extension's fingerprint, so another compiler never reuses a build."""
+    extension's fingerprint, so another compiler never reuses a build (asked once a
+    process: the compiler check and the fingerprint both need it)."""
     path = shutil.which(cxx) or cxx
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
