@@ -10,6 +10,8 @@ one place where it becomes tensors. A step mixes decode tokens and prefill chunk
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import logging
 import threading
@@ -120,6 +122,7 @@ class ModelRunner:
                      list(self.ledger.others))
         self.bound: tuple[int, tuple[int, ...]] | None = None  # (engine thread, cores of its bound team)
         self.lent_steps = 0  # steps that ran threads on borrowed cores
+        self.borrowing = True  # False inside own_cores_only()
         # helpers of the bound team that a step does not use wait at SCHED_IDLE (engine/cores.py)
         self.helpers = IdleHelpers() if self.own_cores and envs.cpu_idle_helpers() and IdleHelpers.available() else None
         self.kv_sizing: KVSizing | None = None
@@ -244,7 +247,7 @@ class ModelRunner:
         threads = self.max_threads
         if self.ledger is not None:
             self.ledger.busy()
-            lent = self.ledger.borrowable()
+            lent = self.ledger.borrowable() if self.borrowing else ()
             if lent:
                 cores = [*self.own_cores, *lent]
                 threads = len(cores)
@@ -259,6 +262,17 @@ class ModelRunner:
         if self.helpers is not None:
             self.helpers.use(threads - 1)
         torch.set_num_threads(threads)  # ~0.2 us
+
+    @contextlib.contextmanager
+    def own_cores_only(self):
+        """Steps inside run on the worker's own cores, borrowing none: for a timing that
+        must say what the worker can do by itself (a prefill worker's start-up rate, which
+        the router divides its backlog by)."""
+        saved, self.borrowing = self.borrowing, False
+        try:
+            yield
+        finally:
+            self.borrowing = saved
 
     def mark_idle(self) -> None:
         """The engine has no work: its cores may be lent (engine/cores.py) and its OpenMP

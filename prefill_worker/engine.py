@@ -151,12 +151,17 @@ class PrefillEngine:
 
     def measure_rate(self, max_model_len: int, num_tokens: int = 512) -> None:
         """Engine thread, at start: time a prefill step of one `num_tokens` prompt on a
-        scratch cache, twice (the first warms the kernels), and seed `rate` with the second."""
+        scratch cache, twice (the first warms the kernels), and seed `rate` with the second.
+        Both on the worker's own cores: at start the other workers of a shared host are
+        idle, and a step that borrowed their cores read up to twice the rate the worker has
+        once they are busy, so the router's spill and lease rules sent it prompts it could
+        not finish within the lease (docs/performance.md, twenty-fourth round)."""
         n = max(1, min(num_tokens, self.scheduler.config.max_num_batched_tokens, max_model_len))
-        self.runner.profile_run(n, 1, n)
-        t0 = time.perf_counter()
-        self.runner.profile_run(n, 1, n)
-        self.rate.add(n, time.perf_counter() - t0)
+        with self.runner.own_cores_only():
+            self.runner.profile_run(n, 1, n)
+            t0 = time.perf_counter()
+            self.runner.profile_run(n, 1, n)
+            self.rate.add(n, time.perf_counter() - t0)
 
     # ---- one iteration (engine thread) ----------------------------------------------
     def step(self) -> list:

@@ -71,3 +71,43 @@ def test_steps_borrow_the_idle_core_and_give_it_back(builtin_dir):
     if os.geteuid() == 0:  # root may always leave SCHED_IDLE, so helpers are idled here
         assert lent_policies == ([os.SCHED_OTHER], [os.SCHED_IDLE])
     assert own_policies == ([], [])  # never bound a team: no helper to idle
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="needs two cores")
+def test_own_cores_only_borrows_nothing(builtin_dir):
+    """A timing that must describe the worker alone (a prefill worker's start-up rate,
+    prefill_worker/engine.py measure_rate) runs its steps on the worker's own core even
+    while the other core's owner is idle; outside the block the step borrows it again."""
+    if build.load_or_none() is None:
+        pytest.skip("no cpu kernels build here (threads cannot be bound)")
+    own, other = (CORES[0],), (CORES[1],)
+    path = create_ledger("tandem-cores-test")
+    peer = CoreLedger(path, other, own + other)
+    before = torch.get_num_threads()
+
+    def run():
+        torch.set_num_threads(1)
+        engine = LLMEngine.from_config(EngineConfig(
+            model=str(builtin_dir), cache=CacheConfig(num_blocks=64),
+            device=DeviceConfig(num_threads=1, cpu_affinity=own, core_ledger=path, shared_cores=own + other)))
+        runner = engine.runner
+        seen: list[int] = []
+        real = runner._prepare
+        runner._prepare = lambda plan: (seen.append(torch.get_num_threads()), real(plan))[1]
+        peer.idle()
+        with runner.own_cores_only():
+            runner.profile_run(32, 1, 32)
+            alone = (list(seen), runner.lent_steps, runner.borrowing)
+        seen.clear()
+        runner.profile_run(32, 1, 32)
+        return alone, (seen, runner.lent_steps, runner.borrowing)
+
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            alone, lent = pool.submit(run).result(timeout=300)
+    finally:
+        peer.close()
+        os.unlink(path)
+        torch.set_num_threads(before)
+    assert alone == ([1], 0, False)
+    assert lent == ([2], 1, True)

@@ -380,6 +380,25 @@ def test_decode_bf16_pairs_match_reference_and_the_fp32_product(group, head_dim,
     assert not torch.equal(pairs, plain)  # the two products are different paths
 
 
+def test_decode_bf16_many_sequences_same_bits_as_one_at_a_time():
+    """Enough sequences that each thread claims its next item ahead and fetches its K
+    while computing the current one (paged_attention.cpp, Prefetcher): the output is
+    the reference's, and bit for bit what each sequence gets alone (no claim ahead, no
+    prefetch) and what one thread gets. Small's shape: 16 heads on 4 kv heads, D = 64,
+    blocks of 64, garbage block ids past each context."""
+    g = torch.Generator().manual_seed(11)
+    lens = ragged_lens(64, 80, g) + [257, 320, 384, 1, 2]
+    case = _bf16_case(4, 64, 64, lens, seed=9, num_kv_heads=4)
+    query, k_cache, v_cache, tables, seq_lens = case
+    scale = 64 ** -0.5
+    many = outputs_over_threads(lambda: kernels.paged_decode_attention(*case, scale=scale), [2, 1])
+    alone = torch.cat([kernels.paged_decode_attention(query[i:i + 1], k_cache, v_cache, tables[i:i + 1],
+                                                      seq_lens[i:i + 1], scale=scale) for i in range(len(lens))])
+    _, want = run_both(*case)
+    torch.testing.assert_close(many[0].float(), want, **TOL[torch.bfloat16])
+    assert torch.equal(many[0], alone) and torch.equal(many[0], many[1])
+
+
 def test_decode_bf16_pairs_never_read_past_a_sequence():
     """Cache slots past each sequence's length hold NaN (what a reused block may hold):
     a lone last token pairs with zeros, not with the slot after it."""
