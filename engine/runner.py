@@ -11,7 +11,6 @@ one place where it becomes tensors. A step mixes decode tokens and prefill chunk
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import logging
 import threading
