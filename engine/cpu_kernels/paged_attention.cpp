@@ -723,7 +723,7 @@ void run_all(const Problem& P, const at::Tensor& k_cache, const at::Tensor& v_ca
     // the current one, so that the current one can fetch the next one's K ahead
     // (Prefetcher). With few, claiming ahead could leave one thread idle at the end
     // while the other holds two items, so they are taken one at a time.
-    const bool ahead = ng == hkv && items >= 16 * threads;
+    const bool ahead = ng == hkv && items >= 32 * threads;
     int64_t it = next.fetch_add(1);
     while (it < items) {
       const int64_t nx = ahead ? next.fetch_add(1) : -1;
