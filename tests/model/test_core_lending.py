@@ -21,6 +21,21 @@ pytestmark = pytest.mark.model
 CORES = sorted(os.sched_getaffinity(0))
 
 
+def _pinned_engine(builtin_dir, own, other, path):
+    """An engine pinned to `own` that may borrow `other` through the ledger at `path`,
+    and the list its steps append their thread counts to (call on the thread that runs
+    it, as a worker's engine loop: binding pins that thread)."""
+    torch.set_num_threads(1)  # what a worker pinned to one core starts with
+    engine = LLMEngine.from_config(EngineConfig(
+        model=str(builtin_dir), cache=CacheConfig(num_blocks=64),
+        device=DeviceConfig(num_threads=1, cpu_affinity=own, core_ledger=path, shared_cores=own + other)))
+    runner = engine.runner
+    seen: list[int] = []
+    real = runner._prepare
+    runner._prepare = lambda plan: (seen.append(torch.get_num_threads()), real(plan))[1]
+    return engine, seen
+
+
 @pytest.mark.skipif(len(CORES) < 2, reason="needs two cores")
 def test_steps_borrow_the_idle_core_and_give_it_back(builtin_dir):
     if build.load_or_none() is None:
@@ -33,14 +48,8 @@ def test_steps_borrow_the_idle_core_and_give_it_back(builtin_dir):
 
     def run(peer_busy: bool):
         """On a thread of its own, as a worker's engine loop: binding pins that thread."""
-        torch.set_num_threads(1)  # what a worker pinned to one core starts with
-        engine = LLMEngine.from_config(EngineConfig(
-            model=str(builtin_dir), cache=CacheConfig(num_blocks=64),
-            device=DeviceConfig(num_threads=1, cpu_affinity=own, core_ledger=path, shared_cores=own + other)))
+        engine, seen = _pinned_engine(builtin_dir, own, other, path)
         runner = engine.runner
-        seen: list[int] = []
-        real = runner._prepare
-        runner._prepare = lambda plan: (seen.append(torch.get_num_threads()), real(plan))[1]
         (peer.busy if peer_busy else peer.idle)()
         engine.add_request("a", prompt, SamplingParams(max_tokens=12, temperature=0))
         out: list[int] = []
@@ -86,14 +95,8 @@ def test_own_cores_only_borrows_nothing(builtin_dir):
     before = torch.get_num_threads()
 
     def run():
-        torch.set_num_threads(1)
-        engine = LLMEngine.from_config(EngineConfig(
-            model=str(builtin_dir), cache=CacheConfig(num_blocks=64),
-            device=DeviceConfig(num_threads=1, cpu_affinity=own, core_ledger=path, shared_cores=own + other)))
+        engine, seen = _pinned_engine(builtin_dir, own, other, path)
         runner = engine.runner
-        seen: list[int] = []
-        real = runner._prepare
-        runner._prepare = lambda plan: (seen.append(torch.get_num_threads()), real(plan))[1]
         peer.idle()
         with runner.own_cores_only():
             runner.profile_run(32, 1, 32)
