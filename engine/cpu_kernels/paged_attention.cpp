@@ -325,7 +325,8 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
   // shape and L = 320, and the current and next segments fit a 1 MB L2 together).
   Prefetcher pf;
   const int64_t elem = static_cast<int64_t>(sizeof(KV)), head_off = g0 * P.kv_head * elem;
-  if (whole_rows) pf.plan(P, reinterpret_cast<const char*>(vc), table, L, head_off, row_bytes, elem, ng * ((L + 15) / 16));
+  if (!kAmx && whole_rows)  // the tile path walks the cache itself: nothing steps a plan there
+    pf.plan(P, reinterpret_cast<const char*>(vc), table, L, head_off, row_bytes, elem, ng * ((L + 15) / 16));
   // Pass 1: scores, 16 tokens at a time: one query head's row stays in registers
   // while the tile's K rows stream past (from L2, loaded by load_blocks, then L1),
   // and the 16 dot products are reduced together. `tile(rows, h, nt)` returns the
