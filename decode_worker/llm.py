@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import torch
 from tqdm import tqdm
 
 from decode_worker.engine import EngineConfig, LLMEngine, TokenEvent
@@ -111,6 +112,12 @@ class LLM:
     def _run(self, pending: dict[str, _Pending], n: int, use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * n
         bar = tqdm(total=n, desc="generate", unit="req", disable=not use_tqdm)
+        with torch.inference_mode():  # once, not per step (ModelRunner.execute)
+            self._drive(pending, results, bar)
+        bar.close()
+        return results  # type: ignore[return-value]
+
+    def _drive(self, pending: dict[str, _Pending], results: list, bar) -> None:
         while pending:
             if not self.engine.has_work():
                 raise RuntimeError(f"engine idle with {len(pending)} requests unfinished")
@@ -123,8 +130,6 @@ class LLM:
                         [CompletionOutput(self._text(req), req.token_ids, done, req.logprobs or None)], req.cached,
                     )
                     bar.update(1)
-        bar.close()
-        return results  # type: ignore[return-value]
 
     def _text(self, req: _Pending) -> str:
         if req.stream is None:  # same TextStream, fed once: the text per-token streaming would give

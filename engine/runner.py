@@ -170,8 +170,16 @@ class ModelRunner:
             self.kv_cache = kept
         return scratch.kv.numel() * scratch.kv.element_size()
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan, on_layer_done: Callable[[int], None] | None = None) -> StepResult:
+        """One step under inference mode. A caller already in it (an engine loop's thread,
+        `LLM`) skips entering it again: the decorator's frames cost about 40 us a step on
+        the cold cache a forward pass leaves behind (small, one token; docs/performance.md)."""
+        if torch.is_inference_mode_enabled():
+            return self._execute(plan, on_layer_done)
+        with torch.inference_mode():
+            return self._execute(plan, on_layer_done)
+
+    def _execute(self, plan: StepPlan, on_layer_done: Callable[[int], None] | None) -> StepResult:
         t0 = time.perf_counter()
         if self.sized:
             self._size_team(plan.num_tokens)

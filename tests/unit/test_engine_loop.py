@@ -41,3 +41,36 @@ async def test_a_failing_command_reaches_its_caller_only():
         assert await loop.call(lambda: 2, timeout=5) == 2 and loop.healthy and not fatal
     finally:
         loop.stop()
+
+
+async def test_steps_and_commands_run_in_inference_mode_and_a_failing_step_still_reports():
+    """The engine thread holds inference mode for its life (ModelRunner.execute then skips
+    entering it per step); a step that raises still reaches on_fatal and marks the loop
+    unhealthy."""
+    import torch
+
+    seen: list[bool] = []
+    fatal: list[str] = []
+    steps = iter([[], ["x"]])
+
+    def step():
+        seen.append(torch.is_inference_mode_enabled())
+        out = next(steps, None)
+        if out is None:
+            raise RuntimeError("boom")
+        return out
+
+    got: list[list] = []
+    loop = EngineLoop(step=step, wait_s=lambda: 0.0, on_results=got.append, on_fatal=fatal.append)
+    loop.start()
+    try:
+        for _ in range(500):
+            if fatal:
+                break
+            await asyncio.sleep(0.01)
+        assert seen and all(seen), seen
+        assert got == [["x"]]
+        assert fatal and "RuntimeError: boom" in fatal[0] and not loop.healthy
+        assert not torch.is_inference_mode_enabled()  # this thread's mode is untouched
+    finally:
+        loop.stop()
