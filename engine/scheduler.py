@@ -155,6 +155,7 @@ class Scheduler:
         need = math.ceil(n_prompt / self.bs) - hit.num_blocks
         if not self.cache.can_fit(hit, need):
             raise NoCapacity(f"{need} blocks needed, {self.pool.num_free_blocks} free")
+        self.cache.record_query(n_prompt, hit.num_blocks * self.bs)  # counted as a local admission is
         self._take(seq, hit, need)
         seq.status = Status.AWAITING_KV
         self.awaiting_kv[seq.seq_id] = seq

@@ -230,10 +230,14 @@ def test_reservation_reuses_cached_prefix_and_respects_capacity():
     s = make(num_blocks=4)
     s.add(seq("a", 8, max_tokens=1, first_tok=100))
     step(s)  # 2 full blocks cached-free
+    queries, hits = s.pool.queries, s.pool.hits
     res = s.reserve(seq("b", 10, first_tok=100))
     assert res.num_cached_tokens == 8 and res.block_ids[:2] == [0, 1] and len(res.block_ids) == 3
+    # the lookup counts in the prefix-cache metrics as a local admission's does
+    assert (s.pool.queries - queries, s.pool.hits - hits) == (10, 8)
     with pytest.raises(NoCapacity):
         s.reserve(seq("c", 10, first_tok=500))
+    assert (s.pool.queries - queries, s.pool.hits - hits) == (10, 8)  # a refused one is not counted
     s.check_integrity()
 
 
