@@ -113,23 +113,20 @@ class LLM:
         results: list[RequestOutput | None] = [None] * n
         bar = tqdm(total=n, desc="generate", unit="req", disable=not use_tqdm)
         with torch.inference_mode():  # once, not per step (ModelRunner.execute)
-            self._drive(pending, results, bar)
+            while pending:
+                if not self.engine.has_work():
+                    raise RuntimeError(f"engine idle with {len(pending)} requests unfinished")
+                for ev in self.engine.step():
+                    done = self._on_event(pending[ev.seq_id], ev)
+                    if done is not None:
+                        req = pending.pop(ev.seq_id)
+                        results[req.index] = RequestOutput(
+                            ev.seq_id, req.prompt, req.prompt_ids,
+                            [CompletionOutput(self._text(req), req.token_ids, done, req.logprobs or None)], req.cached,
+                        )
+                        bar.update(1)
         bar.close()
         return results  # type: ignore[return-value]
-
-    def _drive(self, pending: dict[str, _Pending], results: list, bar) -> None:
-        while pending:
-            if not self.engine.has_work():
-                raise RuntimeError(f"engine idle with {len(pending)} requests unfinished")
-            for ev in self.engine.step():
-                done = self._on_event(pending[ev.seq_id], ev)
-                if done is not None:
-                    req = pending.pop(ev.seq_id)
-                    results[req.index] = RequestOutput(
-                        ev.seq_id, req.prompt, req.prompt_ids,
-                        [CompletionOutput(self._text(req), req.token_ids, done, req.logprobs or None)], req.cached,
-                    )
-                    bar.update(1)
 
     def _text(self, req: _Pending) -> str:
         if req.stream is None:  # same TextStream, fed once: the text per-token streaming would give

@@ -94,20 +94,17 @@ class EngineLoop:
         # the whole thread in inference mode, so each step need not enter it (engine/runner.py)
         try:
             with torch.inference_mode():
-                self._loop_steps()
+                while not self._stop.is_set():
+                    wait = self._wait_s()
+                    if wait != 0 and self._on_idle is not None:
+                        self._on_idle()
+                    if not self._drain(self.idle_tick_s if wait is None else wait):
+                        break
+                    self.deliver(self._step())
         except Exception as e:
             log.exception("%s step failed", self._name)
             self.error = f"{self._name} failure: {type(e).__name__}: {e}"
             self._on_fatal(self.error)
-
-    def _loop_steps(self) -> None:
-        while not self._stop.is_set():
-            wait = self._wait_s()
-            if wait != 0 and self._on_idle is not None:
-                self._on_idle()
-            if not self._drain(self.idle_tick_s if wait is None else wait):
-                break
-            self.deliver(self._step())
 
     def _drain(self, wait: float) -> bool:
         """Run queued commands, waiting up to `wait` for the first. False on shutdown."""
