@@ -40,10 +40,13 @@ async def test_disaggregated_speculative_greedy_matches_transformers(spawn, mode
     await wait_ready(pc)
     tok = load_checkpoint(model_path).tokenizer
     prompts = [tok.encode(c) for c in CODE] + random_prompts([17, 40], seed=3)
-    prompts += [prompts[1] + tok.encode("\n\n    def peek(self):\n        return")]  # a prefix-cache hit
     n = 40
     got = await asyncio.gather(*(_collect(disaggregated_stream(pc, dc, req(f"r{i}", pr, n), fallback_local=False))
                                  for i, pr in enumerate(prompts)))
+    # a prefix-cache hit: sent once prompts[1]'s blocks are cached (sent with the others it
+    # may reach the prefill worker first, and nothing is cached yet to hit)
+    prompts += [prompts[1] + tok.encode("\n\n    def peek(self):\n        return")]
+    got += [await _collect(disaggregated_stream(pc, dc, req("r-hit", prompts[-1], n), fallback_local=False))]
     for i, (pr, (out, _, _)) in enumerate(zip(prompts, got)):
         assert out == hf_greedy(model_path, pr, n, ignore_eos=True), f"request {i}"
     assert sum(k for _, _, k in got) > 0 and all(d >= k for _, d, k in got)
