@@ -150,10 +150,17 @@ async def connect(address: str | None, join_timeout_s: float = 60.0) -> bool:
     kw = {}
     if address is None:
         kw["num_cpus"] = max(os.cpu_count() or 1, LOCAL_LOGICAL_CPUS)
-        # Ray starts worker processes at nice 15, below the router and Ray's own
-        # daemons: on a busy CPU host the engines, which make every token, then
-        # lose each contended time slice (docs/performance.md). Equal footing.
-        kw["_system_config"] = {"worker_niceness": 0}
+        kw["_system_config"] = {
+            # Ray starts worker processes at nice 15, below the router and Ray's own
+            # daemons: on a busy CPU host the engines, which make every token, then
+            # lose each contended time slice (docs/performance.md). Equal footing.
+            "worker_niceness": 0,
+            # At ray.shutdown the driver flushes its task events to the GCS for up to
+            # 5 s. A signal to the whole process group (`kill -- -PGID`, systemd's
+            # stop) ends the GCS first, and then every stop waited that long for
+            # nothing. tandem reads no task events.
+            "task_events_shutdown_flush_timeout_ms": SHUTDOWN_FLUSH_MS,
+        }
     init = functools.partial(
         ray.init,
         # "local": a fresh runtime of our own; with no address, ray.init would attach to
@@ -238,6 +245,9 @@ def result(ref):
 def remote_cause(e: BaseException) -> BaseException:
     """The exception raised inside an actor, without Ray's wrapping and traceback."""
     return getattr(e, "cause", None) or e
+
+
+SHUTDOWN_FLUSH_MS = 500
 
 
 def shutdown_local_ray(grace_s: float = 3.0) -> None:
