@@ -40,6 +40,10 @@ pytestmark = pytest.mark.cluster
 NET = "10.213.7"
 HOSTS = {"a": f"{NET}.1", "b": f"{NET}.2"}
 RAY_PORT, HTTP_PORT = 6390, 28600
+# A `ray start --block` node sent SIGTERM first asks the GCS to drain it and waits up to
+# 30 s for that. These nodes are stopped by a SIGTERM to their whole process group, which
+# ends the GCS too, so each teardown waited out the full 30 s before its SIGKILL.
+NO_DRAIN = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 ADMIN = "multihost-admin"
 
 
@@ -146,7 +150,7 @@ def _wait_http(url: str, timeout: float) -> None:
 def ray_cluster(hosts, tmp_path):
     """A Ray head on host A and a worker node on host B, each with a custom resource
     naming its host. Ray's token authentication is off (the test's own private network)."""
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "UCX_TLS": "tcp", "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "UCX_TLS": "tcp", "RAY_USAGE_STATS_ENABLED": "0", **NO_DRAIN}
     # `ray start --head` records its address for later `ray.init()` calls on this machine;
     # put back what was there before (tandem serve asks for a local runtime explicitly)
     current = Path("/tmp/ray/ray_current_cluster")
@@ -232,7 +236,7 @@ def test_joining_a_cluster_with_token_authentication(hosts, tmp_path):
     current = Path("/tmp/ray/ray_current_cluster")
     before = current.read_text() if current.exists() else None
     base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-    head_env = {**base, "HOME": str(home), "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
+    head_env = {**base, "HOME": str(home), "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0", **NO_DRAIN}
     log = open(tmp_path / "ray-head.log", "w")
     head = hosts.run("a", [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--head",
                            "--disable-usage-stats", "--num-cpus", "2", "--include-dashboard=false",
