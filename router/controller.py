@@ -35,6 +35,7 @@ NAME, NAMESPACE = "tandem-controller", "tandem"
 # A local runtime advertises at least this many CPUs, so pools can grow past the core
 # count on one machine; workers share cores (pinned round-robin, PoolConfig.cores).
 LOCAL_LOGICAL_CPUS = 64
+SHUTDOWN_FLUSH_MS = 500  # the local Ray's bound on the driver's last task-event flush (connect)
 
 
 class Controller:
@@ -245,9 +246,6 @@ def result(ref):
 def remote_cause(e: BaseException) -> BaseException:
     """The exception raised inside an actor, without Ray's wrapping and traceback."""
     return getattr(e, "cause", None) or e
-
-
-SHUTDOWN_FLUSH_MS = 500
 
 
 def shutdown_local_ray(grace_s: float = 3.0) -> None:

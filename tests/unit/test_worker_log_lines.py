@@ -40,20 +40,22 @@ print(json.dumps(printed))
 """
 
 
+def _printed(**env: str) -> list[tuple[int, str]]:
+    """(pid, line) of what the driver prints for SCRIPT's lines, with `env` on top of
+    this environment less any RAY_DEDUP setting."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_DEDUP")}
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env={**base, **env},
+                         timeout=120, check=True).stdout
+    return [tuple(p) for p in json.loads(out.strip().splitlines()[-1])]
+
+
 def test_each_workers_start_up_line_is_kept_and_rays_own_lines_still_fold():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_DEDUP")}
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=120,
-                         check=True).stdout
-    printed = json.loads(out.strip().splitlines()[-1])
+    printed = _printed()
     loaded = [pid for pid, text in printed if "weights loaded" in text]
     assert loaded == [101, 102], printed  # each worker's line, under its own pid
     assert [pid for pid, text in printed if "Ray says" in text] == [101], printed  # the second is held to fold
 
 
 def test_a_users_own_setting_is_kept():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_DEDUP")}
-    env["RAY_DEDUP_LOGS_ALLOW_REGEX"] = "nothing-matches-this"
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=120,
-                         check=True).stdout
-    printed = json.loads(out.strip().splitlines()[-1])
+    printed = _printed(RAY_DEDUP_LOGS_ALLOW_REGEX="nothing-matches-this")
     assert [pid for pid, text in printed if "weights loaded" in text] == [101], printed
