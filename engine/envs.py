@@ -61,6 +61,10 @@
                                                  requests for room (RESOURCE_EXHAUSTED)
                        Never set in production; workers log a warning when it is.
 
+The admin commands `tandem scale` and `tandem status` (router/cli.py) take their
+defaults for --url and --admin-key from TANDEM_URL and TANDEM_ADMIN_KEY; `tandem tune`
+(bench/tune.py) takes --admin-key's from TANDEM_ADMIN_KEY.
+
 Transport libraries read their own (UCX_NET_DEVICES, NIXL_LOG_LEVEL); kv_transfer
 sets safe defaults for them.
 """
