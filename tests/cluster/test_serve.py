@@ -312,10 +312,15 @@ def labelled(text: str, name: str) -> dict[tuple, float]:
 
 
 def test_an_overloaded_prefill_worker_spills_prompts_to_the_decode_worker(serve, model_path):
-    """With a prefill backlog over --spill-prefill-s (here any backlog at all), prompts
-    alternate between a remote prefill and one on the decode worker; every output is
-    transformers' greedy one. The prefill worker measures its rate at start, so the
-    first burst already spills."""
+    """With a prefill backlog over --spill-prefill-s (here any backlog at all), a burst's
+    prompts go both ways: the first to the idle prefill worker, and then some to the
+    decode worker while that one is in flight; every output is transformers' greedy one.
+    The prefill worker measures its rate at start, so the first burst already spills.
+    How many go each way depends on timing, not only on the rule: the router's own count
+    of a request's tokens ends at its first token, so a local prefill that finishes
+    before the next prompt arrives leaves the decode worker looking idle again, and that
+    prompt spills too (one CI run: 7 spilled, 1 remote). tests/unit/test_routing.py
+    checks the rule itself on fixed loads."""
     srv = serve("--prefill", "1", "--decode", "1", "--spill-prefill-s", "0.000001")
     burst = random_prompts([100] * 8, seed=77)
 
@@ -341,7 +346,7 @@ def test_an_overloaded_prefill_worker_spills_prompts_to_the_decode_worker(serve,
     decisions = labelled(httpx.get(srv.url + "/metrics", timeout=10).text, "tandem:prefill_decisions_total")
     spilled = decisions[(("reason", "spill"), ("where", "local"))]
     remote = decisions[(("reason", "remote"), ("where", "remote"))]
-    assert spilled >= 1 and remote >= 2 and spilled + remote == len(burst), decisions
+    assert spilled >= 1 and remote >= 1 and spilled + remote == len(burst), decisions
 
 
 def test_a_decode_worker_refusing_for_room_makes_the_request_wait_not_fail(serve, model_path, monkeypatch):
