@@ -31,9 +31,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU: a step whose tokens x weight parameters are at most N runs on one torch thread "
                    "(0: never; default: 32e6 when `tandem serve` runs workers on the router's own cores, else 0)")
     g.add_argument("--attention-backend", default="auto")
-    g.add_argument("--cuda-graphs", action="store_true",
-                   help="CUDA: replay decode steps from graphs captured per batch size at start (off by default "
-                   "until verified on a GPU; see engine/graphs.py)")
+    graphs = g.add_mutually_exclusive_group()
+    graphs.add_argument("--cuda-graphs", action="store_const", const=True, default=None,
+                        help="CUDA: require decode steps replayed from graphs captured per batch size at start "
+                        "(the default wherever they can run: a CUDA device with the triton attention backend)")
+    graphs.add_argument("--enforce-eager", dest="cuda_graphs", action="store_const", const=False,
+                        help="CUDA: run every step eagerly, no decode graphs (less start-up time and memory)")
     g.add_argument("--block-size", type=int, default=None,
                    help="tokens per KV block, the same on every worker (default: 64 on CPU, 16 on CUDA)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory-gb)")

@@ -274,8 +274,10 @@ class DeviceConfig:
     # says (engine/cores.py). None: the worker uses its own cores only.
     core_ledger: str | None = None
     shared_cores: tuple[int, ...] | None = None
-    # CUDA: replay decode steps from graphs captured per batch-size bucket (engine/graphs.py)
-    cuda_graphs: bool = False
+    # CUDA: replay decode steps from graphs captured per batch-size bucket (engine/graphs.py).
+    # None: on wherever they can run (a CUDA device with the triton attention backend);
+    # False: every step eager (`--enforce-eager`); True: required (`--cuda-graphs`).
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         _require(

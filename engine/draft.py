@@ -18,6 +18,7 @@ from a remote prefill that never ran the draft): the draft computes the prompt i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -57,7 +58,8 @@ class DraftModelProposer:
             _check_same_tokenizer(Path(path), Path(target_path))
         model = build_model(ckpt, device_config.device)
         cache = CacheConfig(block_size=target_runner.block_size, num_blocks=target_runner.kv_cache.num_blocks)
-        self.runner = ModelRunner(model, ckpt.config, cache, device_config)
+        # eager steps: the draft's decode graphs would need the target's step limits and memory accounting
+        self.runner = ModelRunner(model, ckpt.config, cache, dataclasses.replace(device_config, cuda_graphs=False))
         self.path = ckpt.path
         log.info("speculative decoding: draft model %s (%.1fM parameters)", ckpt.path,
                  sum(p.numel() for p in model.parameters()) / 1e6)

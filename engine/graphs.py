@@ -1,4 +1,5 @@
-"""Decode steps replayed from CUDA graphs (`--cuda-graphs`, off by default).
+"""Decode steps replayed from CUDA graphs (on by default on a CUDA device with the triton
+attention backend; `--enforce-eager` turns them off).
 
 At small batches a GPU decode step is bound by kernel launches, not by memory: a
 forward is a few hundred launches of microseconds each. A CUDA graph records them once
@@ -17,25 +18,26 @@ fixed by it and each program stops at its own sequence's length.
 
 What runs eagerly: steps with prefill chunks (their token counts vary freely: the
 shapes would need a bucket per count), steps with a layer hook (the prefill worker's
-layer-wise push), batches above the largest bucket, and everything after the hidden
+layer-wise push; prefill workers capture no graphs), speculative verify steps (several
+rows a sequence), batches above the largest bucket, and everything after the hidden
 states (logits of the sampled rows, the sampler).
 
-Status: written and checked on CPU through `capture=eager_capture`, which replays by
-calling the function again; the CUDA capture itself has not run on a GPU yet, so the
-flag stays off by default.
+The graphs share one memory pool, captured largest bucket first so that the smaller
+ones reuse its blocks, and one stream. A worker that sizes its KV cache from the device
+captures them once on a two-block scratch cache first and sets aside what that took
+(ModelRunner.profile_graphs, engine/memory.py). Checked on CPU through
+`capture=eager_capture`, which replays by calling the function again, and on CUDA by
+tests/gpu (greedy tokens equal transformers', the pool within what was set aside).
 """
 
 from __future__ import annotations
 
 import bisect
-import logging
 from typing import Callable
 
 import torch
 
 from engine.attention import AttentionMetadata
-
-log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -46,21 +48,24 @@ def buckets_for(max_num_seqs: int) -> list[int]:
     return out + [max_num_seqs]
 
 
-def cuda_capture(fn: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], None], torch.Tensor]:
-    """Record `fn` into a CUDA graph (after one eager run that compiles its kernels);
-    returns (replay, output tensor the replay refills)."""
-    stream = torch.cuda.Stream()
+def cuda_capture(fn: Callable[[], torch.Tensor], pool, stream) -> tuple[Callable[[], None], torch.Tensor]:
+    """Record `fn` into a CUDA graph on `stream`, after one eager run there that compiles
+    its kernels; returns (replay, output tensor the replay refills).
+
+    Every bucket warms up and is captured on the same stream: cuBLAS keeps a workspace
+    for each stream it has run on (32 MiB here), so a stream per bucket held one each
+    (544 MiB for 15 buckets of a 1.1B model on an H200, docs/performance.md)."""
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()  # warm-up: Triton compiles here, not inside the capture
+        fn()  # warm-up: Triton compiles here, and cuBLAS takes its workspace, not inside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
         out = fn()
     return graph.replay, out
 
 
-def eager_capture(fn: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], None], torch.Tensor]:
+def eager_capture(fn: Callable[[], torch.Tensor], pool, stream) -> tuple[Callable[[], None], torch.Tensor]:
     """The same contract without a device: a replay calls `fn` again and copies its
     result into the returned tensor. For checking the buckets, the padding and the
     static buffers where there is no GPU."""
@@ -76,7 +81,9 @@ class DecodeGraphs:
     """One captured decode forward per bucket over shared static buffers."""
 
     def __init__(self, model, kv_layers, backend, *, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device, capture=cuda_capture) -> None:
+                 device: torch.device, capture=cuda_capture, stream=None) -> None:
+        """`stream`: where the CUDA captures run (default: a new one); the runner passes
+        the stream its sizing capture ran on, whose cuBLAS workspace that sizing counted."""
         self.buckets = buckets_for(max_num_seqs)
         self.max_batch = self.buckets[-1]
         self.max_model_len = max_model_len
@@ -88,7 +95,9 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         no_prefill = torch.zeros(0, width, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
-        pool = torch.cuda.graph_pool_handle() if capture is cuda_capture else None
+        cuda = capture is cuda_capture
+        pool = torch.cuda.graph_pool_handle() if cuda else None
+        stream = stream or (torch.cuda.Stream(device) if cuda else None)
         for b in reversed(self.buckets):  # largest first: the smaller ones reuse its memory
             meta = AttentionMetadata(
                 slot_mapping=self.slot_mapping[:b], num_decode_tokens=b, decode_block_tables=self.block_tables[:b],
@@ -99,8 +108,7 @@ class DecodeGraphs:
                 return model(self.input_ids[:b], self.positions[:b], kv_layers, meta, backend, None)
 
             with torch.inference_mode():  # as the steps run: no autograd records in the graph
-                self.graphs[b] = capture(forward, pool)
-        log.info("decode graphs captured for batch sizes %s", ",".join(map(str, self.buckets)))
+                self.graphs[b] = capture(forward, pool, stream)
 
     def bucket(self, batch: int) -> int | None:
         """The smallest captured batch size >= `batch`; None above the largest."""

@@ -5,14 +5,17 @@ The fraction is of the whole device, for this worker alone: the worker may hold 
 the worker refuses to start when less than that was free when it began.
 
     requested  = total * utilization
-    KV cache   = requested - weights - peak activations - non-torch growth
+    KV cache   = requested - weights - peak activations - non-torch growth - decode graphs
 
 Weights are what torch holds once the model is loaded. Peak activations come from a
 profile step: one forward (and sampling) of `max_num_batched_tokens` tokens spread over
 `max_num_seqs` sequences, the largest step the scheduler can plan, on a scratch cache
 just big enough for it. Non-torch growth is what the CUDA context, cuBLAS workspaces
 and the like took beyond torch's allocator since the first snapshot (taken before the
-weights were loaded).
+weights were loaded). Decode graphs (engine/graphs.py), when the worker captures them,
+keep a memory pool of their own for the worker's life, and their capture stream keeps a
+cuBLAS workspace: they are measured by capturing the same buckets once on a two-block
+scratch cache (ModelRunner.profile_graphs) and counting what the allocator still holds.
 """
 
 from __future__ import annotations
@@ -71,6 +74,12 @@ class CudaMemory:
     def peak(self) -> int:
         return torch.cuda.max_memory_allocated(self.device)
 
+    def reserved(self) -> int:
+        return torch.cuda.memory_reserved(self.device)
+
+    def peak_reserved(self) -> int:
+        return torch.cuda.max_memory_reserved(self.device)
+
     def snapshot(self) -> MemorySnapshot:
         return MemorySnapshot.take(self.device)
 
@@ -85,6 +94,7 @@ class KVSizing:
     weights: int
     peak_activations: int
     non_torch_growth: int
+    decode_graphs: int = 0
 
     @property
     def requested(self) -> int:
@@ -92,7 +102,7 @@ class KVSizing:
 
     @property
     def kv_bytes(self) -> int:
-        return self.requested - self.weights - self.peak_activations - self.non_torch_growth
+        return self.requested - self.weights - self.peak_activations - self.non_torch_growth - self.decode_graphs
 
     def num_blocks(self, block_bytes: int) -> int:
         if self.free_at_start < self.requested:
@@ -105,14 +115,16 @@ class KVSizing:
             raise ConfigError(
                 f"--gpu-memory-utilization {self.utilization} leaves {max(self.kv_bytes, 0) / GiB:.2f} GiB for the KV "
                 f"cache after {self.weights / GiB:.2f} GiB of weights, {self.peak_activations / GiB:.2f} GiB of peak "
-                f"activations and {self.non_torch_growth / GiB:.2f} GiB outside torch: fewer than 2 blocks; raise it "
-                "or lower --max-num-batched-tokens")
+                f"activations, {self.non_torch_growth / GiB:.2f} GiB outside torch and {self.decode_graphs / GiB:.2f} "
+                "GiB for decode graphs: fewer than 2 blocks; raise it or lower --max-num-batched-tokens (or "
+                "--max-num-seqs, or pass --enforce-eager)")
         return int(n)
 
     def __str__(self) -> str:
         return (f"{self.utilization:.2f} of {self.total / GiB:.2f} GiB = {self.requested / GiB:.2f} GiB: weights "
                 f"{self.weights / GiB:.2f} GiB, peak activations {self.peak_activations / GiB:.2f} GiB, outside torch "
-                f"{self.non_torch_growth / GiB:.2f} GiB, KV cache {max(self.kv_bytes, 0) / GiB:.2f} GiB")
+                f"{self.non_torch_growth / GiB:.2f} GiB, decode graphs {self.decode_graphs / GiB:.2f} GiB, KV cache "
+                f"{max(self.kv_bytes, 0) / GiB:.2f} GiB")
 
 
 def profile_plan(num_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int) -> tuple[StepPlan, int]:

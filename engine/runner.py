@@ -26,7 +26,7 @@ from engine.config import CacheConfig, ConfigError, DeviceConfig, ModelConfig
 from engine.cores import IdleHelpers, open_ledger
 from engine.cpu_kernels import build
 from engine.events import TokenLogprobs
-from engine.graphs import DecodeGraphs
+from engine.graphs import DecodeGraphs, cuda_capture
 from engine.kv_cache import KVCache, layout_for
 from engine.memory import CudaMemory, KVSizing, MemorySnapshot, profile_plan, reuse_freed_memory
 from engine.models.packed import can_pack, pack_linears
@@ -126,21 +126,66 @@ class ModelRunner:
         self.helpers = IdleHelpers() if self.own_cores and envs.cpu_idle_helpers() and IdleHelpers.available() else None
         self.kv_sizing: KVSizing | None = None
         self.graphs: DecodeGraphs | None = None  # made last: the sizing step below runs eagerly
+        self.graph_bytes = 0  # device memory the captured graphs took (CUDA)
+        self.graph_capture = cuda_capture  # engine/graphs.py; tests on CPU put eager_capture here
+        self.graph_stream = None  # the CUDA stream every capture runs on, sizing's and the real one
         if memory is None and self.device.type == "cuda":
             memory = CudaMemory(self.device)
+        graphs = self._wants_graphs(device_config.cuda_graphs)
         if memory is not None and cache_config.num_blocks is None and cache_config.kv_cache_memory_gb is None:
-            blocks = self._blocks_from_device(memory, cache_config.gpu_memory_utilization, step_limits, snapshot)
+            blocks = self._blocks_from_device(memory, cache_config.gpu_memory_utilization, step_limits, snapshot,
+                                              graphs)
             cache_config = dataclasses.replace(cache_config, num_blocks=blocks)
         self.kv_cache = KVCache(model_config, cache_config, self.device)
-        if device_config.cuda_graphs:
-            if self.device.type != "cuda" or self.backend.name != "triton":
-                raise ConfigError(f"--cuda-graphs needs a CUDA device and the triton attention backend (here: "
-                                  f"{self.device}, {self.backend.name})")
-            self.graphs = DecodeGraphs(model, self.kv_cache.layers, self.backend, max_num_seqs=step_limits[1],
-                                       max_model_len=step_limits[2], block_size=self.block_size, device=self.device)
+        if graphs:
+            self._capture_graphs(memory, step_limits[1], step_limits[2])
+
+    def _wants_graphs(self, setting: bool | None) -> bool:
+        """Whether decode steps replay CUDA graphs: `setting` True requires them, False
+        turns them off, None (the default) takes them wherever they can run."""
+        possible = self.device.type == "cuda" and self.backend.name == "triton"
+        if setting and not possible:
+            raise ConfigError(f"--cuda-graphs needs a CUDA device and the triton attention backend (here: "
+                              f"{self.device}, {self.backend.name})")
+        return possible if setting is None else setting
+
+    def _new_graphs(self, kv_layers, max_num_seqs: int, max_model_len: int) -> DecodeGraphs:
+        if self.graph_stream is None and self.device.type == "cuda":
+            self.graph_stream = torch.cuda.Stream(self.device)
+        return DecodeGraphs(self.model, kv_layers, self.backend, max_num_seqs=max_num_seqs,
+                            max_model_len=max_model_len, block_size=self.block_size, device=self.device,
+                            capture=self.graph_capture, stream=self.graph_stream)
+
+    def _capture_graphs(self, memory: CudaMemory | None, max_num_seqs: int, max_model_len: int) -> None:
+        before = memory.reserved() if memory is not None else 0
+        t0 = time.perf_counter()
+        self.graphs = self._new_graphs(self.kv_cache.layers, max_num_seqs, max_model_len)
+        if memory is not None:
+            memory.settle()  # the warm-up runs' blocks of the ordinary pool go back
+            self.graph_bytes = memory.reserved() - before
+        log.info("decode graphs for batch sizes %s captured in %.1f s, %.0f MiB of device memory%s",
+                 ",".join(map(str, self.graphs.buckets)), time.perf_counter() - t0, self.graph_bytes / (1 << 20),
+                 f" ({self.kv_sizing.decode_graphs / (1 << 20):.0f} MiB set aside at sizing)"
+                 if self.kv_sizing is not None else "")
+
+    def profile_graphs(self, memory: CudaMemory, max_num_seqs: int, max_model_len: int) -> int:
+        """Device memory the decode graphs will hold: the same graphs captured once on a
+        two-block scratch cache (the padded rows read block 0 and write nothing), and what
+        the allocator still holds once they are made and its cache is emptied: their pool,
+        static buffers and outputs, and the capture stream's cuBLAS workspace, which stays
+        for the real capture on the same stream. Then they are dropped."""
+        scratch = KVCache(self.model_config, CacheConfig(block_size=self.block_size, num_blocks=2), self.device)
+        memory.settle()
+        before = memory.reserved()
+        trial = self._new_graphs(scratch.layers, max_num_seqs, max_model_len)
+        memory.settle()
+        used = memory.reserved() - before
+        del trial, scratch
+        memory.settle()
+        return max(used, 0)
 
     def _blocks_from_device(self, memory: CudaMemory, utilization: float, step_limits: tuple[int, int, int],
-                            snapshot: MemorySnapshot | None) -> int:
+                            snapshot: MemorySnapshot | None, graphs: bool = False) -> int:
         snapshot = snapshot or memory.snapshot()
         memory.settle()
         memory.reset_peak()
@@ -148,8 +193,9 @@ class ModelRunner:
         scratch = self.profile_run(*step_limits)
         memory.settle()
         peak = memory.peak() - weights - scratch
+        graph_bytes = self.profile_graphs(memory, step_limits[1], step_limits[2]) if graphs else 0
         growth = max(0, memory.snapshot().non_torch - snapshot.non_torch)
-        self.kv_sizing = KVSizing(utilization, snapshot.total, snapshot.free, weights, peak, growth)
+        self.kv_sizing = KVSizing(utilization, snapshot.total, snapshot.free, weights, peak, growth, graph_bytes)
         n = self.kv_sizing.num_blocks(layout_for(self.model_config, self.block_size).block_bytes)
         max_len = step_limits[2]
         log.info("KV cache from --gpu-memory-utilization %s: %d blocks of %d tokens, room for %.1f sequences of "

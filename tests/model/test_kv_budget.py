@@ -68,6 +68,11 @@ def test_the_device_sizing_arithmetic_and_its_refusals():
     # weights and activations leave nothing for the cache
     with pytest.raises(ConfigError, match="fewer than 2 blocks"):
         KVSizing(0.3, 80 * GiB, 79 * GiB, 22 * GiB, 2 * GiB, 0).num_blocks(1 << 20)
+    # decode graphs' pool is set aside like the activations, and named when it is what leaves nothing
+    g = KVSizing(0.9, 80 * GiB, 79 * GiB, 16 * GiB, 2 * GiB, GiB, decode_graphs=GiB // 2)
+    assert g.kv_bytes == 52.5 * GiB and "decode graphs 0.50 GiB, KV cache 52.50 GiB" in str(g)
+    with pytest.raises(ConfigError, match="0.50 GiB for decode graphs: fewer than 2 blocks.*--enforce-eager"):
+        KVSizing(0.3, 80 * GiB, 79 * GiB, 21.5 * GiB, 2 * GiB, 0, decode_graphs=GiB // 2).num_blocks(1 << 20)
 
 
 @pytest.mark.parametrize("tokens,seqs,max_len", [(2048, 256, 2048), (4096, 1, 1024), (100, 256, 2048), (17, 4, 8)])
@@ -156,3 +161,59 @@ def test_a_worker_sized_from_device_memory_runs_the_profile_step_first(builtin_d
     assert runner.kv_cache.num_blocks == int(3.25 * GiB) // block
     assert "KV cache from --gpu-memory-utilization 0.50 of 8.00 GiB" in caplog.text
     assert f"{runner.kv_cache.num_blocks} blocks of 16 tokens" in caplog.text
+
+
+def test_a_worker_with_decode_graphs_sets_their_memory_aside_before_sizing_the_cache(builtin_dir, caplog,
+                                                                                     monkeypatch):
+    """The same start-up path with decode graphs: they are captured once on a scratch
+    cache first and what that took comes off the KV cache. The device is stood in for as
+    above, and so is the capture (eager, each bucket's capture counted as 8 MiB reserved);
+    the real capture's memory is checked on a GPU (tests/gpu)."""
+    import engine.runner as runner_mod
+    from engine.config import DeviceConfig
+    from engine.graphs import eager_capture
+    from engine.memory import MemorySnapshot
+    from engine.models.loader import build_model, load_checkpoint
+    from engine.runner import ModelRunner
+
+    MiB = 1 << 20
+    captured = []
+
+    def capture(fn, pool, stream):
+        captured.append(fn)
+        return eager_capture(fn, pool, stream)
+
+    class Counters:
+        def settle(self):
+            pass
+
+        def reset_peak(self):
+            pass
+
+        def allocated(self):
+            return GiB // 2
+
+        def peak(self):
+            return GiB // 2 + 256 * MiB
+
+        def reserved(self):
+            return GiB // 2 + 8 * MiB * len(captured)
+
+        def snapshot(self):
+            return MemorySnapshot(free=7 * GiB, total=8 * GiB, torch_reserved=0)
+
+    monkeypatch.setattr(runner_mod, "cuda_capture", capture)
+    monkeypatch.setattr(ModelRunner, "_wants_graphs", lambda self, setting: True)
+    monkeypatch.setattr(ModelRunner, "profile_run", lambda self, *limits: 0)
+    ckpt = load_checkpoint(builtin_dir)
+    with caplog.at_level(logging.INFO, logger="engine.runner"):
+        runner = ModelRunner(build_model(ckpt), ckpt.config, CacheConfig(gpu_memory_utilization=0.5),
+                             DeviceConfig(), step_limits=(512, 16, 256), memory=Counters())
+    assert len(captured) == 10  # buckets 1, 2, 4, 8, 16: once on the scratch cache, once for real
+    assert runner.kv_sizing.decode_graphs == 40 * MiB and runner.graph_bytes == 40 * MiB
+    assert runner.graphs is not None and runner.graphs.buckets == [1, 2, 4, 8, 16]
+    # 0.5 x 8 GiB - 0.5 GiB weights - 0.25 GiB activations - 40 MiB of graphs
+    assert runner.kv_cache.num_blocks == (int(3.25 * GiB) - 40 * MiB) // runner.kv_cache.layout.block_bytes
+    assert "decode graphs 0.04 GiB" in caplog.text
+    assert "decode graphs for batch sizes 1,2,4,8,16 captured" in caplog.text
+    assert "40 MiB of device memory (40 MiB set aside at sizing)" in caplog.text

@@ -131,3 +131,25 @@ def test_block_size_defaults_by_device_and_a_flag_wins(argv, want):
     from engine.cli_args import engine_config_from_args
 
     assert engine_config_from_args(parse(["serve", *argv])).cache.block_size == want
+
+
+@pytest.mark.parametrize("argv, want", [
+    ([], None), (["--device", "cuda"], None), (["--cuda-graphs"], True), (["--enforce-eager"], False)])
+def test_decode_graphs_are_on_where_they_can_run_unless_turned_off(argv, want):
+    from engine.cli_args import engine_config_from_args
+
+    assert engine_config_from_args(parse(["serve", *argv])).device.cuda_graphs is want
+
+
+def test_cuda_graphs_and_enforce_eager_exclude_each_other(capsys):
+    with pytest.raises(SystemExit):
+        parse(["serve", "--cuda-graphs", "--enforce-eager"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_a_config_file_turns_decode_graphs_off(tmp_path):
+    from engine.cli_args import engine_config_from_args
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("cuda-graphs: false\n")
+    assert engine_config_from_args(parse(["serve", "--config", str(cfg)])).device.cuda_graphs is False
