@@ -1,7 +1,8 @@
 """The engine on a GPU: decode step time with and without CUDA graphs, prefill
 tokens/s against transformers on the same GPU and weights.
 
-    python -m bench.gpu [--model DIR] [--dtype bfloat16] [--batches 1 2 4 ... 256]
+    python -m bench.gpu [--model DIR] [--dtype bfloat16] [--batches 1 2 4 ... 256] [--context 512]
+                        [--max-model-len N]
 
 A decode step here is ModelRunner.execute on a plan of B decodes at context --context:
 inputs built, forward, logits, greedy sampling, tokens back on the host (the one wait
@@ -30,6 +31,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batches", type=int, nargs="+", default=BATCHES)
     p.add_argument("--context", type=int, default=512, help="tokens each decoding sequence has in the cache")
     p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the engine's max-model-len, for which the decode graphs are captured (default: the "
+                   "longer of --context + 1 and --prompt-len)")
     p.add_argument("--iters", type=int, default=50)
     return p.parse_args(argv)
 
@@ -43,7 +47,7 @@ def _runner(args, graphs: bool):
     return build_parts(EngineConfig(
         model=args.model, dtype=args.dtype, cache=CacheConfig(num_blocks=blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_b, max_num_batched_tokens=max(8 * args.prompt_len, 2048),
-                                  max_model_len=max(args.context + 1, args.prompt_len)),
+                                  max_model_len=args.max_model_len or max(args.context + 1, args.prompt_len)),
         device=DeviceConfig(device="cuda", cuda_graphs=graphs))).runner
 
 
@@ -77,7 +81,8 @@ def bench_decode(args) -> None:
             results[(graphs, b)] = _time_ms(lambda: runner.execute(plan), args.iters)
         runner = None  # its KV cache freed before the next one is made
         torch.cuda.empty_cache()
-    print(f"decode step, context {args.context}, {args.dtype}")
+    max_len = args.max_model_len or max(args.context + 1, args.prompt_len)
+    print(f"decode step, context {args.context}, max-model-len {max_len}, {args.dtype}")
     print(f"{'batch':>6} {'eager ms':>9} {'graphs ms':>10} {'speedup':>8} {'graphs tok/s':>13}")
     for b in args.batches:
         e, g = results[(False, b)], results[(True, b)]

@@ -14,7 +14,8 @@ the smallest bucket >= B, the rows past B padded:
                                          is dropped)
 
 Attention is captured for the longest context (max_model_len): the kernel's grid is
-fixed by it and each program stops at its own sequence's length.
+fixed by it, each program stops at its own sequence's length, and a context's blocks are
+dealt to its splits in turn, so a short sequence still spreads over all of them.
 
 What runs eagerly: steps with prefill chunks (their token counts vary freely: the
 shapes would need a bucket per count), steps with a layer hook (the prefill worker's

@@ -84,6 +84,20 @@ def test_decode_split_context(num_splits):
     check_decode(case, num_splits=num_splits, use_dot=False)
 
 
+@pytest.mark.parametrize("num_splits", [4, 16])
+def test_decode_launched_for_a_longer_context_than_any_sequence_has(num_splits):
+    """A decode graph's launch: the grid and the table's width are sized for max_model_len
+    (here 1,024 tokens, 64 blocks) and every sequence is much shorter; blocks are dealt to
+    the splits in turn, so a 4-block sequence spreads over 4 of them."""
+    query, k_cache, v_cache, block_tables, seq_lens = make_decode_case(4, 64, 16, torch.float32, lens=[1, 17, 40, 64])
+    wide = torch.zeros(block_tables.shape[0], 64, dtype=torch.int32, device=block_tables.device)
+    wide[:, : block_tables.shape[1]] = block_tables
+    out = kernels.paged_decode_attention(query, k_cache, v_cache, wide, seq_lens, 0.125, 1024,
+                                         num_splits=num_splits, use_dot=False)
+    ref = reference.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 0.125)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
 def test_decode_odd_head_dim_and_group():
     check_decode(make_decode_case(3, 80, 16, torch.float32, num_kv_heads=1), use_dot=False)
 

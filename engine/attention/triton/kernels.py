@@ -7,8 +7,13 @@ Cache layout (one layer, see engine/attention/reference.py):
 Paged decode: program (b, g, s) handles sequence b, kv head g (all H // Hkv query heads
 of that GQA group, so each K/V block is read once per group) and context split s:
 
-    context of seq b:  | split 0 | split 1 | ... |      (blocks_per_split blocks each)
-                        ^ online softmax over bs-token blocks, fp32 running (max, denom, acc)
+    blocks of seq b:   0  1  2  3  4  5  6  7 ...     (S splits: block i goes to split i % S)
+    split:             0  1  2  0  1  2  0  1 ...     (S = 3 here)
+                       ^ online softmax over bs-token blocks, fp32 running (max, denom, acc)
+
+Blocks are dealt out in turn rather than in contiguous ranges so that the split count can
+be chosen for the longest context the launch may see (a decode graph is captured once for
+max_model_len) and still keep every split busy on a short one.
 
 With one split the program writes the normalised output; with several (flash-decoding,
 for few sequences with long contexts) each writes its partial (acc / denom, log-sum-exp)
@@ -147,7 +152,6 @@ def _paged_decode_kernel(
     qk_scale,  # softmax scale * log2(e): scores are kept in base 2
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
     stride_cn, stride_cb, stride_ch,
-    blocks_per_split,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, GROUP_P: tl.constexpr, DIM_P: tl.constexpr,
     NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -168,15 +172,16 @@ def _paged_decode_kernel(
     if not USE_DOT:
         q = q.to(tl.float32)  # [GROUP_P, DIM_P]
 
+    # split s takes blocks s, s + NUM_SPLITS, ... of its own sequence: every split has
+    # work whatever the context's length, also when the grid was sized for a longer one
+    # (a decode graph's, captured for max_model_len)
     num_blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
-    first = split * blocks_per_split
-    last = tl.minimum(first + blocks_per_split, num_blocks)
 
     m = tl.full([GROUP_P], float("-inf"), tl.float32)  # running max (base-2 scores)
     denom = tl.full([GROUP_P], 0.0, tl.float32)  # running sum of exp2(s - m)
     acc = tl.full([GROUP_P, DIM_P], 0.0, tl.float32)  # running sum of exp2(s - m) * v
     kv_head_off = kv_head * stride_ch
-    for i in range(first, last):
+    for i in range(split, num_blocks, NUM_SPLITS):
         block = tl.load(block_tables_ptr + seq * stride_bt + i).to(tl.int64)
         t_mask = i * BLOCK_SIZE + t < seq_len
         kv_mask = t_mask[:, None] & d_mask[None, :]
@@ -282,8 +287,6 @@ def paged_decode_attention(
     if num_splits is None:
         num_splits = _default_num_splits(b * hkv, max_blocks, query.device)
     num_splits = max(1, min(num_splits, max_blocks))
-    blocks_per_split = triton.cdiv(max(max_blocks, 1), num_splits)
-    num_splits = triton.cdiv(max(max_blocks, 1), blocks_per_split)  # drop empty tail splits
     if use_dot is None:
         use_dot = query.is_cuda and query.dtype != torch.float32  # fp32 dot would use tf32
     group = h // hkv
@@ -302,7 +305,6 @@ def paged_decode_attention(
         scale * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        blocks_per_split,
         NUM_HEADS=h, GROUP=group, HEAD_DIM=d, BLOCK_SIZE=bs, GROUP_P=group_p, DIM_P=dim_p,
         NUM_SPLITS=num_splits, USE_DOT=use_dot,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # no tf32 for fp32 caches
