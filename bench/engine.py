@@ -31,6 +31,7 @@ ours and transformers alternate call by call, so a noisy neighbour hits both ali
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -294,10 +295,13 @@ class HF:
         )
         ids = torch.tensor(token_ids[:batch], dtype=torch.long).reshape(batch, 1)
         ctx = self.context
+        # transformers 5.24 names the argument `cache` and deprecates `past_key_values`
+        # (gone in 5.40); older releases, down to the 4.45 floor, know only the latter
+        kw = {"cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values": cache}
 
         @torch.inference_mode()
         def step():
-            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+            out = self.model(input_ids=ids, use_cache=True, **kw)
             return out.logits[:, -1].argmax(-1).tolist()
 
         def reset():
