@@ -77,9 +77,6 @@ class CudaMemory:
     def reserved(self) -> int:
         return torch.cuda.memory_reserved(self.device)
 
-    def peak_reserved(self) -> int:
-        return torch.cuda.max_memory_reserved(self.device)
-
     def snapshot(self) -> MemorySnapshot:
         return MemorySnapshot.take(self.device)
 

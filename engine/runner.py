@@ -127,7 +127,6 @@ class ModelRunner:
         self.kv_sizing: KVSizing | None = None
         self.graphs: DecodeGraphs | None = None  # made last: the sizing step below runs eagerly
         self.graph_bytes = 0  # device memory the captured graphs took (CUDA)
-        self.graph_capture = cuda_capture  # engine/graphs.py; tests on CPU put eager_capture here
         self.graph_stream = None  # the CUDA stream every capture runs on, sizing's and the real one
         if memory is None and self.device.type == "cuda":
             memory = CudaMemory(self.device)
@@ -154,7 +153,7 @@ class ModelRunner:
             self.graph_stream = torch.cuda.Stream(self.device)
         return DecodeGraphs(self.model, kv_layers, self.backend, max_num_seqs=max_num_seqs,
                             max_model_len=max_model_len, block_size=self.block_size, device=self.device,
-                            capture=self.graph_capture, stream=self.graph_stream)
+                            capture=cuda_capture, stream=self.graph_stream)  # (a CPU test stands in for it)
 
     def _capture_graphs(self, memory: CudaMemory | None, max_num_seqs: int, max_model_len: int) -> None:
         before = memory.reserved() if memory is not None else 0
