@@ -153,6 +153,17 @@ class Transport(abc.ABC):
         """
 
     @abc.abstractmethod
+    def notify(self, peer: PeerId, message: bytes) -> TransferHandle:
+        """Send `message` to the peer's `notifications()` with no data; never blocks.
+
+        For telling a peer that no write of ours is coming (a prefill that ended before
+        it wrote anything). TCP sends it on the connection the writes use, after them;
+        NIXL sends it at once, so the caller must not rely on it following a write in
+        flight. DONE once sent (TCP: once the peer acknowledged it); a peer that is not
+        connected makes it FAILED.
+        """
+
+    @abc.abstractmethod
     def poll(self, handle: TransferHandle) -> TransferStatus:
         """Non-blocking state of a write: PENDING, DONE or FAILED(reason).
 

@@ -23,6 +23,9 @@ class FaultyTransport(Transport):
         self._started[h.id] = time.monotonic()
         return h
 
+    def notify(self, peer, message: bytes) -> TransferHandle:
+        return self.inner.notify(peer, message)
+
     def poll(self, handle: TransferHandle) -> TransferStatus:
         if self.fail_transfers:
             return TransferStatus.failed("injected transfer failure (TANDEM_FAULTS)")

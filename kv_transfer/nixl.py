@@ -219,6 +219,22 @@ class NixlTransport(Transport):
         self._queue.put(write)
         return write.handle
 
+    def notify(self, peer: PeerId, message: bytes) -> TransferHandle:
+        self._require_registered()
+        write = self._book.open(peer, 0, (), None)
+        target = self._peers.get(peer.name)
+        if target is None or target.id != peer:
+            status = TransferStatus.failed(f"peer {peer} is not connected (never added, removed or replaced)")
+        else:
+            try:
+                with self._lock:
+                    self._agent.send_notif(target.agent_name, message)
+                status = DONE
+            except Exception as e:  # noqa: BLE001 (nixl raises its own error types)
+                status = TransferStatus.failed(f"notification to {peer} failed: {type(e).__name__}: {e}")
+        self._book.finish(write.handle.id, status)
+        return write.handle
+
     def poll(self, handle: TransferHandle) -> TransferStatus:
         return self._book.poll(handle.id)
 

@@ -274,6 +274,19 @@ class TcpTransport(Transport):
         link.jobs.put(_Job(write, ids, remote.tolist(), layers, notify))
         return write.handle
 
+    def notify(self, peer: PeerId, message: bytes) -> TransferHandle:
+        self.layout  # registered and not closed
+        write = self._book.open(peer, 0, (), None)
+        link = self._links.get(peer.name)
+        if link is None or link.id != peer:
+            reason = f"peer {peer} is not connected (never added, removed or replaced)"
+            self._book.finish(write.handle.id, TransferStatus.failed(reason))
+            return write.handle
+        # a write frame of no blocks and no layers: the receiver only delivers its message
+        no_blocks = torch.empty(0, dtype=torch.int64, device=self._regions.device)
+        link.jobs.put(_Job(write, no_blocks, [], range(0, 0), message))
+        return write.handle
+
     def poll(self, handle: TransferHandle) -> TransferStatus:
         return self._book.poll(handle.id)
 

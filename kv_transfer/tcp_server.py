@@ -220,6 +220,8 @@ class _Connection:
         expected = (stop - start) * 2 * len(remote) * layout.region_bytes
         if payload_len != expected:
             raise ValueError(f"payload of {payload_len} bytes, header implies {expected}")
+        if start == stop == 0 and not remote:  # a message only (Transport.notify)
+            return None if header.get("notify") is not None else "a write of no blocks carries no message"
         if not 0 <= start < stop <= layout.num_layers:
             return f"layers [{start}, {stop}) out of range [0, {layout.num_layers})"
         bad = [b for b in remote if not 0 <= b < layout.num_blocks]
@@ -241,7 +243,7 @@ class _Connection:
             chunk = self.buffer.take(len(ids))
             recv_into_exact(self.conn, as_bytes(chunk))
             regions[layer].index_copy_(1, ids, chunk.to(regions.device))
-        if regions.is_cuda:
+        if regions.is_cuda and stop > start:
             torch.cuda.current_stream(regions.device).synchronize()
         if header.get("notify") is not None:
             self.rx.deliver(Notification(self.peer, base64.b64decode(header["notify"])))

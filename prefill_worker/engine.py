@@ -68,6 +68,12 @@ class Job:
     refused: str | None = None  # why the transport refused one of its writes (the request fails)
 
 
+def gave_up_message(request_id: str, reason: str) -> bytes:
+    """KVLanded for a prefill that ended before it posted any write: the decode worker
+    gives the reservation's blocks back at once (quarantined or not)."""
+    return pb.KVLanded(request_id=request_id, failed=True, error=reason).SerializeToString()
+
+
 def landed_message(request_id: str, first_token: int, logprobs: TokenLogprobs | None) -> bytes:
     msg = pb.KVLanded(request_id=request_id, first_token=first_token)
     if logprobs is not None:
@@ -141,7 +147,22 @@ class PrefillEngine:
         else:
             self.scheduler.abort(request_id)
             self._resolve(job, PrefillFailed(reason))
+            self._tell_nothing_comes(job, reason)
         return True
+
+    def _tell_nothing_comes(self, job: Job, reason: str) -> None:
+        """A job that ends before posting any write tells its decode worker so: the
+        reservation there, quarantined once the router cancels it, would otherwise hold
+        its blocks until the quarantine ends (30 s by default), since the decode worker
+        cannot know that no late write will land. Only for a job with no write posted: a
+        posted write's bytes may still land after it is released (Transport.release), and
+        then the quarantine is what keeps those blocks from being reused."""
+        if job.handles or job.final is not None:
+            return
+        try:
+            self.transport.notify(job.peer, gave_up_message(job.seq.seq_id, reason))
+        except TransferError as e:  # e.g. the transport is closing: the quarantine still ends it
+            log.info("prefill of %s: could not tell the decode worker it was dropped: %s", job.seq.seq_id, e)
 
     def drop_peer(self, peer: PeerId, reason: str) -> None:
         """A decode worker went away (or restarted): fail every handoff to it."""

@@ -235,6 +235,28 @@ async def test_abort_at_every_stage(spawn, model_path):
     await assert_clean(dc, pc)
 
 
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+async def test_a_prefill_cancelled_before_it_wrote_frees_the_reservation_at_once(spawn, model_path, transport):
+    """The decode worker quarantines the reservation of a request cancelled before its KV
+    landed, since a late write could still land (here for 60 s). A prefill worker whose
+    job ends before it posted any write says so, and the blocks come back at once."""
+    _, _, dc, pc = await started(spawn, ("--reservation-quarantine-s", "60"), transport=transport,
+                                 faults="prefill_step_delay_s=0.3", args=("--max-num-batched-tokens", "32"))
+    prompts = random_prompts([100, 100, 100], seed=29)
+    tasks = [asyncio.create_task(collect(disaggregated_stream(pc, dc, req(f"c{i}", p), fallback_local=False)))
+             for i, p in enumerate(prompts)]
+    await asyncio.sleep(0.4)  # the first prompt is mid-prefill (4 chunks of 0.3 s), the others queued
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    await assert_clean(dc, pc, timeout=5.0)
+    out = await collect(disaggregated_stream(pc, dc, req("after", prompts[0])))
+    assert out == hf_greedy(model_path, prompts[0], 12, ignore_eos=True)
+    await assert_clean(dc, pc)
+
+
 async def test_decode_worker_restarted_on_the_same_address(spawn, model_path):
     d = spawn("decode", "decode-0")
     p = spawn("prefill", "prefill-0")

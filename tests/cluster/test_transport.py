@@ -98,6 +98,10 @@ class _Worker:
             )
             self.handles[h.id] = h
             return h.id
+        if cmd == "notify":
+            h = t.notify(PeerId(*args[0]), args[1])
+            self.handles[h.id] = h
+            return h.id
         if cmd == "wait":
             start = time.monotonic()
             status = t.wait(self.handles[args[0]], args[1])
@@ -328,6 +332,27 @@ def test_failed_earlier_layer_blocks_the_notification(pair, kind: str) -> None:
     else:
         assert state == "DONE"
     _assert_verified(receiver, before + 1)
+
+
+def test_a_message_without_data_reaches_the_peer(pair, kind: str) -> None:
+    """Transport.notify: a bare message (a prefill that ended before writing tells its
+    decode worker so). TCP sends it on the writes' connection, so there it also comes
+    after a write posted before it; to a peer never added it fails at once."""
+    sender, receiver, peer = pair
+    before = len(receiver.call("checks")[0])
+    h = sender.call("notify", peer, _note())
+    assert sender.wait(h)[:2] == ("DONE", "")
+    _assert_verified(receiver, before + 1)
+    if kind == "tcp":
+        local, remote = [5, 6], [30, 31]
+        w = sender.write(peer, local, remote, None, _note((local, remote, 0, LAYOUT["num_layers"])))
+        n = sender.call("notify", peer, _note())
+        assert sender.wait(n)[0] == "DONE" and sender.wait(w)[0] == "DONE"
+        _assert_verified(receiver, before + 3)
+        checks, _ = receiver.call("checks")
+        assert [json.loads(m)["writes"] != [] for _, m, _ in checks[-2:]] == [True, False]  # in order
+    state, reason, _ = sender.wait(sender.call("notify", ("nobody", "e0"), b"x"))
+    assert state == "FAILED" and "not connected" in reason
 
 
 def test_bad_arguments_are_rejected_up_front(pair) -> None:
