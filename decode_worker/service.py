@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -58,7 +59,9 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         self.address = ""
         self.feeds: dict[str, TokenFeed] = {}  # the routers' token feeds, by id
         self.feed_socket: FeedSocket | None = None
-        self.refusals_left = int(envs.faults().refuse_decodes)  # injected (TANDEM_FAULTS)
+        faults = envs.faults()  # injected (TANDEM_FAULTS)
+        self.refusals_left = int(faults.refuse_decodes)
+        self.reserve_delay_s = faults.reserve_delay_s
 
     # ---- lifecycle -----------------------------------------------------------------
     async def start(self) -> str:
@@ -117,6 +120,8 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
 
     # ---- engine thread -------------------------------------------------------------------
     def _reserve(self, rid, prompt_ids, params, priority, lease_s):
+        if self.reserve_delay_s:
+            time.sleep(self.reserve_delay_s)
         res = self.engine.reserve(rid, prompt_ids, params, priority)
         self.ledger.reserve(rid, res.block_ids, lease_s=lease_s)
         return res
@@ -162,10 +167,14 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
                     self.ledger.finish(ev.seq_id)
         self.kv_events.publish()
 
-    def _abort(self, rid: str) -> None:
+    def _abort(self, rid: str, unoffered: bool = False) -> None:
+        """`unoffered`: the stream ended before the reservation was handed to gRPC, so no
+        router can have passed it to a prefill worker and nothing can land: its blocks are
+        freed at once rather than quarantined."""
         entry = self.ledger.get(rid)
         if entry is not None and not entry.state.terminal:
-            self.ledger.fail(rid, "aborted")  # quarantines an unlanded reservation; frees a running one
+            # quarantines an unlanded reservation (unless none could write); frees a running one
+            self.ledger.fail(rid, "aborted", writer_done=unoffered and entry.state is HandoffState.RESERVED)
         else:
             self.engine.abort(rid)
 
@@ -209,10 +218,12 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         sink = feed.bind(rid) if feed is not None and not feed.closed else None
         q = self.aengine.subscribe(rid, sink)
         finished = False
+        offered = False  # the reservation went to gRPC: from here a prefill worker may write into it
         try:  # any exit before the request finished (cancelled anywhere, even mid-yield) aborts it
             if request.mode == pb.REMOTE_PREFILL:
                 lease = request.lease_s or self.config.handoff.reservation_lease_s
                 res = await self.aengine.call(self._reserve, rid, prompt, params, prio, lease)
+                offered = True
                 yield pb.DecodeEvent(reservation=pb.Reservation(
                     block_ids=res.block_ids, num_cached_tokens=res.num_cached_tokens, lease_s=lease,
                     worker_id=self.config.worker_id, epoch=self.epoch))
@@ -252,7 +263,7 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
                 # the router closed the stream: its client went away, or a stop string or
                 # a failure elsewhere ended the request first
                 log.info("request %s: stream closed by the router before the request finished; aborted", rid)
-                self.aengine.post(self._abort, rid)  # idempotent; queued after the reserve/add
+                self.aengine.post(self._abort, rid, not offered)  # idempotent; queued after the reserve/add
 
     async def Feed(self, request: pb.FeedRequest, context):
         """A router's token feed (decode_worker/feed.py): open until the router closes it."""

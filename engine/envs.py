@@ -59,6 +59,8 @@
                          fail_transfers=1        every KV write fails ("injected fault")
                          refuse_decodes=N        a decode worker refuses its first N Decode
                                                  requests for room (RESOURCE_EXHAUSTED)
+                         reserve_delay_s=F       a decode worker's engine thread sleeps F s
+                                                 before each reservation for a remote prefill
                        Never set in production; workers log a warning when it is.
 
 The admin commands `tandem scale` and `tandem status` (router/cli.py) take their
@@ -212,10 +214,12 @@ class Faults:
     transfer_delay_s: float = 0.0
     fail_transfers: bool = False
     refuse_decodes: float = 0.0
+    reserve_delay_s: float = 0.0
 
     @property
     def any(self) -> bool:
-        return bool(self.prefill_step_delay_s or self.transfer_delay_s or self.fail_transfers or self.refuse_decodes)
+        return bool(self.prefill_step_delay_s or self.transfer_delay_s or self.fail_transfers or self.refuse_decodes
+                    or self.reserve_delay_s)
 
 
 def faults() -> Faults:

@@ -18,6 +18,7 @@ import concurrent.futures as cf
 import logging
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from engine import envs
@@ -68,6 +69,9 @@ class Job:
     refused: str | None = None  # why the transport refused one of its writes (the request fails)
 
 
+ENDED_KEPT = 4096  # ended jobs' ids kept: an abort arrives within moments of its job's end
+
+
 def gave_up_message(request_id: str, reason: str) -> bytes:
     """KVLanded for a prefill that ended before it posted any write: the decode worker
     gives the reservation's blocks back at once (quarantined or not)."""
@@ -101,6 +105,7 @@ class PrefillEngine:
         self.num_layers = runner.model_config.num_layers
         self.block_bytes = runner.kv_cache.layout.block_bytes
         self.jobs: dict[str, Job] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()  # ids of the last ENDED_KEPT jobs that ended
         # a handoff's lease in WRITING is the transfer timeout (worker_runtime/config.py)
         self.ledger = Ledger(self._on_free, default_lease_s=transfer_timeout_s, exclusive_blocks=False)
         self.metrics = None  # optional worker_runtime.metrics.WorkerMetrics
@@ -138,31 +143,35 @@ class PrefillEngine:
         self.jobs[request_id] = job
         return job.future
 
-    def abort(self, request_id: str, reason: str = "aborted") -> bool:
+    def abort(self, request_id: str, reason: str = "aborted", peer: PeerId | None = None) -> bool:
+        """End `request_id`'s job. `peer`: the decode worker its RPC named; when no job of
+        that id was ever submitted here (the handler was cancelled while its submit waited
+        for the engine thread, which then skipped it), that worker is told nothing comes."""
         job = self.jobs.get(request_id)
         if job is None:
+            if peer is not None and request_id not in self._ended:
+                self._tell_nothing_comes(peer, request_id, reason)
             return False
         if request_id in self.ledger:
             self.ledger.fail(request_id, reason)  # frees via _on_free
         else:
             self.scheduler.abort(request_id)
             self._resolve(job, PrefillFailed(reason))
-            self._tell_nothing_comes(job, reason)
+            if not job.handles and job.final is None:
+                self._tell_nothing_comes(job.peer, request_id, reason)
         return True
 
-    def _tell_nothing_comes(self, job: Job, reason: str) -> None:
-        """A job that ends before posting any write tells its decode worker so: the
+    def _tell_nothing_comes(self, peer: PeerId, request_id: str, reason: str) -> None:
+        """A prefill that ends before posting any write tells its decode worker so: the
         reservation there, quarantined once the router cancels it, would otherwise hold
         its blocks until the quarantine ends (30 s by default), since the decode worker
-        cannot know that no late write will land. Only for a job with no write posted: a
-        posted write's bytes may still land after it is released (Transport.release), and
-        then the quarantine is what keeps those blocks from being reused."""
-        if job.handles or job.final is not None:
-            return
+        cannot know that no late write will land. Never for a job that posted a write: its
+        bytes may still land after it is released (Transport.release), and then the
+        quarantine is what keeps those blocks from being reused."""
         try:
-            self.transport.notify(job.peer, gave_up_message(job.seq.seq_id, reason))
+            self.transport.notify(peer, gave_up_message(request_id, reason))
         except TransferError as e:  # e.g. the transport is closing: the quarantine still ends it
-            log.info("prefill of %s: could not tell the decode worker it was dropped: %s", job.seq.seq_id, e)
+            log.info("prefill of %s: could not tell the decode worker it was dropped: %s", request_id, e)
 
     def drop_peer(self, peer: PeerId, reason: str) -> None:
         """A decode worker went away (or restarted): fail every handoff to it."""
@@ -298,6 +307,9 @@ class PrefillEngine:
 
     def _resolve(self, job: Job, outcome) -> None:
         self.jobs.pop(job.seq.seq_id, None)
+        self._ended[job.seq.seq_id] = None  # an abort that comes later must not say "nothing comes"
+        while len(self._ended) > ENDED_KEPT:
+            self._ended.popitem(last=False)
         if job.future.done():
             return
         m = self.metrics

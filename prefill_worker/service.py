@@ -219,7 +219,8 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
             if not done and self.loop.healthy:
                 log.info("prefill of %s ended before its result (cancelled by the router, timed out or "
                          "failed): aborted", rid)
-                self.loop.post(self.engine.abort, rid, "cancelled, timed out or failed")  # idempotent
+                # idempotent; `peer`: if the submit never ran, the decode worker hears that nothing comes
+                self.loop.post(self.engine.abort, rid, "cancelled, timed out or failed", peer)
         return self._reply(result)
 
     def _deadline_s(self, context) -> float:

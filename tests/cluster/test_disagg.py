@@ -257,6 +257,26 @@ async def test_a_prefill_cancelled_before_it_wrote_frees_the_reservation_at_once
     await assert_clean(dc, pc)
 
 
+async def test_a_reservation_cancelled_before_it_was_sent_is_not_quarantined(spawn, model_path):
+    """A Decode stream cancelled while the decode worker is still making its reservation:
+    the reservation never reached the router, so no prefill worker can write into it, and
+    its blocks are freed at once rather than held for the quarantine (60 s here)."""
+    d = spawn("decode", "decode-0", faults="reserve_delay_s=0.6", args=("--reservation-quarantine-s", "60"))
+    p = spawn("prefill", "prefill-0")
+    dc, pc = d.client(), p.client()
+    await wait_ready(dc)
+    await wait_ready(pc)
+    [prompt] = random_prompts([100], seed=31)
+    call = dc.stub.Decode(_decode_request(req("u1", prompt), pb.REMOTE_PREFILL, 30.0), metadata=dc.metadata)
+    await asyncio.sleep(0.2)  # the engine thread is inside the reservation's delay
+    call.cancel()
+    await asyncio.sleep(0.6)  # the reservation is made, then the abort runs
+    await assert_clean(dc, pc, timeout=5.0)
+    out = await collect(disaggregated_stream(pc, dc, req("after", prompt)))
+    assert out == hf_greedy(model_path, prompt, 12, ignore_eos=True)
+    await assert_clean(dc, pc)
+
+
 async def test_decode_worker_restarted_on_the_same_address(spawn, model_path):
     d = spawn("decode", "decode-0")
     p = spawn("prefill", "prefill-0")
