@@ -114,34 +114,47 @@ def test_dtype_auto_is_bf16_for_an_fp32_checkpoint_on_cuda_only():
     assert auto_dtype("float32", torch.device("cpu")) == "float32"
 
 
+class StandInDevice:
+    """The memory counters ModelRunner sizes a CUDA worker's cache from (engine/memory.py
+    CudaMemory), stood in for on CPU: an 8 GiB device, 1 GiB used before the worker came,
+    0.5 GiB of weights, 0.25 GiB of peak activations, nothing reserved beyond them."""
+
+    def settle(self):
+        pass
+
+    def reset_peak(self):
+        pass
+
+    def allocated(self):
+        return GiB // 2
+
+    def peak(self):
+        return GiB // 2 + 256 * (1 << 20)
+
+    def reserved(self):
+        return GiB // 2
+
+    def snapshot(self):
+        from engine.memory import MemorySnapshot
+
+        return MemorySnapshot(free=7 * GiB, total=8 * GiB, torch_reserved=0)
+
+
 def test_a_worker_sized_from_device_memory_runs_the_profile_step_first(builtin_dir, caplog, monkeypatch):
     """ModelRunner's start-up path for a CUDA worker without a cache size, on CPU: the
     device's memory counters are stood in for (there is no device here), everything
     else is the real path: the profile step runs before the cache exists, then the
     cache gets what the arithmetic leaves, and the log line says so."""
     from engine.config import DeviceConfig
-    from engine.memory import MemorySnapshot
     from engine.models.loader import build_model, load_checkpoint
     from engine.runner import ModelRunner
 
-    class Counters:  # an 8 GiB device: 1 GiB used before we came, weights 0.5 GiB
+    class Counters(StandInDevice):
         runs = 0
-
-        def settle(self):
-            pass
-
-        def reset_peak(self):
-            pass
-
-        def allocated(self):
-            return GiB // 2
 
         def peak(self):
             Counters.runs += 1
             return GiB // 2 + scratch_bytes[0] + 256 * (1 << 20)
-
-        def snapshot(self):
-            return MemorySnapshot(free=7 * GiB, total=8 * GiB, torch_reserved=0)
 
     scratch_bytes = [0]
     ckpt = load_checkpoint(builtin_dir)
@@ -172,7 +185,6 @@ def test_a_worker_with_decode_graphs_sets_their_memory_aside_before_sizing_the_c
     import engine.runner as runner_mod
     from engine.config import DeviceConfig
     from engine.graphs import eager_capture
-    from engine.memory import MemorySnapshot
     from engine.models.loader import build_model, load_checkpoint
     from engine.runner import ModelRunner
 
@@ -183,24 +195,9 @@ def test_a_worker_with_decode_graphs_sets_their_memory_aside_before_sizing_the_c
         captured.append(fn)
         return eager_capture(fn, pool, stream)
 
-    class Counters:
-        def settle(self):
-            pass
-
-        def reset_peak(self):
-            pass
-
-        def allocated(self):
-            return GiB // 2
-
-        def peak(self):
-            return GiB // 2 + 256 * MiB
-
+    class Counters(StandInDevice):
         def reserved(self):
             return GiB // 2 + 8 * MiB * len(captured)
-
-        def snapshot(self):
-            return MemorySnapshot(free=7 * GiB, total=8 * GiB, torch_reserved=0)
 
     monkeypatch.setattr(runner_mod, "cuda_capture", capture)
     monkeypatch.setattr(ModelRunner, "_wants_graphs", lambda self, setting: True)
