@@ -98,7 +98,7 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
         cuda = capture is cuda_capture
         pool = torch.cuda.graph_pool_handle() if cuda else None
-        stream = stream or (torch.cuda.Stream(device) if cuda else None)
+        self.stream = stream or (torch.cuda.Stream(device) if cuda else None)
         for b in reversed(self.buckets):  # largest first: the smaller ones reuse its memory
             meta = AttentionMetadata(
                 slot_mapping=self.slot_mapping[:b], num_decode_tokens=b, decode_block_tables=self.block_tables[:b],
@@ -109,7 +109,7 @@ class DecodeGraphs:
                 return model(self.input_ids[:b], self.positions[:b], kv_layers, meta, backend, None)
 
             with torch.inference_mode():  # as the steps run: no autograd records in the graph
-                self.graphs[b] = capture(forward, pool, stream)
+                self.graphs[b] = capture(forward, pool, self.stream)
 
     def bucket(self, batch: int) -> int | None:
         """The smallest captured batch size >= `batch`; None above the largest."""

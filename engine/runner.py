@@ -149,19 +149,20 @@ class ModelRunner:
         return possible if setting is None else setting
 
     def _new_graphs(self, kv_layers, max_num_seqs: int, max_model_len: int) -> DecodeGraphs:
-        if self.graph_stream is None and self.device.type == "cuda":
-            self.graph_stream = torch.cuda.Stream(self.device)
-        return DecodeGraphs(self.model, kv_layers, self.backend, max_num_seqs=max_num_seqs,
-                            max_model_len=max_model_len, block_size=self.block_size, device=self.device,
-                            capture=cuda_capture, stream=self.graph_stream)  # (a CPU test stands in for it)
+        """Decode graphs over `kv_layers`, captured on the stream of the previous capture
+        (the first one makes it)."""
+        graphs = DecodeGraphs(self.model, kv_layers, self.backend, max_num_seqs=max_num_seqs,
+                              max_model_len=max_model_len, block_size=self.block_size, device=self.device,
+                              capture=cuda_capture, stream=self.graph_stream)  # (a CPU test stands in for it)
+        self.graph_stream = graphs.stream
+        return graphs
 
-    def _capture_graphs(self, memory: CudaMemory | None, max_num_seqs: int, max_model_len: int) -> None:
-        before = memory.reserved() if memory is not None else 0
+    def _capture_graphs(self, memory: CudaMemory, max_num_seqs: int, max_model_len: int) -> None:
+        before = memory.reserved()
         t0 = time.perf_counter()
         self.graphs = self._new_graphs(self.kv_cache.layers, max_num_seqs, max_model_len)
-        if memory is not None:
-            memory.settle()  # the warm-up runs' blocks of the ordinary pool go back
-            self.graph_bytes = memory.reserved() - before
+        memory.settle()  # the warm-up runs' blocks of the ordinary pool go back
+        self.graph_bytes = memory.reserved() - before
         log.info("decode graphs for batch sizes %s captured in %.1f s, %.0f MiB of device memory%s",
                  ",".join(map(str, self.graphs.buckets)), time.perf_counter() - t0, self.graph_bytes / (1 << 20),
                  f" ({self.kv_sizing.decode_graphs / (1 << 20):.0f} MiB set aside at sizing)"
