@@ -9,12 +9,20 @@ inputs built, forward, logits, greedy sampling, tokens back on the host (the one
 of a step). Prefill: 8 prompts of --prompt-len tokens in one step (tandem) and one
 batched forward of transformers' model (no cache reuse in either).
 
+The engine's own loop (LLMEngine.step: schedule, inputs, forward, sampling, update), B
+sequences of --engine-prompt-len random tokens generating --engine-output-len each, greedy,
+with decode graphs, planned one step at a time and with asynchronous scheduling (step n+1
+planned and launched while the device runs step n; the same engine, the setting flipped
+between runs, --engine-rounds interleaved pairs): wall time per step and output tokens/s
+(medians), the median of the pairs' speedups, and whether both gave the same tokens.
+
 Needs CUDA; on a CPU-only machine it says so and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 
@@ -35,6 +43,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the engine's max-model-len, for which the decode graphs are captured (default: the "
                    "longer of --context + 1 and --prompt-len)")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--engine-batches", type=int, nargs="*", default=[1, 64, 256],
+                   help="batch sizes of the engine-loop section (none: skip it)")
+    p.add_argument("--engine-prompt-len", type=int, default=128)
+    p.add_argument("--engine-output-len", type=int, default=128)
+    p.add_argument("--engine-rounds", type=int, default=3, help="sync/async pairs per batch size, interleaved")
     return p.parse_args(argv)
 
 
@@ -117,6 +130,67 @@ def bench_prefill(args) -> None:
     print(f"{'transformers':>14} {theirs:>8.2f} {n * length / theirs * 1e3:>10.0f}")
 
 
+def bench_engine(args) -> None:
+    from decode_worker.engine import LLMEngine
+    from engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+    from engine.sampling_params import SamplingParams
+
+    if not args.engine_batches:
+        return
+    max_b = max(args.engine_batches)
+    length = args.engine_prompt_len + args.engine_output_len
+    engine = LLMEngine.from_config(EngineConfig(
+        model=args.model, dtype=args.dtype,
+        # no prefix caching: the second setting would find the first one's prompts cached
+        cache=CacheConfig(num_blocks=max_b * (-(-length // 16) + 1) + 16, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_seqs=max_b, max_num_batched_tokens=max(2048, args.engine_prompt_len),
+                                  max_model_len=length + 1),
+        device=DeviceConfig(device="cuda")))
+    params = SamplingParams(max_tokens=args.engine_output_len, temperature=0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.runner.model_config.vocab_size
+
+    def generate(batch: int, tag: str) -> tuple[float, int, dict]:
+        prompts = torch.randint(5, vocab, (batch, args.engine_prompt_len), generator=gen).tolist()
+        for i, p in enumerate(prompts):
+            engine.add_request(f"{tag}{i}", p, params)
+        out: dict = {}
+        steps = 0
+        t0 = time.perf_counter()
+        with torch.inference_mode():  # as a worker's engine thread runs its steps
+            while engine.has_work():
+                for ev in engine.step():
+                    if ev.token_id is not None:
+                        out.setdefault(ev.seq_id[len(tag):], []).append(ev.token_id)
+                steps += 1
+        return time.perf_counter() - t0, steps, out
+
+    print(f"\nengine loop, prompts of {args.engine_prompt_len} tokens, {args.engine_output_len} out each, greedy, "
+          f"decode graphs, {args.dtype}; {args.engine_rounds} interleaved rounds, medians")
+    print(f"{'batch':>6} {'sync ms/step':>13} {'async ms/step':>14} {'sync tok/s':>11} {'async tok/s':>12} "
+          f"{'speedup':>8} {'same tokens':>12}")
+    for b in args.engine_batches:
+        times: dict[bool, list[float]] = {False: [], True: []}
+        ratios, same = [], True
+        for _ in range(args.engine_rounds):
+            state, outs = None, {}
+            for ahead in (False, True):
+                engine.async_scheduling = ahead
+                generate(b, "warm")  # same shapes once, so the timed run allocates nothing new
+                if state is None:
+                    state = gen.get_state()
+                else:
+                    gen.set_state(state)  # the same prompts as the first setting's timed run
+                t, steps, outs[ahead] = generate(b, f"{ahead}-")
+                times[ahead].append(t / steps)
+            ratios.append(times[False][-1] / times[True][-1])
+            same = same and outs[False] == outs[True]
+        ts, ta = statistics.median(times[False]), statistics.median(times[True])
+        tokens_per_step = b * args.engine_output_len / steps
+        print(f"{b:>6} {ts * 1e3:>13.3f} {ta * 1e3:>14.3f} {tokens_per_step / ts:>11.0f} {tokens_per_step / ta:>12.0f} "
+              f"{statistics.median(ratios):>7.2f}x {'yes' if same else 'NO':>12}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     if not torch.cuda.is_available():
@@ -125,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {torch.cuda.get_device_name()}")
     bench_decode(args)
     bench_prefill(args)
+    bench_engine(args)
     return 0
 
 

@@ -10,10 +10,11 @@ import time
 from dataclasses import dataclass
 
 from engine.build import build_parts
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.events import TokenEvent, TokenLogprobs
 from engine.plan import DEAD_END
-from engine.runner import ModelRunner
+from engine.runner import Launched, ModelRunner
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Reservation, Scheduler, SchedulerOutput
 from engine.sequence import INTERACTIVE, FinishReason, Sequence
@@ -44,6 +45,17 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self._last_plan = None
         self.on_forward = None  # optional (num_tokens, forward_s, decode_only) -> None, e.g. metrics
+        # asynchronous scheduling: the next step is planned and launched while the device
+        # runs this one (`_step_ahead`); on by default where a step runs apart from the host
+        setting = scheduler.config.async_scheduling
+        if setting and spec is not None:
+            raise ConfigError("--async-scheduling does not combine with speculative decoding (a step's drafts come "
+                              "from the tokens before it)")
+        self.async_scheduling = (runner.device.type == "cuda" and spec is None) if setting is None else setting
+        if self.async_scheduling:
+            log.info("asynchronous scheduling: each decode step is planned while the device runs the one before")
+        self._inflight: tuple[SchedulerOutput, Launched] | None = None  # launched, not yet collected
+        self.steps_ahead = 0  # steps launched ahead of the previous step's tokens
 
     @classmethod
     def from_config(cls, config: EngineConfig, checkpoint=None) -> "LLMEngine":
@@ -89,6 +101,11 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs need every prompt position computed here: prefill it locally")
         seq = self.new_sequence(seq_id, prompt_ids, params, priority)
+        if self._inflight is not None:
+            # a sequence that ended since the step on the device was launched gave back its
+            # blocks, and that step still writes one more token's KV into one of them: it
+            # must be done before a block goes to a writer outside the device's stream
+            self.runner.wait(self._inflight[1])
         res = self.scheduler.reserve(seq)
         self.seqs[seq_id] = seq
         return res
@@ -118,7 +135,7 @@ class LLMEngine:
         return seq is not None
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._inflight is not None or self.scheduler.has_work()
 
     # ---- one iteration -------------------------------------------------------
     def step(self) -> list[TokenEvent]:
@@ -132,15 +149,43 @@ class LLMEngine:
         return events
 
     def _step(self) -> list[TokenEvent]:
-        events: list[TokenEvent] = []
+        if self._inflight is not None:
+            return self._step_ahead()
         out: SchedulerOutput = self.scheduler.schedule()
         self._last_plan = out.plan
         if not out.plan:
-            return events
+            return []
         if self.spec is not None and self.spec.fills_after_schedule:
             by_id = {seq.seq_id: seq for seq, _ in out.scheduled}
             self.spec.fill([(by_id[w.seq_id], w) for w in out.plan.decodes])
-        result = self.runner.execute(out.plan)
+        if self.async_scheduling and self._launchable(out):
+            self._inflight = (out, self.runner.launch(out.plan))
+            return self._step_ahead()
+        return self._finish(out, self.runner.execute(out.plan))
+
+    def _launchable(self, out: SchedulerOutput) -> bool:
+        rows = [w.sample for w in out.plan.works()]
+        return (all(r is not None for r in rows) and Sampler.deferrable(rows)
+                and not any(w.prompt_targets for w in out.plan.prefills))
+
+    def _step_ahead(self) -> list[TokenEvent]:
+        """Asynchronous scheduling (vLLM's): with step n launched, plan and launch step n+1
+        on the tokens n samples (read on the device), then wait for n's tokens and retire
+        them, while the device runs n+1. The host's scheduling and input building overlap
+        the device's forward pass instead of following it. When the next step cannot be
+        planned ahead (`Scheduler.schedule_ahead`), n is collected alone and the next call
+        schedules as usual. Events come one step later than a synchronous step's would."""
+        out, launched = self._inflight
+        self._inflight = None
+        ahead = self.scheduler.schedule_ahead(out)
+        if ahead is not None and ahead.plan:
+            self._inflight = (ahead, self.runner.launch(ahead.plan, after=launched))
+            self.steps_ahead += 1
+        self._last_plan = out.plan
+        return self._finish(out, self.runner.collect(launched))
+
+    def _finish(self, out: SchedulerOutput, result) -> list[TokenEvent]:
+        events: list[TokenEvent] = []
         self.stats.num_steps += 1
         self.stats.num_tokens += result.num_tokens
         self.stats.forward_s += result.forward_s

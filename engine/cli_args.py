@@ -53,6 +53,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="prompt + output tokens a sequence of your traffic reaches: a worker warns at start "
                    "when --max-num-seqs such sequences cannot fit in its KV cache")
     g.add_argument("--no-chunked-prefill", action="store_true")
+    ahead = g.add_mutually_exclusive_group()
+    ahead.add_argument("--async-scheduling", action="store_const", const=True, default=None,
+                       help="plan and launch each decode step while the device runs the one before (the default on "
+                       "CUDA without speculative decoding; steps with logprobs, penalties or grammars wait as before)")
+    ahead.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const", const=False,
+                       help="plan each step after the previous one's tokens are back")
     g.add_argument("--scheduler", default="continuous", choices=("continuous", "static"))
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--speculative-method", default=None, choices=("ngram", "suffix", "draft"),
@@ -78,7 +84,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                           enable_prefix_caching=not a.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                   max_model_len=a.max_model_len, enable_chunked_prefill=not a.no_chunked_prefill,
-                                  policy=a.scheduler, expected_context_len=a.expected_context_len),
+                                  policy=a.scheduler, expected_context_len=a.expected_context_len,
+                                  async_scheduling=a.async_scheduling),
         device=DeviceConfig(device=a.device, num_threads=a.num_threads, cpu_affinity=parse_cores(a.cpu_affinity),
                             attention_backend=a.attention_backend, cuda_graphs=a.cuda_graphs,
                             serial_step_work=None if a.serial_step_work is None else int(a.serial_step_work)),

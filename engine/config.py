@@ -232,6 +232,11 @@ class SchedulerConfig:
     # tuned for reaches; the start-up KV budget check warns when max_num_seqs of them do
     # not fit in the cache. None: no expectation given (the check only reports).
     expected_context_len: int | None = None
+    # Asynchronous scheduling (decode_worker/engine.py `_step_ahead`): plan and launch step
+    # n+1 while the device runs step n. None: on where steps run apart from the host (CUDA)
+    # and no speculative decoding; False: off (`--no-async-scheduling`); True: on (on CPU
+    # it only reorders the same work: for tests).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")

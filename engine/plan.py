@@ -8,6 +8,10 @@ from typing import Sequence
 from engine.sampling_params import SamplingParams
 
 DEAD_END = -1  # the sampler's token for a row whose grammar leaves it no token to choose
+# A decode's input in a step planned ahead of the previous step's tokens (asynchronous
+# scheduling): the token the previous step samples for the same sequence, which the
+# runner reads on the device (ModelRunner.launch `after`), never on the host.
+PENDING = -2
 
 
 @dataclass

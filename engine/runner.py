@@ -30,7 +30,7 @@ from engine.graphs import DecodeGraphs, cuda_capture
 from engine.kv_cache import KVCache, layout_for
 from engine.memory import CudaMemory, KVSizing, MemorySnapshot, profile_plan, reuse_freed_memory
 from engine.models.packed import can_pack, pack_linears
-from engine.plan import SampleRow, SeqWork, StepPlan  # noqa: F401 (re-exported)
+from engine.plan import PENDING, SampleRow, SeqWork, StepPlan  # noqa: F401 (re-exported)
 from engine.sampler import Sampler, SamplerOutput
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,24 @@ class _Batch:
     logits_index: torch.Tensor
     sample_ids: list[object]
     sample_rows: list[SampleRow]
+
+
+@dataclass
+class Launched:
+    """A step whose work is queued on the device (`ModelRunner.launch`): its sampled
+    tokens come back with `collect`. On CUDA they are copied to pinned host memory behind
+    the step, and `ready` (an event recorded after the copy) says when they are there;
+    waiting on it waits for this step only, not for steps launched after it."""
+
+    num_tokens: int
+    sample_ids: list[object]
+    tokens: torch.Tensor  # on the device, one per sample id: what a step launched after reads
+    host: torch.Tensor | None
+    ready: object | None
+    started: float
+
+    def row_of(self) -> dict[object, int]:
+        return {sid: i for i, sid in enumerate(self.sample_ids)}
 
 
 class ModelRunner:
@@ -128,6 +146,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # made last: the sizing step below runs eagerly
         self.graph_bytes = 0  # device memory the captured graphs took (CUDA)
         self.graph_stream = None  # the CUDA stream every capture runs on, sizing's and the real one
+        self._collected_at = 0.0  # when `collect` last returned
         if memory is None and self.device.type == "cuda":
             memory = CudaMemory(self.device)
         graphs = self._wants_graphs(device_config.cuda_graphs)
@@ -225,16 +244,68 @@ class ModelRunner:
         with torch.inference_mode():
             return self._execute(plan, on_layer_done)
 
+    def launch(self, plan: StepPlan, after: Launched | None = None) -> Launched:
+        """Queue a step on the device and return without waiting for it: the forward pass
+        and the sampling of every row, which must be `Sampler.deferrable`. A decode whose
+        input is `PENDING` reads the token that `after` (the step launched just before)
+        samples for its sequence, on the device. On CPU, where operators run as they are
+        called, the step has run when this returns; the tokens are still read by `collect`."""
+        if not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                return self.launch(plan, after)
+        t0 = time.perf_counter()
+        if self.sized:
+            self._size_team(plan.num_tokens)
+        b = self._prepare(plan, after)
+        if len(b.logits_index) != len(b.sample_ids) or not Sampler.deferrable(b.sample_rows) or any(
+                w.prompt_targets for w in plan.prefills):
+            raise ValueError("a launched step samples every row on the device: no drafts, logprobs, penalties, "
+                             "grammars or prompt logprobs")
+        hidden = self._forward(plan, b, None)
+        greedy = Sampler.plain_greedy(b.sample_rows)
+        tokens = self.sampler.sample_tensor(self.model.compute_logits(hidden[b.logits_index], fp32=not greedy),
+                                            b.sample_rows, greedy)
+        host = ready = None
+        if self.device.type == "cuda":
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        return Launched(plan.num_tokens, b.sample_ids, tokens, host, ready, t0)
+
+    def collect(self, step: Launched) -> StepResult:
+        """A launched step's tokens, once the device has them. `forward_s` counts from
+        the later of its launch and the previous collect: the time the caller waited for
+        it or spent launching it, not the time it overlapped with the step before."""
+        if step.ready is not None:
+            step.ready.synchronize()
+            ids = step.host.tolist()
+        else:
+            ids = step.tokens.tolist()
+        now = time.perf_counter()
+        forward_s = now - max(step.started, self._collected_at)
+        self._collected_at = now
+        return StepResult(dict(zip(step.sample_ids, ids)), dict.fromkeys(step.sample_ids), forward_s,
+                          step.num_tokens)
+
+    @staticmethod
+    def wait(step: Launched) -> None:
+        """Return once the device has run `step` (at once on CPU)."""
+        if step.ready is not None:
+            step.ready.synchronize()
+
+    def _forward(self, plan: StepPlan, b: _Batch, on_layer_done: Callable[[int], None] | None) -> torch.Tensor:
+        if (self.graphs is not None and not plan.prefills and on_layer_done is None
+                and plan.num_decode_rows == len(plan.decodes) and self.graphs.bucket(len(plan.decodes)) is not None):
+            return self.graphs.run(b.input_ids, b.positions, b.meta)
+        return self.model(b.input_ids, b.positions, self.kv_cache.layers, b.meta, self.backend, on_layer_done)
+
     def _execute(self, plan: StepPlan, on_layer_done: Callable[[int], None] | None) -> StepResult:
         t0 = time.perf_counter()
         if self.sized:
             self._size_team(plan.num_tokens)
         b = self._prepare(plan)
-        if (self.graphs is not None and not plan.prefills and on_layer_done is None
-                and plan.num_decode_rows == len(plan.decodes) and self.graphs.bucket(len(plan.decodes)) is not None):
-            hidden = self.graphs.run(b.input_ids, b.positions, b.meta)
-        else:
-            hidden = self.model(b.input_ids, b.positions, self.kv_cache.layers, b.meta, self.backend, on_layer_done)
+        hidden = self._forward(plan, b, on_layer_done)
         prompt_lps = self._prompt_logprobs(plan, hidden) if any(w.prompt_targets for w in plan.prefills) else {}
         if not b.sample_ids:
             return StepResult({}, {}, time.perf_counter() - t0, plan.num_tokens, prompt_lps)
@@ -347,10 +418,14 @@ class ModelRunner:
         log.log(logging.INFO if self.ledger is None else logging.DEBUG,
                 "step threads bound to cores %s (each now on %s)", list(team), got)
 
-    def _prepare(self, plan: StepPlan) -> _Batch:
-        """Every tensor of the step, built here and nowhere else."""
+    def _prepare(self, plan: StepPlan, after: Launched | None = None) -> _Batch:
+        """Every tensor of the step, built here and nowhere else. `after`: the launched
+        step whose sampled tokens are the inputs marked `PENDING`."""
         bs = self.block_size
         ids: list[int] = []
+        pending_rows: list[int] = []  # rows of `ids` whose token is `after`'s, and where in `after` it is
+        pending_from: list[int] = []
+        after_rows = after.row_of() if after is not None else None
         positions: list[int] = []
         slots: list[int] = []
         logits_index: list[int] = []
@@ -358,39 +433,57 @@ class ModelRunner:
         rows: list[SampleRow] = []
         decode_lens: list[int] = []
         dec_tables: list[Sequence[int]] = []
+        offset = 0  # rows so far; a work's sampled rows end at its last
         for w in plan.decodes:
             # a speculative decode is 1 + len(draft) decode rows, row i at position p + i
             # attending to p + i + 1 tokens: the step stores every row's K/V before any
             # attention reads, so each row sees the draft tokens before it (causal)
-            draft = w.sample.draft if w.sample is not None else ()
+            sample = w.sample
+            draft = sample.draft if sample is not None else ()
             p = w.start_pos
-            ids.append(w.token_ids[0])
+            table = w.block_table
+            token = w.token_ids[0]
+            if token == PENDING:
+                if after_rows is None or w.seq_id not in after_rows:
+                    raise ValueError(f"{w.seq_id}: its input is the previous step's token, and that step did not "
+                                     f"sample for it")
+                pending_rows.append(len(ids))
+                pending_from.append(after_rows[w.seq_id])
+                token = 0
+            ids.append(token)
             if not draft:
                 positions.append(p)
-                slots.append(w.block_table[p // bs] * bs + p % bs)
+                slots.append(table[p // bs] * bs + p % bs)
                 decode_lens.append(p + 1)
-                dec_tables.append(w.block_table)
+                dec_tables.append(table)
+                offset += 1
+                if sample is not None:
+                    logits_index.append(offset - 1)
+                    sample_ids.append(w.seq_id)
+                    rows.append(sample)
                 continue
             ids.extend(draft)
             for q in range(p, p + 1 + len(draft)):
                 positions.append(q)
-                slots.append(w.block_table[q // bs] * bs + q % bs)
+                slots.append(table[q // bs] * bs + q % bs)
                 decode_lens.append(q + 1)
-                dec_tables.append(w.block_table)
+                dec_tables.append(table)
+            offset += 1 + len(draft)
+            logits_index.extend(range(offset - 1 - len(draft), offset))
+            sample_ids.append(w.seq_id)
+            rows.append(sample)
         for w in plan.prefills:
             ids.extend(w.token_ids)
             rng = range(w.start_pos, w.start_pos + len(w.token_ids))
             positions.extend(rng)
             table = w.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in rng)
-        offset = 0
-        for w in (*plan.decodes, *plan.prefills):
-            n = len(w.token_ids) + (len(w.sample.draft) if w.sample is not None else 0)
-            offset += n
-            if w.sample is not None:
-                logits_index.extend(range(offset - 1 - len(w.sample.draft), offset))
+            sample = w.sample
+            offset += len(w.token_ids) + (len(sample.draft) if sample is not None else 0)
+            if sample is not None:
+                logits_index.extend(range(offset - 1 - len(sample.draft), offset))
                 sample_ids.append(w.seq_id)
-                rows.append(w.sample)
+                rows.append(sample)
         q_lens = [len(w.token_ids) for w in plan.prefills]
         p_lens = [w.start_pos + len(w.token_ids) for w in plan.prefills]
         starts = None
@@ -404,12 +497,15 @@ class ModelRunner:
             logits_index = [at[r] for r in logits_index]
         dec_tables = _pad_rows(dec_tables)
         pre_tables = _pad_rows([w.block_table for w in plan.prefills])
-        (input_ids, pos_t, slot_t, logits_t, kept_t), (dec_t, dec_lens_t, pre_t, starts_t, p_lens_t, kept_tables_t,
-                                                        kept_lens_t) = self._to_device(
-            [ids, positions, slots, logits_index, kept_rows],
+        pending = (pending_rows, pending_from) if pending_rows else (None, None)
+        (input_ids, pos_t, slot_t, logits_t, kept_t, dst_t, src_t), (dec_t, dec_lens_t, pre_t, starts_t, p_lens_t,
+                                                                      kept_tables_t, kept_lens_t) = self._to_device(
+            [ids, positions, slots, logits_index, kept_rows, *pending],
             [dec_tables, decode_lens, pre_tables, starts, p_lens if starts is not None else None, kept_tables,
              kept_lens],
         )
+        if dst_t is not None:  # queued behind `after`'s sampling on the same stream
+            input_ids.index_copy_(0, dst_t, after.tokens.index_select(0, src_t))
         meta = AttentionMetadata(
             slot_mapping=slot_t,
             num_decode_tokens=len(decode_lens),
@@ -469,8 +565,11 @@ class ModelRunner:
         parts = [*int64s, *int32s]
         flat: list[int] = []
         for x in parts:
-            for v in x or ():
-                flat.extend(v) if isinstance(v, list) else flat.append(v)
+            if x and isinstance(x[0], list):
+                for row in x:
+                    flat.extend(row)
+            elif x:
+                flat.extend(x)
         dev = torch.tensor(flat, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
         out, at = [], 0
         for i, x in enumerate(parts):

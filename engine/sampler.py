@@ -82,26 +82,50 @@ class Sampler:
             for r in rows
         )
 
+    @staticmethod
+    def deferrable(rows: Sequence[SampleRow]) -> bool:
+        """Rows whose tokens `sample_tensor` can choose on the device, nothing read back
+        before the end (a step launched ahead of the previous one's tokens, engine/scheduler.py
+        `schedule_ahead`): no grammar (its mask is built on the host from the tokens so far),
+        no draft to verify, no logprobs, no penalties (they count the tokens so far)."""
+        return all(r.grammar is None and not r.draft and r.params.logprobs is None and not r.params.needs_penalties
+                   for r in rows)
+
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
         """logits: [B, V], one row per entry of `rows`; float32, or the model's dtype
         when `plain_greedy(rows)`."""
         if self.plain_greedy(rows):
-            # The first index of the maximum, as argmax gives it, compared in float32
-            # (exact for bf16 and fp16), so the token is the one argmax of the float32
-            # logits gives. On CPU the compiled kernel takes 0.1-0.2 ms at [200, 32000]
-            # bf16 where torch's max over the last dim took 1.9 ms (one thread).
-            if self.cpu_ops is not None and logits.device.type == "cpu" and logits.stride(-1) == 1:
-                return SamplerOutput(self.cpu_ops.greedy_argmax(logits).tolist(), [None] * len(rows))
-            return SamplerOutput(logits.max(dim=-1).indices.tolist(), [None] * len(rows))
+            return SamplerOutput(self._greedy(logits).tolist(), [None] * len(rows))
         logits = logits.float()
         raw = logits
         logits = self._apply_penalties(logits.clone(), rows)
         self._apply_logit_bias(logits, rows)
         dead = self._apply_grammars(logits, rows)
-        tokens = self._choose(logits, rows)
+        tokens = self._choose(logits, rows).tolist()
         for i in dead:
             tokens[i] = DEAD_END
         return SamplerOutput(tokens, self._logprobs(raw, tokens, rows))
+
+    def sample_tensor(self, logits: torch.Tensor, rows: Sequence[SampleRow],
+                      greedy: bool | None = None) -> torch.Tensor:
+        """The tokens `__call__` would choose for `deferrable` rows, as an int64 tensor on
+        the logits' device, with no wait for the device: the same operators in the same
+        order, so the same draws from the same generators. `greedy`: `plain_greedy(rows)`,
+        if the caller knows it."""
+        if self.plain_greedy(rows) if greedy is None else greedy:
+            return self._greedy(logits)
+        logits = self._apply_penalties(logits.float(), rows)  # banned ids only: no penalties here
+        self._apply_logit_bias(logits, rows)
+        return self._choose(logits, rows)
+
+    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        # The first index of the maximum, as argmax gives it, compared in float32
+        # (exact for bf16 and fp16), so the token is the one argmax of the float32
+        # logits gives. On CPU the compiled kernel takes 0.1-0.2 ms at [200, 32000]
+        # bf16 where torch's max over the last dim took 1.9 ms (one thread).
+        if self.cpu_ops is not None and logits.device.type == "cpu" and logits.stride(-1) == 1:
+            return self.cpu_ops.greedy_argmax(logits)
+        return logits.max(dim=-1).indices
 
     def verify(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> VerifyOutput:
         """Speculative decoding's verification. `logits` has 1 + len(row.draft) rows for
@@ -277,11 +301,11 @@ class Sampler:
                 logits[i, _on(logits.device, list(r.banned_ids), torch.long)] = float("-inf")
         return logits
 
-    def _choose(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[int]:
+    def _choose(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
         greedy_tok = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not random_rows:
-            return greedy_tok.tolist()
+            return greedy_tok
         idx = _on(logits.device, random_rows, torch.long)
         sub = logits[idx]
         temps = _on(logits.device, [rows[i].params.temperature for i in random_rows], torch.float32)
@@ -298,7 +322,7 @@ class Sampler:
                 q[j].exponential_(generator=self.generator)
         picked = (probs / q).argmax(dim=-1)
         greedy_tok[idx] = picked
-        return greedy_tok.tolist()
+        return greedy_tok
 
     @staticmethod
     def _truncate(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager, PrefixHit
-from engine.plan import SampleRow, SeqWork, StepPlan
+from engine.plan import PENDING, SampleRow, SeqWork, StepPlan
 from engine.sequence import BATCH, INTERACTIVE, FinishReason, Sequence, Status
 
 
@@ -233,6 +234,55 @@ class Scheduler:
                 self._schedule(seq, n, scheduled, out)
                 budget -= n
 
+    def schedule_ahead(self, out: SchedulerOutput) -> SchedulerOutput | None:
+        """The next step, planned while `out`'s step still runs (asynchronous scheduling, as
+        vLLM's): each of its sequences decodes the token `out` samples for it, which only
+        the device knows yet (`PENDING`). Sequences `out` certainly ends (max_tokens, the
+        model's length) are left out; one that an EOS or stop id ends computes one token
+        for nothing, dropped at `update`. Called before `update(out)`, every earlier
+        step's update done.
+
+        None, and nothing changed, where the ordinary `schedule` must run instead:
+        something other than `out`'s sequences waits for a turn (a sequence admitted or
+        landed since, a waiting request with a slot free), `out` preempted or did not
+        sample for every sequence it ran (a prompt chunk, a draft), or the blocks the
+        next tokens need are not free (never a preemption here)."""
+        if out.preempted or (self.num_waiting and self._slots_left() > 0):
+            return None
+        for works in (out.plan.decodes, out.plan.prefills):
+            if any(w.sample is None or w.sample.draft or w.prompt_targets for w in works):
+                return None
+        running = {id(s) for s in self.running}
+        if len(running) != sum(1 for s, _ in out.scheduled if id(s) in running):
+            return None
+        bs, max_len = self.bs, self.config.max_model_len
+        nxt: list[tuple[Sequence, int, list[int], int]] = []
+        need = 0
+        for seq, n in out.scheduled:
+            if id(seq) not in running:
+                continue  # ended since (an abort)
+            if len(seq.output_ids) + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= max_len:
+                continue  # `out`'s token ends it
+            computed = seq.num_computed + n  # once `out` is updated; its token is then the one to compute
+            table = self.cache.block_table(seq.seq_id)
+            short = -(-(computed + 1) // bs) - len(table)  # blocks to add for position `computed`
+            need += max(short, 0)
+            nxt.append((seq, computed, table, short))
+        if need > self.pool.num_free_blocks or len(nxt) > self.config.max_num_batched_tokens:
+            return None
+        ahead = SchedulerOutput()
+        decodes, scheduled = ahead.plan.decodes, ahead.scheduled
+        for seq, computed, table, short in nxt:
+            if short > 0:
+                self.cache.grow(seq, short)
+                table = self.cache.block_table(seq.seq_id)
+            outputs = _OutputAhead(seq.output_ids)
+            banned = () if len(outputs) >= seq.params.min_tokens else seq.banned_ids()
+            decodes.append(SeqWork(seq.seq_id, (PENDING,), computed, table,
+                                   SampleRow(seq.params, outputs, seq.prompt_ids, banned, None, ())))
+            scheduled.append((seq, 1))
+        return ahead
+
     def _chunk(self, seq: Sequence, budget: int, start: int | None = None) -> int:
         todo = seq.num_tokens - (seq.num_computed if start is None else start)
         if todo <= budget:
@@ -267,7 +317,8 @@ class Scheduler:
             self._preempt(victim, out)
             if victim is seq:
                 return False
-        self.cache.grow(seq, need)
+        if need:
+            self.cache.grow(seq, need)
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -342,3 +393,26 @@ class Scheduler:
             covered = len(self.cache.block_table(s.seq_id)) * self.bs
             assert covered >= s.num_computed, f"{s.seq_id}: blocks do not cover computed tokens"
         self.cache.check_integrity({s.seq_id for s in self.live()})
+
+
+class _OutputAhead(SequenceABC):
+    """A sequence's generated tokens as a step planned ahead sees them: one more, the
+    pending one, at the end (the sampler reads the length: a seeded draw's index)."""
+
+    __slots__ = ("_ids",)
+
+    def __init__(self, ids: list[int]) -> None:
+        self._ids = ids
+
+    def __len__(self) -> int:
+        return len(self._ids) + 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [*self._ids, PENDING][i]
+        n = len(self._ids)
+        if i in (n, -1):
+            return PENDING
+        if not -n - 1 <= i < n:
+            raise IndexError(i)
+        return self._ids[i if i >= 0 else i + 1]

@@ -1,5 +1,6 @@
 """The engine on CUDA (skipped without a GPU): greedy tokens equal transformers' with
-the Triton kernels, eager and with decode graphs (the default); the KV cache sized from
+the Triton kernels, eager and with decode graphs (the default), each with steps planned
+ahead (asynchronous scheduling, the default) and without; the KV cache sized from
 the device, the graphs' pool within what the sizing set aside;
 and the layer-wise push stress-tested with the ready-event wait on and off."""
 
@@ -30,18 +31,48 @@ def model_dir(request, tmp_path_factory):
     return _write_hf("llama", tmp_path_factory.mktemp("gpu-llama"), builtin_model_path())
 
 
-@pytest.mark.parametrize("graphs", [False, None], ids=["eager", "default"])
-def test_greedy_tokens_equal_transformers_on_cuda(model_dir, graphs):
+@pytest.mark.parametrize("graphs,ahead", [(False, False), (False, None), (None, False), (None, None)],
+                         ids=["eager-sync", "eager-async", "graphs-sync", "default"])
+def test_greedy_tokens_equal_transformers_on_cuda(model_dir, graphs, ahead):
     engine = LLMEngine.from_config(EngineConfig(
         model=str(model_dir), dtype="float32", cache=CacheConfig(num_blocks=512),
-        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_model_len=1024, max_num_seqs=16),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_model_len=1024, max_num_seqs=16,
+                                  async_scheduling=ahead),
         device=DeviceConfig(device="cuda", cuda_graphs=graphs)))
-    # decode graphs are the default on CUDA; --enforce-eager (False) turns them off
+    # decode graphs and asynchronous scheduling are the default on CUDA; --enforce-eager
+    # and --no-async-scheduling (False) turn them off
     assert engine.runner.backend.name == "triton" and (engine.runner.graphs is not None) == (graphs is None)
+    assert engine.async_scheduling is (ahead is None)
     prompts = random_prompts(LENGTHS, seed=31)
     got = run(engine, prompts, SamplingParams(max_tokens=12, temperature=0))
+    assert (engine.steps_ahead > 0) == (ahead is None)
     for p, g in zip(prompts, got):
         assert g == hf_greedy(model_dir, p, 12)
+
+
+def test_steps_planned_ahead_draw_and_stop_as_synchronous_ones_on_cuda():
+    """On a device where step n+1 really runs before step n's tokens are on the host:
+    stop ids that end sequences mid-way, seeded sampling and greedy rows in one batch,
+    the same tokens and reasons as a synchronous engine, no block left held."""
+    from tests.model.test_async_scheduling import run as run_all
+
+    prompts = random_prompts([12, 20, 33, 5, 17, 40], seed=3)
+
+    def engine(ahead):
+        return LLMEngine.from_config(EngineConfig(
+            cache=CacheConfig(num_blocks=512), device=DeviceConfig(device="cuda"),
+            scheduler=SchedulerConfig(max_num_batched_tokens=256, max_model_len=1024, async_scheduling=ahead)))
+
+    full, _ = run_all(engine(False), prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=(full[i][4 + 5 * i],))
+              for i in range(3)]
+    params += [SamplingParams(max_tokens=40, temperature=0.9, top_p=0.9, seed=5 + i) for i in range(3)]
+    sync = run_all(engine(False), prompts, params)
+    fast = engine(None)
+    assert fast.async_scheduling and fast.runner.graphs is not None
+    assert run_all(fast, prompts, params) == sync
+    assert fast.steps_ahead > 20
+    assert [sync[1][str(i)] for i in range(3)] == ["stop"] * 3
 
 
 @pytest.mark.parametrize("max_num_seqs", [16, 256])

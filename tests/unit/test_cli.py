@@ -147,6 +147,24 @@ def test_cuda_graphs_and_enforce_eager_exclude_each_other(capsys):
     assert "not allowed with argument" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, want", [([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)])
+def test_async_scheduling_is_the_engines_choice_unless_a_flag_says(argv, want):
+    from engine.cli_args import engine_config_from_args
+
+    assert engine_config_from_args(parse(["serve", *argv])).scheduler.async_scheduling is want
+
+
+def test_async_scheduling_flags_exclude_each_other_and_a_config_file_sets_it(capsys, tmp_path):
+    from engine.cli_args import engine_config_from_args
+
+    with pytest.raises(SystemExit):
+        parse(["serve", "--async-scheduling", "--no-async-scheduling"])
+    assert "not allowed with argument" in capsys.readouterr().err
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("async-scheduling: false\n")
+    assert engine_config_from_args(parse(["serve", "--config", str(cfg)])).scheduler.async_scheduling is False
+
+
 def test_a_config_file_turns_decode_graphs_off(tmp_path):
     from engine.cli_args import engine_config_from_args
 
