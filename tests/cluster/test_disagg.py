@@ -57,9 +57,15 @@ async def started(spawn, decode_args=(), transport="tcp", **prefill):
     return d, p, dc, pc
 
 
-@pytest.mark.parametrize("transport", ["tcp", "nixl"])
-async def test_sixteen_concurrent_requests_match_transformers(spawn, model_path, transport):
-    d = spawn("decode", "decode-0", transport=transport)
+# the decode worker's steps also planned ahead (asynchronous scheduling, CUDA's default, forced on here):
+# landings, reservations and aborts then come between a step's launch and its collect
+AHEAD = ("--async-scheduling",)
+
+
+@pytest.mark.parametrize("transport,decode_args", [("tcp", ()), ("nixl", ()), ("tcp", AHEAD)],
+                         ids=["tcp", "nixl", "tcp-async"])
+async def test_sixteen_concurrent_requests_match_transformers(spawn, model_path, transport, decode_args):
+    d = spawn("decode", "decode-0", transport=transport, args=decode_args)
     p = spawn("prefill", "prefill-0", transport=transport, args=("--max-num-batched-tokens", "128"))
     dc, pc = d.client(), p.client()
     await wait_ready(dc)
@@ -186,8 +192,9 @@ async def test_decode_worker_killed_after_reserving(spawn, model_path):
     await assert_clean(pc)
 
 
-async def test_abort_at_every_stage(spawn, model_path):
-    d = spawn("decode", "decode-0", args=QUARANTINE)
+@pytest.mark.parametrize("decode_args", [(), AHEAD], ids=["sync", "async"])
+async def test_abort_at_every_stage(spawn, model_path, decode_args):
+    d = spawn("decode", "decode-0", args=QUARANTINE + decode_args)
     p = spawn(
         "prefill",
         "prefill-0",
