@@ -56,7 +56,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     ahead = g.add_mutually_exclusive_group()
     ahead.add_argument("--async-scheduling", action="store_const", const=True, default=None,
                        help="plan and launch each decode step while the device runs the one before (the default on "
-                       "CUDA without speculative decoding; steps with logprobs, penalties or grammars wait as before)")
+                       "CUDA without speculative decoding; steps with penalties or grammars wait as before)")
     ahead.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const", const=False,
                        help="plan each step after the previous one's tokens are back")
     g.add_argument("--scheduler", default="continuous", choices=("continuous", "static"))

@@ -31,7 +31,7 @@ from engine.kv_cache import KVCache, layout_for
 from engine.memory import CudaMemory, KVSizing, MemorySnapshot, profile_plan, reuse_freed_memory
 from engine.models.packed import can_pack, pack_linears
 from engine.plan import PENDING, SampleRow, SeqWork, StepPlan  # noqa: F401 (re-exported)
-from engine.sampler import Sampler, SamplerOutput
+from engine.sampler import DeviceSample, Sampler, SamplerOutput
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +73,15 @@ class Launched:
 
     num_tokens: int
     sample_ids: list[object]
-    tokens: torch.Tensor  # on the device, one per sample id: what a step launched after reads
-    host: torch.Tensor | None
+    rows: list[SampleRow]
+    sample: DeviceSample  # its `tokens`, one per sample id, are what a step launched after reads
+    host: list[torch.Tensor] | None  # pinned copies of the sample's tensors (CUDA)
     ready: object | None
     started: float
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.sample.tokens
 
     def row_of(self) -> dict[object, int]:
         return {sid: i for i, sid in enumerate(self.sample_ids)}
@@ -259,33 +264,38 @@ class ModelRunner:
         b = self._prepare(plan, after)
         if len(b.logits_index) != len(b.sample_ids) or not Sampler.deferrable(b.sample_rows) or any(
                 w.prompt_targets for w in plan.prefills):
-            raise ValueError("a launched step samples every row on the device: no drafts, logprobs, penalties, "
-                             "grammars or prompt logprobs")
+            raise ValueError("a launched step samples every row on the device: no drafts, penalties, grammars or "
+                             "prompt logprobs")
         hidden = self._forward(plan, b, None)
         greedy = Sampler.plain_greedy(b.sample_rows)
-        tokens = self.sampler.sample_tensor(self.model.compute_logits(hidden[b.logits_index], fp32=not greedy),
-                                            b.sample_rows, greedy)
+        sample = self.sampler.sample_on_device(self.model.compute_logits(hidden[b.logits_index], fp32=not greedy),
+                                               b.sample_rows, greedy)
         host = ready = None
         if self.device.type == "cuda":
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
+            host = []
+            for t in _sample_tensors(sample):
+                host.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True))
+                host[-1].copy_(t, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        return Launched(plan.num_tokens, b.sample_ids, tokens, host, ready, t0)
+        return Launched(plan.num_tokens, b.sample_ids, b.sample_rows, sample, host, ready, t0)
 
     def collect(self, step: Launched) -> StepResult:
-        """A launched step's tokens, once the device has them. `forward_s` counts from
-        the later of its launch and the previous collect: the time the caller waited for
-        it or spent launching it, not the time it overlapped with the step before."""
+        """A launched step's tokens (and logprobs), once the device has them. `forward_s`
+        counts from the later of its launch and the previous collect: the time the caller
+        waited for it or spent launching it, not the time it overlapped with the step before."""
         if step.ready is not None:
             step.ready.synchronize()
-            ids = step.host.tolist()
+            values = [t.tolist() for t in step.host]
         else:
-            ids = step.tokens.tolist()
+            values = [t.tolist() for t in _sample_tensors(step.sample)]
+        ids = values[0]
+        lps = (Sampler.logprobs_of(step.sample, ids, *values[1:], step.rows) if step.sample.want
+               else [None] * len(ids))
         now = time.perf_counter()
         forward_s = now - max(step.started, self._collected_at)
         self._collected_at = now
-        return StepResult(dict(zip(step.sample_ids, ids)), dict.fromkeys(step.sample_ids), forward_s,
+        return StepResult(dict(zip(step.sample_ids, ids)), dict(zip(step.sample_ids, lps)), forward_s,
                           step.num_tokens)
 
     @staticmethod
@@ -581,6 +591,14 @@ class ModelRunner:
             out.append(view.to(torch.int32) if i >= len(int64s) else view)
             at += n
         return out[: len(int64s)], out[len(int64s):]
+
+
+def _sample_tensors(sample: DeviceSample) -> list[torch.Tensor]:
+    """The tensors a launched step reads back: the tokens, then (rows with logprobs) the
+    chosen logprobs, the top values and the top ids."""
+    if not sample.want:
+        return [sample.tokens]
+    return [sample.tokens, sample.chosen, sample.top_v, sample.top_i]
 
 
 def fused_cpu_ops():

@@ -17,7 +17,7 @@ before penalties, temperature and truncation), as vLLM reports by default.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -84,12 +84,12 @@ class Sampler:
 
     @staticmethod
     def deferrable(rows: Sequence[SampleRow]) -> bool:
-        """Rows whose tokens `sample_tensor` can choose on the device, nothing read back
-        before the end (a step launched ahead of the previous one's tokens, engine/scheduler.py
-        `schedule_ahead`): no grammar (its mask is built on the host from the tokens so far),
-        no draft to verify, no logprobs, no penalties (they count the tokens so far)."""
-        return all(r.grammar is None and not r.draft and r.params.logprobs is None and not r.params.needs_penalties
-                   for r in rows)
+        """Rows whose tokens (and logprobs) `sample_on_device` can choose on the device,
+        nothing read back before the end (a step launched ahead of the previous one's
+        tokens, engine/scheduler.py `schedule_ahead`): no grammar (its mask is built on the
+        host from the tokens so far), no draft to verify, no penalties (they count the
+        tokens so far)."""
+        return all(r.grammar is None and not r.draft and not r.params.needs_penalties for r in rows)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
         """logits: [B, V], one row per entry of `rows`; float32, or the model's dtype
@@ -106,17 +106,34 @@ class Sampler:
             tokens[i] = DEAD_END
         return SamplerOutput(tokens, self._logprobs(raw, tokens, rows))
 
-    def sample_tensor(self, logits: torch.Tensor, rows: Sequence[SampleRow],
-                      greedy: bool | None = None) -> torch.Tensor:
-        """The tokens `__call__` would choose for `deferrable` rows, as an int64 tensor on
-        the logits' device, with no wait for the device: the same operators in the same
-        order, so the same draws from the same generators. `greedy`: `plain_greedy(rows)`,
-        if the caller knows it."""
+    def sample_on_device(self, logits: torch.Tensor, rows: Sequence[SampleRow],
+                         greedy: bool | None = None) -> "DeviceSample":
+        """What `__call__` would choose for `deferrable` rows, left on the logits' device
+        with no wait for it: the tokens, and the logprobs' numbers for rows that ask
+        (`logprobs_of` turns them into TokenLogprobs once on the host). The same operators
+        in the same order, so the same draws from the same generators. `greedy`:
+        `plain_greedy(rows)`, if the caller knows it."""
         if self.plain_greedy(rows) if greedy is None else greedy:
-            return self._greedy(logits)
-        logits = self._apply_penalties(logits.float(), rows)  # banned ids only: no penalties here
+            return DeviceSample(self._greedy(logits))
+        raw = logits.float()
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        logits = self._apply_penalties(raw.clone() if want else raw, rows)  # banned ids only: no penalties here
         self._apply_logit_bias(logits, rows)
-        return self._choose(logits, rows)
+        tokens = self._choose(logits, rows)
+        if not want:
+            return DeviceSample(tokens)
+        idx = _on(raw.device, want, torch.long)
+        return DeviceSample(tokens, want, *self._logprob_tensors(raw, idx, tokens.index_select(0, idx), rows, want))
+
+    @staticmethod
+    def logprobs_of(sample: "DeviceSample", tokens: list[int], chosen: list[float], top_v: list[list[float]],
+                    top_i: list[list[int]], rows: Sequence[SampleRow]) -> list[TokenLogprobs | None]:
+        """A `DeviceSample`'s logprobs, its tensors read back as lists."""
+        out: list[TokenLogprobs | None] = [None] * len(rows)
+        for j, i in enumerate(sample.want):
+            k = rows[i].params.logprobs
+            out[i] = TokenLogprobs(tokens[i], chosen[j], list(zip(top_i[j][:k], top_v[j][:k])))
+        return out
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         # The first index of the maximum, as argmax gives it, compared in float32
@@ -347,20 +364,37 @@ class Sampler:
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: list[int], rows: Sequence[SampleRow]) -> list[TokenLogprobs | None]:
-        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        out: list[TokenLogprobs | None] = [None] * len(rows)
-        if not want:
-            return out
-        lp = raw[_on(raw.device, want, torch.long)].log_softmax(dim=-1)
+    def _logprob_tensors(raw: torch.Tensor, idx: torch.Tensor, chosen_tokens: torch.Tensor,
+                         rows: Sequence[SampleRow], want: list[int]):
+        """(chosen, top values, top ids) on the device for rows `idx` (= `want`) of `raw`:
+        each chosen token's logprob and the widest top-k any of them asked for."""
+        lp = raw[idx].log_softmax(dim=-1)
         n = max(rows[i].params.logprobs for i in want)
         top_v, top_i = lp.topk(max(n, 1), dim=-1)
-        chosen = lp.gather(1, _on(raw.device, [tokens[i] for i in want], torch.long)[:, None])[:, 0]
+        return lp.gather(1, chosen_tokens[:, None])[:, 0], top_v, top_i
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, tokens: list[int], rows: Sequence[SampleRow]) -> list[TokenLogprobs | None]:
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if not want:
+            return [None] * len(rows)
+        chosen, top_v, top_i = Sampler._logprob_tensors(
+            raw, _on(raw.device, want, torch.long), _on(raw.device, [tokens[i] for i in want], torch.long), rows, want)
         top_v, top_i, chosen = top_v.tolist(), top_i.tolist(), chosen.tolist()  # one wait for all rows
-        for j, i in enumerate(want):
-            k = rows[i].params.logprobs
-            out[i] = TokenLogprobs(tokens[i], chosen[j], list(zip(top_i[j][:k], top_v[j][:k])))
-        return out
+        return Sampler.logprobs_of(DeviceSample(None, want), tokens, chosen, top_v, top_i, rows)
+
+
+@dataclass
+class DeviceSample:
+    """A step's sampling left on the device (`Sampler.sample_on_device`): the tokens, and
+    for the rows in `want` (those that asked for logprobs) each chosen token's logprob
+    and the top values and ids."""
+
+    tokens: torch.Tensor | None
+    want: list[int] = field(default_factory=list)
+    chosen: torch.Tensor | None = None
+    top_v: torch.Tensor | None = None
+    top_i: torch.Tensor | None = None
 
 
 def _accept_greedy(best: list[int], draft: Sequence[int]) -> list[int]:

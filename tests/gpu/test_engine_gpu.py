@@ -52,7 +52,7 @@ def test_greedy_tokens_equal_transformers_on_cuda(model_dir, graphs, ahead):
 
 def test_steps_planned_ahead_draw_and_stop_as_synchronous_ones_on_cuda():
     """On a device where step n+1 really runs before step n's tokens are on the host:
-    stop ids that end sequences mid-way, seeded sampling and greedy rows in one batch,
+    stop ids that end sequences mid-way, seeded sampling (with logprobs) and greedy rows in one batch,
     the same tokens and reasons as a synchronous engine, no block left held."""
     from tests.model.test_async_scheduling import run as run_all
 
@@ -66,7 +66,8 @@ def test_steps_planned_ahead_draw_and_stop_as_synchronous_ones_on_cuda():
     full, _ = run_all(engine(False), prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=(full[i][4 + 5 * i],))
               for i in range(3)]
-    params += [SamplingParams(max_tokens=40, temperature=0.9, top_p=0.9, seed=5 + i) for i in range(3)]
+    params += [SamplingParams(max_tokens=40, temperature=0.9, top_p=0.9, seed=5 + i, logprobs=i or None)
+               for i in range(3)]  # two with logprobs: read back with the tokens, behind the same event
     sync = run_all(engine(False), prompts, params)
     fast = engine(None)
     assert fast.async_scheduling and fast.runner.graphs is not None

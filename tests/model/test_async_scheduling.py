@@ -124,9 +124,38 @@ def test_seeded_sampling_and_min_tokens_draw_as_the_synchronous_engine(builtin_d
     assert len(ahead[3]) >= 15
 
 
-def test_steps_with_logprobs_or_penalties_wait_for_their_tokens(builtin_dir):
-    """Rows the sampler cannot finish on the device make their steps synchronous; once
-    those requests end, the others' steps go ahead again."""
+def test_logprobs_come_back_with_the_tokens_a_step_ahead_samples(builtin_dir):
+    """Logprobs are computed on the device with the tokens and read back with them: the
+    same numbers as a synchronous step's, greedy and sampled rows alike."""
+    prompts = random_prompts([12, 20, 9], seed=8)
+    params = [SamplingParams(max_tokens=16, temperature=0, logprobs=3, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.8, seed=3, logprobs=1, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)]
+
+    def with_logprobs(engine):
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), p, sp)
+        got: dict[str, list] = {str(i): [] for i in range(len(prompts))}
+        for _ in range(1000):
+            if not engine.has_work():
+                break
+            for ev in engine.step():
+                if ev.token_id is not None:
+                    got[ev.seq_id].append((ev.token_id, ev.logprobs))
+        engine.check_integrity()
+        return got
+
+    sync, ahead = make(builtin_dir, False), make(builtin_dir, True)
+    want, got = with_logprobs(sync), with_logprobs(ahead)
+    assert ahead.steps_ahead >= 10
+    assert got == want
+    assert all(lp is not None and len(lp.top) == 3 for _, lp in got["0"])
+    assert all(lp is None for _, lp in got["2"])
+
+
+def test_steps_with_penalties_wait_for_their_tokens(builtin_dir):
+    """Rows the sampler cannot finish on the device (penalties count the tokens so far)
+    make their steps synchronous; once that request ends, the others' steps go ahead."""
     prompts = random_prompts([12, 20, 9], seed=8)
     params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=8, temperature=0, logprobs=2, ignore_eos=True),
