@@ -103,7 +103,23 @@ def _build_and_load() -> Any:
     build_dir.mkdir(parents=True, exist_ok=True)
     with _turn(build_dir / "tandem.lock"):
         _remove_stale_lock(build_dir / "lock")
-        cached = (build_dir / f"{name}.so").exists()
+        binary = build_dir / f"{name}.so"
+        cached = binary.exists()
+        if cached:
+            # The name already fingerprints the sources, flags, torch and CPU, so a built
+            # binary is loaded as it is. Through cpp_extension.load, ninja would rebuild it
+            # whenever its build file changed, and that file names the sources by path: two
+            # checkouts of the same code (a CI clone next to a working tree) would rebuild
+            # each other's kernels, 70 s a time on 2 cores.
+            try:
+                torch.ops.load_library(str(binary))
+                ops = getattr(torch.ops, name)
+                ops.simd_lanes()
+                return ops
+            except Exception as e:  # e.g. a binary cut short by a build killed while linking
+                log.warning("the cached cpu kernels at %s did not load (%s): building them again", binary,
+                            _reason(e))
+                cached = False
         if not cached:
             log.info("compiling the cpu kernels into %s (once per machine)", build_dir)
         t0 = time.perf_counter()

@@ -46,3 +46,22 @@ def test_the_turn_waits_for_a_live_holder_and_passes_when_it_dies(tmp_path):
             assert time.monotonic() - t0 < 2.0
     finally:
         holder.kill()
+
+
+def test_a_built_binary_loads_without_the_build_step(tmp_path):
+    """Once built, the kernels load from their binary, not through cpp_extension.load:
+    its ninja file names the sources by path, so a second checkout of the same code
+    would rebuild them (and make the first one rebuild them again)."""
+    if build.load_or_none() is None:
+        pytest.skip("the cpu kernels cannot be built here")
+    script = textwrap.dedent("""
+        from torch.utils import cpp_extension
+        def refuse(*a, **k):
+            raise AssertionError("cpp_extension.load was called")
+        cpp_extension.load = refuse
+        from engine.cpu_kernels import build
+        print(build.load().simd_lanes())
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) > 0
