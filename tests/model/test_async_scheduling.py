@@ -2,15 +2,13 @@
 launched on the tokens step n samples before they reach the host. On CPU it reorders the
 same work, so these tests check what it must keep: the same tokens as a synchronous
 engine (and as transformers), sequences that an EOS or stop id ends while the next step
-already ran for them, preemption, seeded sampling and min_tokens, an abort between the
-launch and the collect, and no block left held. The GPU test (tests/gpu) checks the same
+already ran for them, preemption, seeded sampling and min_tokens, logprobs, and no block
+left held (an abort between a launch and its collect: tests/model/test_decode_engine.py
+`test_async_streaming_and_abort`). The GPU test (tests/gpu) checks the same
 on a device where the steps really overlap."""
-
-import asyncio
 
 import pytest
 
-from decode_worker.async_engine import AsyncEngine
 from decode_worker.engine import EngineConfig, LLMEngine
 from engine.config import CacheConfig, ConfigError, SchedulerConfig
 from engine.plan import PENDING
@@ -163,37 +161,6 @@ def test_steps_with_penalties_wait_for_their_tokens(builtin_dir):
     (sync, _), (ahead, _), engine = both(builtin_dir, prompts, params)
     assert ahead == sync
     assert engine.steps_ahead < 30 - 12  # no step ahead while the penalised request ran
-
-
-def test_an_abort_between_launch_and_collect_leaks_nothing(builtin_dir):
-    prompts = random_prompts([9, 30, 3], seed=13)
-
-    async def main():
-        aeng = AsyncEngine(make(builtin_dir, True))
-        aeng.start()
-        try:
-            async def collect(i):
-                return [ev.token_id async for ev in aeng.generate(f"s{i}", prompts[i], SamplingParams(
-                    max_tokens=15, temperature=0, ignore_eos=True))]
-
-            gone = aeng.generate("gone", prompts[0], SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
-            await gone.__anext__()
-            outs = await asyncio.gather(*(collect(i) for i in range(3)))
-            await gone.aclose()  # aborted while steps run ahead of it
-            for _ in range(300):
-                if not aeng.engine.has_work():
-                    break
-                await asyncio.sleep(0.01)
-            assert not aeng.engine.has_work()
-            await aeng.call(aeng.engine.check_integrity)
-            assert aeng.engine.steps_ahead > 0
-            return outs
-        finally:
-            aeng.stop()
-
-    outs = asyncio.run(main())
-    for p, o in zip(prompts, outs):
-        assert o == hf_greedy(builtin_dir, p, 15, ignore_eos=True)
 
 
 def test_the_output_seen_ahead_has_the_pending_token_last():

@@ -116,11 +116,14 @@ def test_reservation_reuses_decode_side_prefix_cache(builtin_dir):
     engine.check_integrity()
 
 
-def test_async_streaming_and_abort(builtin_dir):
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "steps-ahead"])
+def test_async_streaming_and_abort(builtin_dir, ahead):
+    """`ahead`: asynchronous scheduling (tests/model/test_async_scheduling.py) forced on,
+    so the abort comes between a step's launch and its collect."""
     prompts = random_prompts([9, 30, 3], seed=13)
 
     async def main():
-        aeng = AsyncEngine(engine_for(builtin_dir))
+        aeng = AsyncEngine(engine_for(builtin_dir, async_scheduling=ahead))
         aeng.start()
         try:
 
@@ -141,6 +144,7 @@ def test_async_streaming_and_abort(builtin_dir):
                 await asyncio.sleep(0.01)
             assert not aeng.engine.has_work()
             await aeng.call(aeng.engine.check_integrity)
+            assert (aeng.engine.steps_ahead > 0) == ahead
             return outs
         finally:
             aeng.stop()
