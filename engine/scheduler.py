@@ -220,12 +220,10 @@ class Scheduler:
         for lane in (self.lanes[INTERACTIVE], self.lanes[BATCH]):
             while lane and budget > 0 and self._slots_left() > 0:
                 seq = lane[0]
-                # the last token is always computed here (its logits give the next token)
-                hit = self.cache.match(seq, max_tokens=0 if seq.prompt_logprobs_left else seq.num_tokens - 1)
-                n = self._chunk(seq, budget, start=hit.num_blocks * self.bs)
-                need = math.ceil((hit.num_blocks * self.bs + n) / self.bs) - hit.num_blocks if n else 0
-                if not n or not self.cache.can_fit(hit, need):
+                admission = self._admission(seq, budget)
+                if admission is None:
                     return  # strict FCFS and lane order: nothing behind the head jumps it
+                hit, n, need = admission
                 lane.popleft()
                 self.cache.record_query(seq.num_tokens, hit.num_blocks * self.bs)
                 self._take(seq, hit, need)
@@ -244,10 +242,13 @@ class Scheduler:
 
         None, and nothing changed, where the ordinary `schedule` must run instead:
         something other than `out`'s sequences waits for a turn (a sequence admitted or
-        landed since, a waiting request with a slot free), `out` preempted or did not
-        sample for every sequence it ran (a prompt chunk, a draft), or the blocks the
-        next tokens need are not free (never a preemption here)."""
-        if out.preempted or (self.num_waiting and self._slots_left() > 0):
+        landed since, a waiting request the ordinary step would admit now: a slot and
+        the blocks for its first chunk free), `out` preempted or did not sample for every
+        sequence it ran (a prompt chunk, a draft), or the blocks the next tokens need are
+        not free (never a preemption here). A request that waits for blocks, as in a
+        KV-bound queue, does not stop the steps ahead: it is admitted at the first step
+        whose blocks allow it, planned the ordinary way."""
+        if out.preempted:
             return None
         for works in (out.plan.decodes, out.plan.prefills):
             if any(w.sample is None or w.sample.draft or w.prompt_targets for w in works):
@@ -270,6 +271,8 @@ class Scheduler:
             nxt.append((seq, computed, table, short))
         if need > self.pool.num_free_blocks or len(nxt) > self.config.max_num_batched_tokens:
             return None
+        if self.num_waiting and self._waiting_head_admissible(self.config.max_num_batched_tokens - len(nxt), need):
+            return None  # the ordinary step admits it now
         ahead = SchedulerOutput()
         decodes, scheduled = ahead.plan.decodes, ahead.scheduled
         for seq, computed, table, short in nxt:
@@ -282,6 +285,28 @@ class Scheduler:
                                    SampleRow(seq.params, outputs, seq.prompt_ids, banned, None, ())))
             scheduled.append((seq, 1))
         return ahead
+
+    def _admission(self, seq: Sequence, budget: int, held: int = 0) -> tuple[PrefixHit, int, int] | None:
+        """(prefix hit, tokens to compute now, new blocks) for admitting waiting `seq` in
+        `budget` tokens with `held` blocks already spoken for, or None where it does not
+        fit (the watermark kept free)."""
+        # the last token is always computed here (its logits give the next token)
+        hit = self.cache.match(seq, max_tokens=0 if seq.prompt_logprobs_left else seq.num_tokens - 1)
+        n = self._chunk(seq, budget, start=hit.num_blocks * self.bs)
+        if not n:
+            return None
+        need = math.ceil((hit.num_blocks * self.bs + n) / self.bs) - hit.num_blocks
+        if not self.cache.can_fit(hit, need + held):
+            return None
+        return hit, n, need
+
+    def _waiting_head_admissible(self, budget: int, held: int) -> bool:
+        """Whether `_admit`, in a step with `budget` tokens left and `held` blocks spoken
+        for, would take the first waiting sequence (in lane order)."""
+        if budget <= 0 or self._slots_left() <= 0 or self.config.policy != "continuous":
+            return False
+        head = next((lane[0] for lane in (self.lanes[INTERACTIVE], self.lanes[BATCH]) if lane), None)
+        return head is not None and self._admission(head, budget, held) is not None
 
     def _chunk(self, seq: Sequence, budget: int, start: int | None = None) -> int:
         todo = seq.num_tokens - (seq.num_computed if start is None else start)

@@ -22,9 +22,10 @@ pytestmark = pytest.mark.model
 LENGTHS = [1, 7, 15, 16, 17, 32, 33, 50, 95]
 
 
-def make(path, asynchronous: bool | None, num_blocks=256, **sched) -> LLMEngine:
+def make(path, asynchronous: bool | None, num_blocks=256, block_size=None, **sched) -> LLMEngine:
     sched = {"max_num_batched_tokens": 64, "max_model_len": 1024, **sched}
-    return LLMEngine.from_config(EngineConfig(model=str(path), cache=CacheConfig(num_blocks=num_blocks),
+    cache = CacheConfig(num_blocks=num_blocks, **({"block_size": block_size} if block_size else {}))
+    return LLMEngine.from_config(EngineConfig(model=str(path), cache=cache,
                                               scheduler=SchedulerConfig(async_scheduling=asynchronous, **sched)))
 
 
@@ -108,6 +109,20 @@ def test_preemption_under_a_small_cache(builtin_dir):
     assert ahead == sync
     for p, g in zip(prompts, ahead):
         assert g == hf_greedy(builtin_dir, p, 40, ignore_eos=True)
+
+
+def test_requests_waiting_for_blocks_do_not_stop_the_steps_ahead(builtin_dir):
+    """A KV-bound queue: requests wait for blocks, not for slots. The steps go ahead while
+    no waiting request fits, and an ordinary step admits one as soon as it does."""
+    prompts = random_prompts([17] * 12, seed=12)  # two blocks of 16 each, start to end
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    kw = {"num_blocks": 9, "block_size": 16}  # four sequences at a time, the rest wait
+    (sync, _), (ahead, _), engine = both(builtin_dir, prompts, params, **kw)
+    assert ahead == sync
+    for p, g in zip(prompts, ahead):
+        assert g == hf_greedy(builtin_dir, p, 10, ignore_eos=True)
+    assert engine.scheduler.num_preemptions == 0
+    assert engine.steps_ahead > engine.stats.num_steps // 2, (engine.steps_ahead, engine.stats.num_steps)
 
 
 def test_seeded_sampling_and_min_tokens_draw_as_the_synchronous_engine(builtin_dir):
