@@ -86,6 +86,11 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         self.engine.on_forward = self.metrics.on_step
         if self.engine.spec is not None:
             self.metrics.add_spec(lambda: self.engine.spec.stats)
+        self.metrics.add_counter(
+            "tandem:worker_steps_planned_ahead",
+            "Engine steps planned and launched while the step before ran on the device (asynchronous "
+            "scheduling); against tandem:worker_step_seconds_count, the share of steps that overlapped.",
+            lambda: self.engine.steps_ahead)
         if cfg.metrics_port is not None:
             self.metrics.serve(self.endpoint.bind, cfg.metrics_port, self.endpoint.advertise)
         self.aengine.start(loop)

@@ -74,6 +74,19 @@ class _SpecCollector(Collector):
         yield g
 
 
+class _ReadCounter(Collector):
+    """One counter read off the engine at scrape time (a plain int the engine thread
+    increments; a scrape reads it without a lock)."""
+
+    def __init__(self, labels: list[str], name: str, doc: str, read: Callable[[], int]) -> None:
+        self.labels, self.name, self.doc, self.read = labels, name, doc, read
+
+    def collect(self):
+        fam = CounterMetricFamily(self.name, self.doc, labels=["worker_id", "role"])
+        fam.add_metric(self.labels, self.read())
+        yield fam
+
+
 class WorkerMetrics:
     def __init__(self, worker_id: str, role: Role, read_stats: Callable[[], WorkerStats]) -> None:
         self.registry = reg = CollectorRegistry()
@@ -123,6 +136,10 @@ class WorkerMetrics:
     def add_spec(self, read: Callable[[], object]) -> None:
         """Export speculative decoding's counters (`read` returns the engine's SpecStats)."""
         self.registry.register(_SpecCollector(self.labels, read))
+
+    def add_counter(self, name: str, doc: str, read: Callable[[], int]) -> None:
+        """Export a counter the engine keeps (`read` returns its value)."""
+        self.registry.register(_ReadCounter(self.labels, name, doc, read))
 
     def on_step(self, num_tokens: int, forward_s: float, decode_only: bool = False) -> None:
         self.step_tokens.observe(num_tokens)

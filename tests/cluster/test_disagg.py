@@ -6,7 +6,9 @@ import asyncio
 import time
 
 import grpc
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling_params import SamplingParams
 from protos import tandem_pb2 as pb
@@ -59,7 +61,7 @@ async def started(spawn, decode_args=(), transport="tcp", **prefill):
 
 # the decode worker's steps also planned ahead (asynchronous scheduling, CUDA's default, forced on here):
 # landings, reservations and aborts then come between a step's launch and its collect
-AHEAD = ("--async-scheduling",)
+AHEAD = ("--async-scheduling", "--metrics-port", "0")
 
 
 @pytest.mark.parametrize("transport,decode_args", [("tcp", ()), ("nixl", ()), ("tcp", AHEAD)],
@@ -68,7 +70,7 @@ async def test_sixteen_concurrent_requests_match_transformers(spawn, model_path,
     d = spawn("decode", "decode-0", transport=transport, args=decode_args)
     p = spawn("prefill", "prefill-0", transport=transport, args=("--max-num-batched-tokens", "128"))
     dc, pc = d.client(), p.client()
-    await wait_ready(dc)
+    decode_info = await wait_ready(dc)
     await wait_ready(pc)
     [shared] = random_prompts([80], seed=21)  # a full block at 16 or 64 tokens a block
     prompts = random_prompts([1, 5, 15, 16, 17, 31, 33, 64, 100, 160, 250], seed=22)
@@ -84,6 +86,12 @@ async def test_sixteen_concurrent_requests_match_transformers(spawn, model_path,
         assert out == hf_greedy(model_path, pr, n_new[i], ignore_eos=True), f"request {i}"
     stats = await pc.stats()
     assert stats.transport == transport and stats.prefix_cache_hits > 0
+    if decode_args == AHEAD:  # the decode worker's steps did go ahead, as its /metrics counts them
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(f"http://{decode_info.metrics_address}/metrics", timeout=10)).text
+        ahead = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name == "tandem:worker_steps_planned_ahead_total"]
+        assert ahead and ahead[0] > 0
     await assert_clean(dc, pc)
 
 

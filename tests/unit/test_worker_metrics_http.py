@@ -26,3 +26,22 @@ def test_worker_metrics_keep_their_names_for_a_prometheus_scrape():
     usage = samples["tandem:kv_cache_usage_perc"]
     assert usage.labels == {"worker_id": "decode-0", "role": "decode"} and abs(usage.value - 86 / 96) < 1e-9
     assert "tandem_kv_cache_usage_perc" not in r.text
+
+
+def test_a_counter_the_engine_keeps_is_read_at_scrape_time():
+    stats = WorkerStats(role=Role.DECODE, worker_id="decode-0", epoch=1, num_blocks=96, num_free_blocks=96)
+    m = WorkerMetrics("decode-0", Role.DECODE, lambda: stats)
+    steps = [0]
+    m.add_counter("tandem:worker_steps_planned_ahead", "steps ahead", lambda: steps[0])
+    address = m.serve("127.0.0.1", 0)
+
+    def value():
+        text = httpx.get(f"http://{address}/metrics", headers={"Accept": PROMETHEUS_ACCEPT}, timeout=10).text
+        got = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
+        sample = got["tandem:worker_steps_planned_ahead_total"]
+        assert sample.labels == {"worker_id": "decode-0", "role": "decode"}
+        return sample.value
+
+    assert value() == 0
+    steps[0] = 41
+    assert value() == 41
