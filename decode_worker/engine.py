@@ -164,9 +164,12 @@ class LLMEngine:
         return self._finish(out, self.runner.execute(out.plan))
 
     def _launchable(self, out: SchedulerOutput) -> bool:
-        rows = [w.sample for w in out.plan.works()]
-        return (all(r is not None for r in rows) and Sampler.deferrable(rows)
-                and not any(w.prompt_targets for w in out.plan.prefills))
+        """Whether a step from the ordinary `schedule` can be launched (and steps planned
+        ahead of it): every sequence samples one token, on the device (ModelRunner.launch,
+        Scheduler.schedule_ahead rely on this check)."""
+        works = out.plan.works()
+        return (all(w.sample is not None and not w.prompt_targets for w in works)
+                and Sampler.deferrable([w.sample for w in works]))
 
     def _step_ahead(self) -> list[TokenEvent]:
         """Asynchronous scheduling (vLLM's): with step n launched, plan and launch step n+1

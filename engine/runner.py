@@ -79,10 +79,6 @@ class Launched:
     ready: object | None
     started: float
 
-    @property
-    def tokens(self) -> torch.Tensor:
-        return self.sample.tokens
-
     def row_of(self) -> dict[object, int]:
         return {sid: i for i, sid in enumerate(self.sample_ids)}
 
@@ -251,7 +247,8 @@ class ModelRunner:
 
     def launch(self, plan: StepPlan, after: Launched | None = None) -> Launched:
         """Queue a step on the device and return without waiting for it: the forward pass
-        and the sampling of every row, which must be `Sampler.deferrable`. A decode whose
+        and the sampling of every row. The caller checked the rows are `Sampler.deferrable`
+        (LLMEngine._launchable; a step planned ahead inherits its rows' parameters). A decode whose
         input is `PENDING` reads the token that `after` (the step launched just before)
         samples for its sequence, on the device. On CPU, where operators run as they are
         called, the step has run when this returns; the tokens are still read by `collect`."""
@@ -262,10 +259,8 @@ class ModelRunner:
         if self.sized:
             self._size_team(plan.num_tokens)
         b = self._prepare(plan, after)
-        if len(b.logits_index) != len(b.sample_ids) or not Sampler.deferrable(b.sample_rows) or any(
-                w.prompt_targets for w in plan.prefills):
-            raise ValueError("a launched step samples every row on the device: no drafts, penalties, grammars or "
-                             "prompt logprobs")
+        if len(b.logits_index) != len(b.sample_ids) or any(w.prompt_targets for w in plan.prefills):
+            raise ValueError("a launched step samples one row per sequence: no drafts or prompt logprobs")
         hidden = self._forward(plan, b, None)
         greedy = Sampler.plain_greedy(b.sample_rows)
         sample = self.sampler.sample_on_device(self.model.compute_logits(hidden[b.logits_index], fp32=not greedy),
@@ -273,7 +268,7 @@ class ModelRunner:
         host = ready = None
         if self.device.type == "cuda":
             host = []
-            for t in _sample_tensors(sample):
+            for t in sample.tensors():
                 host.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True))
                 host[-1].copy_(t, non_blocking=True)
             ready = torch.cuda.Event()
@@ -284,13 +279,10 @@ class ModelRunner:
         """A launched step's tokens (and logprobs), once the device has them. `forward_s`
         counts from the later of its launch and the previous collect: the time the caller
         waited for it or spent launching it, not the time it overlapped with the step before."""
-        if step.ready is not None:
-            step.ready.synchronize()
-            values = [t.tolist() for t in step.host]
-        else:
-            values = [t.tolist() for t in _sample_tensors(step.sample)]
+        self.wait(step)
+        values = [t.tolist() for t in (step.host if step.host is not None else step.sample.tensors())]
         ids = values[0]
-        lps = (Sampler.logprobs_of(step.sample, ids, *values[1:], step.rows) if step.sample.want
+        lps = (Sampler.logprobs_of(step.sample.want, ids, *values[1:], step.rows) if step.sample.want
                else [None] * len(ids))
         now = time.perf_counter()
         forward_s = now - max(step.started, self._collected_at)
@@ -515,7 +507,7 @@ class ModelRunner:
              kept_lens],
         )
         if dst_t is not None:  # queued behind `after`'s sampling on the same stream
-            input_ids.index_copy_(0, dst_t, after.tokens.index_select(0, src_t))
+            input_ids.index_copy_(0, dst_t, after.sample.tokens.index_select(0, src_t))
         meta = AttentionMetadata(
             slot_mapping=slot_t,
             num_decode_tokens=len(decode_lens),
@@ -591,14 +583,6 @@ class ModelRunner:
             out.append(view.to(torch.int32) if i >= len(int64s) else view)
             at += n
         return out[: len(int64s)], out[len(int64s):]
-
-
-def _sample_tensors(sample: DeviceSample) -> list[torch.Tensor]:
-    """The tensors a launched step reads back: the tokens, then (rows with logprobs) the
-    chosen logprobs, the top values and the top ids."""
-    if not sample.want:
-        return [sample.tokens]
-    return [sample.tokens, sample.chosen, sample.top_v, sample.top_i]
 
 
 def fused_cpu_ops():

@@ -126,11 +126,11 @@ class Sampler:
         return DeviceSample(tokens, want, *self._logprob_tensors(raw, idx, tokens.index_select(0, idx), rows, want))
 
     @staticmethod
-    def logprobs_of(sample: "DeviceSample", tokens: list[int], chosen: list[float], top_v: list[list[float]],
+    def logprobs_of(want: list[int], tokens: list[int], chosen: list[float], top_v: list[list[float]],
                     top_i: list[list[int]], rows: Sequence[SampleRow]) -> list[TokenLogprobs | None]:
-        """A `DeviceSample`'s logprobs, its tensors read back as lists."""
+        """TokenLogprobs for rows `want` from their logprob tensors read back as lists."""
         out: list[TokenLogprobs | None] = [None] * len(rows)
-        for j, i in enumerate(sample.want):
+        for j, i in enumerate(want):
             k = rows[i].params.logprobs
             out[i] = TokenLogprobs(tokens[i], chosen[j], list(zip(top_i[j][:k], top_v[j][:k])))
         return out
@@ -381,7 +381,7 @@ class Sampler:
         chosen, top_v, top_i = Sampler._logprob_tensors(
             raw, _on(raw.device, want, torch.long), _on(raw.device, [tokens[i] for i in want], torch.long), rows, want)
         top_v, top_i, chosen = top_v.tolist(), top_i.tolist(), chosen.tolist()  # one wait for all rows
-        return Sampler.logprobs_of(DeviceSample(None, want), tokens, chosen, top_v, top_i, rows)
+        return Sampler.logprobs_of(want, tokens, chosen, top_v, top_i, rows)
 
 
 @dataclass
@@ -390,11 +390,16 @@ class DeviceSample:
     for the rows in `want` (those that asked for logprobs) each chosen token's logprob
     and the top values and ids."""
 
-    tokens: torch.Tensor | None
+    tokens: torch.Tensor
     want: list[int] = field(default_factory=list)
     chosen: torch.Tensor | None = None
     top_v: torch.Tensor | None = None
     top_i: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What the host reads back: the tokens, then (rows with logprobs) the chosen
+        logprobs, the top values and the top ids."""
+        return [self.tokens, self.chosen, self.top_v, self.top_i] if self.want else [self.tokens]
 
 
 def _accept_greedy(best: list[int], draft: Sequence[int]) -> list[int]:

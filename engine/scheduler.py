@@ -238,21 +238,19 @@ class Scheduler:
         the device knows yet (`PENDING`). Sequences `out` certainly ends (max_tokens, the
         model's length) are left out; one that an EOS or stop id ends computes one token
         for nothing, dropped at `update`. Called before `update(out)`, every earlier
-        step's update done.
+        step's update done, for an `out` that sampled one token for every sequence it ran
+        (no middle prompt chunk, draft or prompt logprobs: the engine launches no other
+        step, decode_worker/engine.py `_launchable`, and a step planned here is one).
 
         None, and nothing changed, where the ordinary `schedule` must run instead:
         something other than `out`'s sequences waits for a turn (a sequence admitted or
         landed since, a waiting request the ordinary step would admit now: a slot and
-        the blocks for its first chunk free), `out` preempted or did not sample for every
-        sequence it ran (a prompt chunk, a draft), or the blocks the next tokens need are
-        not free (never a preemption here). A request that waits for blocks, as in a
+        the blocks for its first chunk free), `out` preempted, or the blocks the next
+        tokens need are not free (never a preemption here). A request that waits for blocks, as in a
         KV-bound queue, does not stop the steps ahead: it is admitted at the first step
         whose blocks allow it, planned the ordinary way."""
         if out.preempted:
             return None
-        for works in (out.plan.decodes, out.plan.prefills):
-            if any(w.sample is None or w.sample.draft or w.prompt_targets for w in works):
-                return None
         running = {id(s) for s in self.running}
         if len(running) != sum(1 for s, _ in out.scheduled if id(s) in running):
             return None
