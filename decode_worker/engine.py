@@ -17,7 +17,7 @@ from engine.runner import Launched, ModelRunner
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Reservation, Scheduler, SchedulerOutput
-from engine.sequence import INTERACTIVE, FinishReason, Sequence
+from engine.sequence import INTERACTIVE, FinishReason, Sequence, Status
 from engine.speculative import SpecDecoding, make_proposer
 from engine.structured import StructuredOutputs, attach_grammar
 
@@ -197,10 +197,13 @@ class LLMEngine:
             self.on_forward(result.num_tokens, result.forward_s, not out.plan.prefills)
         if result.accepted:
             return self._spec_events(out, result)
-        for seq in self.scheduler.update(out, result.token_ids, result.prompt_logprobs):
-            tok = result.token_ids[seq.seq_id]
-            events.append(self._event(seq, None if tok == DEAD_END else tok, result.logprobs.get(seq.seq_id)))
-            self._forget_if_done(seq)
+        ids, lps = result.token_ids, result.logprobs
+        for seq in self.scheduler.update(out, ids, result.prompt_logprobs):
+            sid = seq.seq_id
+            tok = ids[sid]
+            events.append(self._event(seq, None if tok == DEAD_END else tok, lps.get(sid)))
+            if seq.status is Status.FINISHED:
+                self._forget_if_done(seq)
         if self.spec is not None:
             for seq, _ in out.scheduled:
                 seq.draft_ids = []
@@ -230,12 +233,13 @@ class LLMEngine:
                num_output: int | None = None) -> TokenEvent:
         """`num_output`: this token's place in the output, when a step gave the sequence
         several (only the last one, which is the sequence's newest, carries its end)."""
-        n = len(seq.output_ids) if num_output is None else num_output
-        last = n == len(seq.output_ids)
-        first = seq.params.prompt_logprobs is not None and n == 1 and token is not None
+        num_out = len(seq.output_ids)
+        n = num_out if num_output is None else num_output
+        last = n == num_out
+        first = n == 1 and token is not None and seq.params.prompt_logprobs is not None
         return TokenEvent(
-            seq.seq_id, token, logprobs, seq.is_finished and last, seq.finish_reason if last else None, None,
-            len(seq.prompt_ids), seq.num_cached_tokens, n,
+            seq.seq_id, token, logprobs, last and seq.status is Status.FINISHED, seq.finish_reason if last else None,
+            None, len(seq.prompt_ids), seq.num_cached_tokens, n,
             list(seq.prompt_logprobs) if first else None, seq.num_drafted, seq.num_accepted,
         )
 

@@ -9,6 +9,10 @@ how many blocks are already named in the prefix cache live here, by sequence id.
     block table:  [   17    |    4    |   29    |  8   ]   (this manager)
     named:        [  yes    |   yes   |   no    |  no  ]   (full and computed -> named)
 
+A table is an `array('i')`, not a list: the runner lays a step's tables out in one
+buffer by concatenating them (engine/runner.py `_table_rows`), which costs a memcpy per
+table instead of a conversion per block id.
+
 Why a prefix hit stops short of the last token: the last token of a sequence must be
 computed to sample the next one, so a hit may cover at most `num_tokens - 1` tokens
 (the caller passes that bound). Why a reservation's blocks are named only once their
@@ -19,10 +23,13 @@ request "hit" garbage.
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool, hash_block
 from engine.sequence import Sequence
+
+_EMPTY = array("i")  # the table of a sequence that holds no blocks (never changed)
 
 
 @dataclass(frozen=True)
@@ -43,7 +50,7 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = pool.block_size
         self.watermark_blocks = watermark_blocks
-        self._tables: dict[str, list[int]] = {}
+        self._tables: dict[str, array] = {}
         self._hashes: dict[str, list[bytes]] = {}
         self._named: dict[str, int] = {}
 
@@ -52,13 +59,14 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    def block_table(self, seq_id: str) -> list[int]:
-        """The sequence's blocks, in token order ([] when it holds none)."""
-        return self._tables.get(seq_id, [])
+    def block_table(self, seq_id: str) -> array:
+        """The sequence's blocks, in token order (empty when it holds none): the live
+        table, to read, not to keep (it changes as the sequence grows)."""
+        return self._tables.get(seq_id, _EMPTY)
 
     def num_blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks to add so that `num_tokens` tokens of `seq` have a place."""
-        return max(0, math.ceil(num_tokens / self.block_size) - len(self.block_table(seq.seq_id)))
+        return max(0, -(-num_tokens // self.block_size) - len(self._tables.get(seq.seq_id, ())))
 
     def match(self, seq: Sequence, max_tokens: int) -> PrefixHit:
         """The longest cached run of `seq`'s leading full blocks within `max_tokens`.
@@ -77,12 +85,12 @@ class KVCacheManager:
     def allocate(self, seq: Sequence, hit: PrefixHit, num_new_blocks: int) -> None:
         """Give `seq` its first blocks: the hit (already named) plus new ones."""
         self.pool.acquire_cached(hit.block_ids)
-        self._tables[seq.seq_id] = [*hit.block_ids, *self.pool.allocate(num_new_blocks)]
+        self._tables[seq.seq_id] = array("i", [*hit.block_ids, *self.pool.allocate(num_new_blocks)])
         self._named[seq.seq_id] = hit.num_blocks
 
     def grow(self, seq: Sequence, num_blocks: int) -> None:
         """Append `num_blocks` new blocks (the caller checked there is room)."""
-        self._tables.setdefault(seq.seq_id, []).extend(self.pool.allocate(num_blocks))
+        self._tables.setdefault(seq.seq_id, array("i")).extend(self.pool.allocate(num_blocks))
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Give back the blocks past the first `num_tokens` tokens' (the slots of rejected
@@ -93,14 +101,18 @@ class KVCacheManager:
             assert keep >= self._named.get(seq.seq_id, 0), "trimming a named block"
             extra = table[keep:]
             del table[keep:]
-            self.pool.release(list(reversed(extra)))
+            self.pool.release(extra[::-1].tolist())
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Name the blocks that became full and computed since the last call in the
         prefix cache (each block once)."""
-        table = self.block_table(seq.seq_id)
-        full = min(seq.num_computed // self.block_size, len(table))
-        named = self._named.get(seq.seq_id, 0)
+        sid = seq.seq_id
+        full = seq.num_computed // self.block_size
+        named = self._named.get(sid, 0)
+        if full <= named:  # most calls: a decode step that filled no block
+            return
+        table = self._tables.get(sid, _EMPTY)
+        full = min(full, len(table))
         if full <= named:
             return
         hashes = self._hashes_of(seq, full)
@@ -111,8 +123,8 @@ class KVCacheManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's blocks (tail first: its prefix is evicted last)."""
-        table = self._tables.pop(seq.seq_id, [])
-        self.pool.release(list(reversed(table)))
+        table = self._tables.pop(seq.seq_id, _EMPTY)
+        self.pool.release(table[::-1].tolist())
         self._named.pop(seq.seq_id, None)
 
     def forget(self, seq: Sequence) -> None:

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import threading
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -497,13 +498,14 @@ class ModelRunner:
         if kept_rows is not None:  # the head then reads the last layer's K rows, not the step's T
             at = {r: i for i, r in enumerate(kept_rows)}
             logits_index = [at[r] for r in logits_index]
-        dec_tables = _pad_rows(dec_tables)
-        pre_tables = _pad_rows([w.block_table for w in plan.prefills])
+        dec_flat, dec_width = _table_rows(dec_tables)
+        pre_flat, pre_width = _table_rows([w.block_table for w in plan.prefills])
+        kept_flat, kept_width = _table_rows(kept_tables) if kept_tables is not None else (None, 0)
         pending = (pending_rows, pending_from) if pending_rows else (None, None)
         (input_ids, pos_t, slot_t, logits_t, kept_t, dst_t, src_t), (dec_t, dec_lens_t, pre_t, starts_t, p_lens_t,
                                                                       kept_tables_t, kept_lens_t) = self._to_device(
             [ids, positions, slots, logits_index, kept_rows, *pending],
-            [dec_tables, decode_lens, pre_tables, starts, p_lens if starts is not None else None, kept_tables,
+            [dec_flat, decode_lens, pre_flat, starts, p_lens if starts is not None else None, kept_flat,
              kept_lens],
         )
         if dst_t is not None:  # queued behind `after`'s sampling on the same stream
@@ -511,17 +513,17 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=slot_t,
             num_decode_tokens=len(decode_lens),
-            decode_block_tables=dec_t.view(len(dec_tables), len(dec_tables[0]) if dec_tables else 0),
+            decode_block_tables=dec_t.view(len(dec_tables), dec_width),
             decode_seq_lens=dec_lens_t,
             decode_max_seq_len=max(decode_lens, default=0),
-            prefill_block_tables=pre_t.view(len(pre_tables), len(pre_tables[0]) if pre_tables else 0),
+            prefill_block_tables=pre_t.view(len(plan.prefills), pre_width),
             prefill_query_lens=q_lens,
             prefill_seq_lens=p_lens,
             prefill_query_start_loc=starts_t,
             prefill_seq_lens_tensor=p_lens_t,
             kept=None if kept_rows is None else KeptRows(
                 rows=kept_t,
-                block_tables=kept_tables_t.view(len(kept_tables), len(kept_tables[0]) if kept_tables else 0),
+                block_tables=kept_tables_t.view(len(kept_tables), kept_width),
                 seq_lens=kept_lens_t,
                 max_seq_len=max(kept_lens, default=0),
             ),
@@ -536,7 +538,7 @@ class ModelRunner:
         )
 
     def _kept_rows(self, plan: StepPlan, dec_tables: list, decode_lens: list[int], p_lens: list[int]):
-        """(rows, padded block tables, lengths) of the rows the last layer must compute in full
+        """(rows, block tables, lengths) of the rows the last layer must compute in full
         (engine/attention KeptRows): every decode row, and the last row of each prefill
         chunk that samples. (None, None, None) where all rows are needed or nothing is
         saved: prompt logprobs read every prompt row's hidden state, a prefill with draft
@@ -554,35 +556,36 @@ class ModelRunner:
                 rows.append(offset - 1)
                 tables.append(w.block_table)
                 lens.append(n)
-        return rows, _pad_rows(tables), lens
+        return rows, tables, lens
 
     def _to_device(self, int64s: list, int32s: list):
-        """Lists of ints (int32 ones may be rows of equal length; any may be None) as device tensors,
-        rows flattened. On CPU one tensor each. On CUDA all of them in one pinned host buffer and
-        one non-blocking copy (a copy from pageable memory would wait for the GPU to finish
-        the step before), cut into views on the device."""
+        """Lists of ints (any may be None; an int32 one may be an `array('i')`, such as
+        `_table_rows`' block tables) as tensors on the device, in the order given, one
+        dimension each. On CPU each is a tensor over an array of its own (one C loop per
+        list, where torch.tensor converts int by int). On CUDA the int64 ones are laid out
+        in one pinned host buffer and the int32 ones in another, each sent with one
+        non-blocking copy (a copy from pageable memory would wait for the GPU to finish the
+        step before) and cut into views on the device."""
         if self.device.type != "cuda":
-            return ([None if x is None else torch.tensor(x, dtype=torch.int64) for x in int64s],
-                    [None if x is None else torch.tensor(x, dtype=torch.int32) for x in int32s])
-        parts = [*int64s, *int32s]
-        flat: list[int] = []
-        for x in parts:
-            if x and isinstance(x[0], list):
-                for row in x:
-                    flat.extend(row)
-            elif x:
-                flat.extend(x)
-        dev = torch.tensor(flat, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
-        out, at = [], 0
-        for i, x in enumerate(parts):
-            if x is None:
-                out.append(None)
-                continue
-            n = len(x) * len(x[0]) if x and isinstance(x[0], list) else len(x)
-            view = dev[at : at + n]
-            out.append(view.to(torch.int32) if i >= len(int64s) else view)
-            at += n
-        return out[: len(int64s)], out[len(int64s):]
+            return [_host_ints(x, "q") for x in int64s], [_host_ints(x, "i") for x in int32s]
+        out = []
+        for parts, code in ((int64s, "q"), (int32s, "i")):
+            flat = array(code)
+            for x in parts:
+                if x:
+                    flat.extend(x)
+            dtype = _INT_DTYPES[code]
+            dev = (torch.frombuffer(flat, dtype=dtype).pin_memory().to(self.device, non_blocking=True) if flat
+                   else torch.empty(0, dtype=dtype, device=self.device))
+            views, at = [], 0
+            for x in parts:
+                if x is None:
+                    views.append(None)
+                    continue
+                views.append(dev[at : at + len(x)])
+                at += len(x)
+            out.append(views)
+        return out[0], out[1]
 
 
 def fused_cpu_ops():
@@ -591,8 +594,26 @@ def fused_cpu_ops():
     return build.load_or_none() if envs.cpu_fused_ops() else None
 
 
-def _pad_rows(tables: Sequence[Sequence[int]]) -> list[list[int]]:
-    """Block tables as rows of one width, padded with block 0 (padding is masked by
-    sequence length)."""
-    width = max((len(t) for t in tables), default=0)
-    return [list(t) + [0] * (width - len(t)) for t in tables]
+_INT_DTYPES = {"q": torch.int64, "i": torch.int32}
+
+
+def _host_ints(x, code: str) -> torch.Tensor | None:
+    """A host tensor of the ints in `x` (None stays None), over an array of its own."""
+    if x is None:
+        return None
+    a = x if isinstance(x, array) and x.typecode == code else array(code, x)
+    return torch.frombuffer(a, dtype=_INT_DTYPES[code]) if a else torch.empty(0, dtype=_INT_DTYPES[code])
+
+
+def _table_rows(tables: Sequence[Sequence[int]]) -> tuple[array, int]:
+    """Block tables row after row in one int32 buffer, each padded with block 0 to the
+    longest (padding is masked by sequence length), and that width. The scheduler's
+    tables are `array('i')`s (engine/kv_cache_manager.py), so a row is one memcpy."""
+    width = max(map(len, tables), default=0)
+    flat = array("i")
+    pad = array("i", bytes(4 * width))
+    for t in tables:
+        flat.extend(t)
+        if len(t) < width:
+            flat.extend(pad[: width - len(t)])
+    return flat, width

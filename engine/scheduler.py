@@ -25,6 +25,7 @@ import math
 from collections import deque
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from engine.block_pool import BlockPool
 from engine.config import SchedulerConfig
@@ -53,6 +54,10 @@ class SchedulerOutput:
     plan: StepPlan = field(default_factory=StepPlan)
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, new tokens)
     preempted: list[Sequence] = field(default_factory=list)
+
+
+_PENDING_INPUT = (PENDING,)  # a decode's input in a step planned ahead
+_RUN_ORDER = attrgetter("priority", "arrival")  # the running list's order: interactive lane first, then arrival
 
 
 class Scheduler:
@@ -194,19 +199,27 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        self.running.sort(key=lambda s: (s.priority, s.arrival))
+        self.running.sort(key=_RUN_ORDER)
         scheduled: set[int] = set()
+        running = Status.RUNNING
+        need_blocks = self.cache.num_blocks_needed
         for seq in list(self.running):  # 1. decodes (and the drafts they verify)
-            if budget == 0 or seq.status is not Status.RUNNING or seq.num_to_compute != 1:
+            if budget == 0:
+                break
+            # seq.num_to_compute, spelled out: this loop runs for every sequence every step
+            if (seq.status is not running
+                    or len(seq.prompt_ids) + len(seq.output_ids) - seq.num_computed != 1):
                 continue
-            if 1 + len(seq.draft_ids) > budget:
-                seq.draft_ids = []
-            n = 1 + len(seq.draft_ids)
-            if self._make_room(seq, self._blocks_needed(seq, n), scheduled, out):
-                self._schedule(seq, n, scheduled, out, draft=seq.draft_ids)
+            draft = seq.draft_ids
+            if draft and 1 + len(draft) > budget:
+                seq.draft_ids = draft = []
+            n = 1 + len(draft)
+            need = need_blocks(seq, seq.num_computed + n)
+            if not need or self._make_room(seq, need, scheduled, out):
+                self._schedule(seq, n, scheduled, out, draft=draft)
                 budget -= n
-        for seq in list(self.running):  # 2. prompts being prefilled
-            if budget == 0 or seq.status is not Status.RUNNING or id(seq) in scheduled or seq.num_to_compute <= 1:
+        for seq in (list(self.running) if len(scheduled) < len(self.running) else ()):  # 2. prompts being prefilled
+            if budget == 0 or seq.status is not running or id(seq) in scheduled or seq.num_to_compute <= 1:
                 continue
             n = self._chunk(seq, budget)
             if n and self._make_room(seq, self._blocks_needed(seq, n), scheduled, out):
@@ -255,17 +268,20 @@ class Scheduler:
         if len(running) != sum(1 for s, _ in out.scheduled if id(s) in running):
             return None
         bs, max_len = self.bs, self.config.max_model_len
-        nxt: list[tuple[Sequence, int, list[int], int]] = []
+        block_table = self.cache.block_table
+        nxt: list[tuple[Sequence, int, object, int]] = []
         need = 0
         for seq, n in out.scheduled:
             if id(seq) not in running:
                 continue  # ended since (an abort)
-            if len(seq.output_ids) + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= max_len:
+            num_out = len(seq.output_ids)
+            if num_out + 1 >= seq.params.max_tokens or len(seq.prompt_ids) + num_out + 1 >= max_len:
                 continue  # `out`'s token ends it
             computed = seq.num_computed + n  # once `out` is updated; its token is then the one to compute
-            table = self.cache.block_table(seq.seq_id)
+            table = block_table(seq.seq_id)
             short = -(-(computed + 1) // bs) - len(table)  # blocks to add for position `computed`
-            need += max(short, 0)
+            if short > 0:
+                need += short
             nxt.append((seq, computed, table, short))
         if need > self.pool.num_free_blocks or len(nxt) > self.config.max_num_batched_tokens:
             return None
@@ -276,11 +292,12 @@ class Scheduler:
         for seq, computed, table, short in nxt:
             if short > 0:
                 self.cache.grow(seq, short)
-                table = self.cache.block_table(seq.seq_id)
-            outputs = _OutputAhead(seq.output_ids)
-            banned = () if len(outputs) >= seq.params.min_tokens else seq.banned_ids()
-            decodes.append(SeqWork(seq.seq_id, (PENDING,), computed, table,
-                                   SampleRow(seq.params, outputs, seq.prompt_ids, banned, None, ())))
+                table = block_table(seq.seq_id)
+            params = seq.params
+            # the pending token counts towards min_tokens
+            banned = () if len(seq.output_ids) + 1 >= params.min_tokens else seq.banned_ids()
+            decodes.append(SeqWork(seq.seq_id, _PENDING_INPUT, computed, table,
+                                   SampleRow(params, _OutputAhead(seq.output_ids), seq.prompt_ids, banned, None, ())))
             scheduled.append((seq, 1))
         return ahead
 
@@ -316,10 +333,12 @@ class Scheduler:
         """`n` tokens of `seq` this step: its next `n - len(draft)` tokens, then the draft."""
         start, n = seq.num_computed, n - len(draft)
         last = start + n == seq.num_tokens
-        sample = SampleRow(seq.params, seq.output_ids, seq.prompt_ids, seq.banned_ids(), seq.grammar,
-                           tuple(draft)) if last else None
+        params = seq.params
+        sample = SampleRow(params, seq.output_ids, seq.prompt_ids,
+                           () if len(seq.output_ids) >= params.min_tokens else seq.banned_ids(), seq.grammar,
+                           tuple(draft) if draft else ()) if last else None
         work = SeqWork(seq.seq_id, seq.token_slice(start, start + n), start, self.cache.block_table(seq.seq_id), sample)
-        if seq.prompt_logprobs_left and start == len(seq.prompt_logprobs):
+        if params.prompt_logprobs is not None and seq.prompt_logprobs_left and start == len(seq.prompt_logprobs):
             work.prompt_targets = seq.prompt_ids[start + 1: min(start + n + 1, len(seq.prompt_ids))]
             work.prompt_topk = seq.params.prompt_logprobs
         out.plan.add(work)
@@ -366,32 +385,36 @@ class Scheduler:
         sampled token, and the blocks past what is left to compute (the rejected
         tokens' slots) go back to the pool."""
         got: list[Sequence] = []
+        running, finished = Status.RUNNING, Status.FINISHED
+        commit, append = self.cache.commit_full_blocks, self._append_token
         for seq, n in out.scheduled:
-            if seq.status is not Status.RUNNING:
+            if seq.status is not running:
                 continue  # aborted while the step ran
-            if prompt_logprobs and seq.seq_id in prompt_logprobs:
-                seq.prompt_logprobs.extend(prompt_logprobs[seq.seq_id])
+            sid = seq.seq_id
+            if prompt_logprobs and sid in prompt_logprobs:
+                seq.prompt_logprobs.extend(prompt_logprobs[sid])
             seq.num_computed += n
-            tok = sampled.get(seq.seq_id)
+            tok = sampled.get(sid)
             if tok is None:
-                self.cache.commit_full_blocks(seq)
+                commit(seq)
                 continue
-            for t in (accepted or {}).get(seq.seq_id, ()):
-                self._append_token(seq, t)
-                seq.num_computed += 1
-                if seq.is_finished:
-                    break
-            if not seq.is_finished:
-                self.cache.commit_full_blocks(seq)
+            if accepted:
+                for t in accepted.get(sid, ()):
+                    append(seq, t)
+                    seq.num_computed += 1
+                    if seq.status is finished:
+                        break
+            if seq.status is not finished:
+                commit(seq)
                 if seq.draft_ids:
                     self.cache.trim(seq, seq.num_computed + 1)
-                self._append_token(seq, tok)
+                append(seq, tok)
             got.append(seq)
         return got
 
     def _append_token(self, seq: Sequence, tok: int) -> None:
         reason = seq.append_token(tok)
-        if reason is None and seq.num_tokens >= self.config.max_model_len:
+        if reason is None and len(seq.prompt_ids) + len(seq.output_ids) >= self.config.max_model_len:
             reason = FinishReason.LENGTH
         if reason is not None:
             self.finish(seq, reason)

@@ -234,7 +234,7 @@ class PrefillEngine:
     def _block_pairs(self, job: Job) -> tuple[list[int], list[int]]:
         n = len(job.target_blocks)
         table = self.scheduler.cache.block_table(job.seq.seq_id)
-        return table[job.skip_blocks : n], job.target_blocks[job.skip_blocks :]
+        return table[job.skip_blocks : n].tolist(), job.target_blocks[job.skip_blocks :]
 
     def _start_final_write(self, job: Job) -> None:
         seq = job.seq
