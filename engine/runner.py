@@ -562,30 +562,13 @@ class ModelRunner:
         """Lists of ints (any may be None; an int32 one may be an `array('i')`, such as
         `_table_rows`' block tables) as tensors on the device, in the order given, one
         dimension each. On CPU each is a tensor over an array of its own (one C loop per
-        list, where torch.tensor converts int by int). On CUDA the int64 ones are laid out
-        in one pinned host buffer and the int32 ones in another, each sent with one
-        non-blocking copy (a copy from pageable memory would wait for the GPU to finish the
-        step before) and cut into views on the device."""
+        list, where torch.tensor converts int by int). On CUDA the int64 ones go in one
+        pinned host buffer and the int32 ones in another, each sent with one non-blocking
+        copy (a copy from pageable memory would wait for the GPU to finish the step
+        before) and cut into views on the device (`_packed`)."""
         if self.device.type != "cuda":
             return [_host_ints(x, "q") for x in int64s], [_host_ints(x, "i") for x in int32s]
-        out = []
-        for parts, code in ((int64s, "q"), (int32s, "i")):
-            flat = array(code)
-            for x in parts:
-                if x:
-                    flat.extend(x)
-            dtype = _INT_DTYPES[code]
-            dev = (torch.frombuffer(flat, dtype=dtype).pin_memory().to(self.device, non_blocking=True) if flat
-                   else torch.empty(0, dtype=dtype, device=self.device))
-            views, at = [], 0
-            for x in parts:
-                if x is None:
-                    views.append(None)
-                    continue
-                views.append(dev[at : at + len(x)])
-                at += len(x)
-            out.append(views)
-        return out[0], out[1]
+        return _packed(int64s, "q", self.device, pin=True), _packed(int32s, "i", self.device, pin=True)
 
 
 def fused_cpu_ops():
@@ -603,6 +586,29 @@ def _host_ints(x, code: str) -> torch.Tensor | None:
         return None
     a = x if isinstance(x, array) and x.typecode == code else array(code, x)
     return torch.frombuffer(a, dtype=_INT_DTYPES[code]) if a else torch.empty(0, dtype=_INT_DTYPES[code])
+
+
+def _packed(parts: list, code: str, device: torch.device, pin: bool) -> list:
+    """`parts` (lists or arrays of ints, or None) laid out in one host buffer of
+    `array(code)`'s type, sent to `device` in one copy (non-blocking: from pinned memory
+    when `pin`), and cut there into one view per part (None stays None). Each view
+    starts on a 16-byte boundary, as a tensor of its own would: Triton specializes its
+    kernels on the alignment of their pointer arguments."""
+    flat = array(code)
+    align = 16 // flat.itemsize
+    starts: list[int | None] = []
+    for x in parts:
+        if x is None:
+            starts.append(None)
+            continue
+        if len(flat) % align:
+            flat.frombytes(bytes(flat.itemsize * (align - len(flat) % align)))
+        starts.append(len(flat))
+        flat.extend(x)
+    dtype = _INT_DTYPES[code]
+    host = torch.frombuffer(flat, dtype=dtype) if flat else torch.empty(0, dtype=dtype)
+    dev = (host.pin_memory() if pin else host).to(device, non_blocking=True)
+    return [None if at is None else dev[at : at + len(x)] for at, x in zip(starts, parts)]
 
 
 def _table_rows(tables: Sequence[Sequence[int]]) -> tuple[array, int]:

@@ -9,7 +9,7 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.kv_cache_manager import KVCacheManager, PrefixHit
-from engine.runner import _host_ints, _table_rows
+from engine.runner import _host_ints, _packed, _table_rows
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -48,3 +48,21 @@ def test_a_block_table_is_an_int_array_through_grow_trim_and_free():
     cache.free(seq)
     assert len(cache.block_table("a")) == 0 and pool.num_free_blocks == 12
     cache.check_integrity(set())
+
+
+def test_parts_sent_in_one_buffer_come_back_whole_and_aligned():
+    rng = random.Random(1)
+    for code, dtype in (("q", torch.int64), ("i", torch.int32)):
+        for _ in range(30):
+            parts = [None if rng.random() < 0.2 else [rng.randrange(-5, 2**30) for _ in range(rng.randint(0, 9))]
+                     for _ in range(rng.randint(0, 7))]
+            if code == "i" and parts and parts[0] is not None:
+                parts[0] = array("i", parts[0])  # a block-table buffer travels as it is
+            views = _packed(parts, code, torch.device("cpu"), pin=False)
+            assert len(views) == len(parts)
+            for x, v in zip(parts, views):
+                if x is None:
+                    assert v is None
+                    continue
+                assert v.dtype == dtype and v.tolist() == list(x)
+                assert v.data_ptr() % 16 == 0 or len(x) == 0
