@@ -251,3 +251,13 @@ def test_interference_bench_report(tmp_path, capsys):
         assert r["decode_steps"] >= 3 and r["prompt_steps"] >= 1 and r["output_tok_s"] > 0
     text = capsys.readouterr().out
     assert "alone:" in text and "beside:" in text
+
+
+def test_hostpath_bench_report(capsys):
+    from bench import hostpath
+
+    assert hostpath.main(["--batches", "3", "--context", "20", "--steps", "6"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:7] == ["batch", "context", "schedule", "prepare", "finish", "sync", "sum"]
+    row = lines[1].split()
+    assert row[:2] == ["3", "20"] and all(float(x) > 0 for x in row[2:])
