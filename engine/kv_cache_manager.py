@@ -62,7 +62,8 @@ class KVCacheManager:
     def block_table(self, seq_id: str) -> array:
         """The sequence's blocks, in token order (empty when it holds none): the live
         table, to read, not to keep (it changes as the sequence grows)."""
-        return self._tables.get(seq_id, _EMPTY)
+        table = self._tables.get(seq_id)
+        return array("i") if table is None else table  # a fresh empty one: nobody shares it
 
     def num_blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks to add so that `num_tokens` tokens of `seq` have a place."""
