@@ -77,10 +77,7 @@ class Sampler:
     def plain_greedy(rows: Sequence[SampleRow]) -> bool:
         """Every row takes the argmax of its raw logits (no penalties, bias, grammar,
         banned ids or logprobs): the model's own logits will do, in its own dtype."""
-        return all(
-            r.params.greedy and not r.params.needs_logit_work and not r.banned_ids and r.params.logprobs is None
-            for r in rows
-        )
+        return all(r.params.plain_greedy and not r.banned_ids for r in rows)
 
     @staticmethod
     def deferrable(rows: Sequence[SampleRow]) -> bool:

@@ -4,6 +4,7 @@ workers all carry them); validated at construction with messages a client can ac
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 
@@ -109,6 +110,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @functools.cached_property
+    def plain_greedy(self) -> bool:
+        """Greedy on the raw logits, nothing to do to them and no logprobs to report (the
+        sampler's fast path). Worked out once per request: the sampler asks every step."""
+        return self.greedy and not self.needs_logit_work and self.logprobs is None
 
     @property
     def needs_logit_work(self) -> bool:
