@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 
 from engine.events import TokenEvent
 from protos import tandem_pb2 as pb
-from worker_runtime.convert import can_join, token_events_to_pb
+from worker_runtime.convert import can_join, fill_tokens
 from worker_runtime.frames import frame, read_frame
 
 log = logging.getLogger(__name__)
@@ -125,9 +125,12 @@ class TokenFeed:
             else:
                 runs.append([ev])
         batch, finished = pb.FeedBatch(), []
+        add = batch.items.add
         for rid, runs in per.items():
             for run in runs:
-                batch.items.append(pb.FeedItem(request_id=rid, tokens=token_events_to_pb(run).tokens))
+                item = add()
+                item.request_id = rid
+                fill_tokens(item.tokens, run)
             if runs[-1][-1].finished:
                 finished.append(rid)
         return batch, finished

@@ -60,22 +60,37 @@ def token_events_to_pb(evs: list[TokenEvent]) -> pb.DecodeEvent:
     """Consecutive events of one request as one Tokens message: a stream that fell a
     step or more behind its engine sends what queued up at once (one message, and one
     SSE event at the router, instead of one per token). Callers keep `can_join`."""
-    last = evs[-1]
-    t = pb.Tokens(finished=last.finished, finish_reason=last.finish_reason.value if last.finish_reason else "",
-                  error=last.error or "")
-    toks = [e for e in evs if e.token_id is not None]
-    if toks:
-        t.first_index = toks[0].num_output_tokens - 1
-        t.token_ids.extend(e.token_id for e in toks)
-        t.logprobs.extend(logprobs_to_pb(e.logprobs) for e in toks if e.logprobs is not None)
+    d = pb.DecodeEvent()
+    fill_tokens(d.tokens, evs)
+    return d
+
+
+def fill_tokens(t: pb.Tokens, evs: list[TokenEvent]) -> None:
+    """Write consecutive events of one request (`can_join`) into `t` where it lies, in a
+    DecodeEvent or a FeedBatch's item. Built in place: a step's batch for 256 requests
+    took 1.15 ms with a message made and then copied per request, 0.17 ms so."""
+    t.SetInParent()  # present even when it says nothing else
+    first = True
     for e in evs:
+        if e.token_id is not None:
+            if first:
+                t.first_index = e.num_output_tokens - 1
+                first = False
+            t.token_ids.append(e.token_id)
+            if e.logprobs is not None:
+                t.logprobs.append(logprobs_to_pb(e.logprobs))
         if e.prompt_logprobs:
             t.prompt_logprobs.extend(logprobs_to_pb(lp) for lp in e.prompt_logprobs)
+    last = evs[-1]
+    if last.finish_reason is not None:
+        t.finish_reason = last.finish_reason.value
+    if last.error:
+        t.error = last.error
     if last.finished:
+        t.finished = True
         t.usage.CopyFrom(pb.Usage(prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens,
                                   cached_tokens=last.num_cached_tokens, draft_tokens=last.num_draft_tokens,
                                   accepted_tokens=last.num_accepted_tokens))
-    return pb.DecodeEvent(tokens=t)
 
 
 def can_join(prev: TokenEvent, ev: TokenEvent) -> bool:

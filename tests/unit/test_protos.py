@@ -48,3 +48,64 @@ def test_queued_token_events_coalesce_into_one_message():
     assert can_join(evs[0], err)
     t = token_events_to_pb([evs[0], err]).tokens
     assert list(t.token_ids) == [7] and t.finish_reason == "error" and t.error == "boom"
+
+
+def _tokens_the_plain_way(evs):
+    """The Tokens message of `evs` built from constructors (the way convert.py did before
+    it wrote in place): the reference for `fill_tokens`."""
+    from protos import tandem_pb2 as pb
+    from worker_runtime.convert import logprobs_to_pb
+
+    last = evs[-1]
+    t = pb.Tokens(finished=last.finished, finish_reason=last.finish_reason.value if last.finish_reason else "",
+                  error=last.error or "")
+    toks = [e for e in evs if e.token_id is not None]
+    if toks:
+        t.first_index = toks[0].num_output_tokens - 1
+        t.token_ids.extend(e.token_id for e in toks)
+        t.logprobs.extend(logprobs_to_pb(e.logprobs) for e in toks if e.logprobs is not None)
+    for e in evs:
+        if e.prompt_logprobs:
+            t.prompt_logprobs.extend(logprobs_to_pb(lp) for lp in e.prompt_logprobs)
+    if last.finished:
+        t.usage.CopyFrom(pb.Usage(prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens,
+                                  cached_tokens=last.num_cached_tokens, draft_tokens=last.num_draft_tokens,
+                                  accepted_tokens=last.num_accepted_tokens))
+    return pb.DecodeEvent(tokens=t)
+
+
+def test_token_messages_written_in_place_equal_the_plain_way_byte_for_byte():
+    import random
+
+    from decode_worker.feed import TokenFeed
+    from engine.events import TokenEvent, TokenLogprobs
+    from engine.sequence import FinishReason
+    from protos import tandem_pb2 as pb
+    from worker_runtime.convert import can_join, token_events_to_pb
+
+    rng = random.Random(0)
+    for _ in range(300):
+        rid, n, with_lp = f"r{rng.randrange(3)}", rng.randint(1, 40), rng.random() < 0.3
+        run = []
+        for k in range(rng.randint(1, 4)):
+            end = rng.random() < 0.2
+            token = None if end and rng.random() < 0.5 else rng.randrange(50_000)
+            lp = TokenLogprobs(token or 0, -rng.random(), [(5, -0.1), (9, -2.0)], rank=rng.choice([None, 1, 3]))
+            ev = TokenEvent(
+                rid, token, lp if with_lp and token is not None else None, end,
+                rng.choice(list(FinishReason)) if end else None, "boom" if end and rng.random() < 0.3 else None,
+                rng.randint(1, 900), rng.randint(0, 64), n + k, [lp, lp] if n + k == 1 and rng.random() < 0.5 else None,
+                rng.randint(0, 9), rng.randint(0, 9),
+            )
+            if run and not can_join(run[-1], ev):
+                break
+            run.append(ev)
+            if end:
+                break
+        assert token_events_to_pb(run).SerializeToString() == _tokens_the_plain_way(run).SerializeToString()
+        batch, _ = TokenFeed._batch(run)
+        want = pb.FeedBatch(items=[pb.FeedItem(request_id=rid, tokens=_tokens_the_plain_way(run).tokens)])
+        assert batch.SerializeToString() == want.SerializeToString()
+    # a run that carries nothing still names its Tokens message
+    bare = [TokenEvent("r", None)]
+    assert token_events_to_pb(bare).WhichOneof("kind") == "tokens"
