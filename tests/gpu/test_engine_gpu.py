@@ -139,3 +139,24 @@ def test_layerwise_push_waits_for_the_layer_on_the_gpu(kind):
         recv.close()
     print(f"{kind}: stale transfers out of 20 with the wait {stale[True]}, without {stale[False]}")
     assert stale[True] == 0
+
+
+def test_step_inputs_reach_the_device_whole_and_aligned():
+    """A step's int lists travel in two pinned buffers, one copy each (engine/runner.py
+    `_packed`): every part comes back with its values, as a view of its own dtype that
+    starts on a 16-byte boundary (Triton specializes on pointer alignment)."""
+    from array import array
+
+    from engine.runner import _packed
+
+    parts64 = [[1, 2, 3], None, [], [2**40, -2], [7]]
+    parts32 = [array("i", [5, 6, 7, 8, 9]), [1], None, [3, 4, 5]]
+    for parts, code, dtype in ((parts64, "q", torch.int64), (parts32, "i", torch.int32)):
+        views = _packed(parts, code, torch.device("cuda"), pin=True)
+        torch.cuda.synchronize()
+        for x, v in zip(parts, views):
+            if x is None:
+                assert v is None
+                continue
+            assert v.device.type == "cuda" and v.dtype == dtype and v.tolist() == list(x)
+            assert len(x) == 0 or v.data_ptr() % 16 == 0
