@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from engine.block_pool import BlockPool, hash_block
 from engine.sequence import Sequence
 
-_EMPTY = array("i")  # the table of a sequence that holds no blocks (never changed)
+_EMPTY = array("i")  # for lookups here that only read a missing table; never handed out
 
 
 @dataclass(frozen=True)
