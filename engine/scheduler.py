@@ -334,9 +334,17 @@ class Scheduler:
         start, n = seq.num_computed, n - len(draft)
         last = start + n == seq.num_tokens
         params = seq.params
-        sample = SampleRow(params, seq.output_ids, seq.prompt_ids,
-                           () if len(seq.output_ids) >= params.min_tokens else seq.banned_ids(), seq.grammar,
-                           tuple(draft) if draft else ()) if last else None
+        if not last:
+            sample = None
+        elif not draft and seq.grammar is None and len(seq.output_ids) >= params.min_tokens:
+            # nothing banned from here on (the output only grows): one row for every step
+            sample = seq.plain_row
+            if sample is None:
+                sample = seq.plain_row = SampleRow(params, seq.output_ids, seq.prompt_ids)
+        else:
+            sample = SampleRow(params, seq.output_ids, seq.prompt_ids,
+                               () if len(seq.output_ids) >= params.min_tokens else seq.banned_ids(), seq.grammar,
+                               tuple(draft) if draft else ())
         work = SeqWork(seq.seq_id, seq.token_slice(start, start + n), start, self.cache.block_table(seq.seq_id), sample)
         if params.prompt_logprobs is not None and seq.prompt_logprobs_left and start == len(seq.prompt_logprobs):
             work.prompt_targets = seq.prompt_ids[start + 1: min(start + n + 1, len(seq.prompt_ids))]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.plan import DEAD_END
+from engine.plan import DEAD_END, SampleRow
 from engine.sampling_params import SamplingParams
 
 INTERACTIVE, BATCH = 0, 1  # priority lanes, served in this order
@@ -61,6 +61,9 @@ class Sequence:
     num_accepted: int = 0
     recent_drafted: float = 0.0
     recent_accepted: float = 0.0
+    # the scheduler's SampleRow for a plain decode of this sequence (no grammar, draft or
+    # banned ids left), made once: it holds the live output list, so it stays current
+    plain_row: SampleRow | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:

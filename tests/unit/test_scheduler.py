@@ -286,3 +286,25 @@ def test_static_policy_admits_only_when_idle():
     step(s)  # a finishes
     out = step(s)
     assert [w.seq_id for w in out.plan.works()] == ["b"]
+
+
+def test_a_plain_decode_keeps_one_sample_row_and_min_tokens_bans_eos_until_reached():
+    s = make()
+    a = seq("a", 3, max_tokens=10, min_tokens=3)  # EOS (2) banned for its first 3 tokens
+    b = seq("b", 3, max_tokens=10)
+    s.add(a)
+    s.add(b)
+    rows = {"a": [], "b": []}
+    for _ in range(6):
+        out = step(s, token=9)
+        for w in out.plan.works():
+            rows[w.seq_id].append(w.sample)
+    # a: its first token and the next two steps ban EOS, each with a row of its own
+    assert [r.banned_ids for r in rows["a"][:3]] == [(2,), (2,), (2,)]
+    assert len({id(r) for r in rows["a"][:3]}) == 3
+    # then nothing is banned: the same row every step, reading the live output
+    assert all(r.banned_ids == () for r in rows["a"][3:]) and len({id(r) for r in rows["a"][3:]}) == 1
+    assert rows["a"][-1].output_ids is a.output_ids and len(rows["a"][-1].output_ids) == 6
+    assert len({id(r) for r in rows["b"][1:]}) == 1 and rows["b"][0].banned_ids == ()
+    for x in (a, b):
+        s.finish(x, FinishReason.ABORT)
