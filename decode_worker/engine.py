@@ -202,8 +202,7 @@ class LLMEngine:
             sid = seq.seq_id
             tok = ids[sid]
             events.append(self._event(seq, None if tok == DEAD_END else tok, lps.get(sid)))
-            if seq.status is Status.FINISHED:
-                self._forget_if_done(seq)
+            self._forget_if_done(seq)
         if self.spec is not None:
             for seq, _ in out.scheduled:
                 seq.draft_ids = []

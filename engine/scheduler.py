@@ -342,8 +342,7 @@ class Scheduler:
             if sample is None:
                 sample = seq.plain_row = SampleRow(params, seq.output_ids, seq.prompt_ids)
         else:
-            sample = SampleRow(params, seq.output_ids, seq.prompt_ids,
-                               () if len(seq.output_ids) >= params.min_tokens else seq.banned_ids(), seq.grammar,
+            sample = SampleRow(params, seq.output_ids, seq.prompt_ids, seq.banned_ids(), seq.grammar,
                                tuple(draft) if draft else ())
         work = SeqWork(seq.seq_id, seq.token_slice(start, start + n), start, self.cache.block_table(seq.seq_id), sample)
         if params.prompt_logprobs is not None and seq.prompt_logprobs_left and start == len(seq.prompt_logprobs):

@@ -29,7 +29,9 @@ def make(path, asynchronous: bool | None, num_blocks=256, block_size=None, **sch
                                               scheduler=SchedulerConfig(async_scheduling=asynchronous, **sched)))
 
 
-def run(engine: LLMEngine, prompts, params) -> tuple[list[list[int]], dict[str, str]]:
+def run(engine: LLMEngine, prompts, params, logprobs: dict | None = None) -> tuple[list[list[int]], dict[str, str]]:
+    """Every request to its end: each one's tokens and finish reason. `logprobs`, when
+    given, gets each request's TokenLogprobs (or None) per token."""
     each = params if isinstance(params, list) else [params] * len(prompts)
     for i, (p, sp) in enumerate(zip(prompts, each)):
         engine.add_request(str(i), p, sp)
@@ -41,6 +43,8 @@ def run(engine: LLMEngine, prompts, params) -> tuple[list[list[int]], dict[str, 
         for ev in engine.step():
             if ev.token_id is not None:
                 out[ev.seq_id].append(ev.token_id)
+                if logprobs is not None:
+                    logprobs.setdefault(ev.seq_id, []).append(ev.logprobs)
             if ev.finished:
                 reasons[ev.seq_id] = ev.finish_reason.value
     assert not engine.has_work()
@@ -146,17 +150,9 @@ def test_logprobs_come_back_with_the_tokens_a_step_ahead_samples(builtin_dir):
               SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)]
 
     def with_logprobs(engine):
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            engine.add_request(str(i), p, sp)
-        got: dict[str, list] = {str(i): [] for i in range(len(prompts))}
-        for _ in range(1000):
-            if not engine.has_work():
-                break
-            for ev in engine.step():
-                if ev.token_id is not None:
-                    got[ev.seq_id].append((ev.token_id, ev.logprobs))
-        engine.check_integrity()
-        return got
+        lps: dict[str, list] = {}
+        tokens, _ = run(engine, prompts, params, logprobs=lps)
+        return {str(i): list(zip(toks, lps[str(i)])) for i, toks in enumerate(tokens)}
 
     sync, ahead = make(builtin_dir, False), make(builtin_dir, True)
     want, got = with_logprobs(sync), with_logprobs(ahead)
