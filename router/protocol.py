@@ -3,7 +3,14 @@ stream chunks in OpenAI's shape, and the one conversion into SamplingParams.
 
 Decisions where OpenAI and vLLM differ or are silent:
 - Unknown request fields are ignored (vLLM's leniency), so newer SDKs keep working;
-  parameters we cannot honour (`suffix`, `echo` with `logprobs`) answer 400.
+  parameters we cannot honour (`suffix`, `echo` with `logprobs`) answer 400, and so do
+  vLLM's extras that tandem does not implement (`allowed_token_ids`, `bad_words`,
+  `truncate_prompt_tokens`, beam search, ...; in chat `continue_final_message`,
+  `chat_template`, ...) when set to anything but their "off" value: a request that asks
+  for them gets a 400, not an answer that silently lacks them.
+- `stop_token_ids` and `logit_bias` ids outside the vocabulary are a 400; a `top_k`
+  larger than the vocabulary keeps every token (as vLLM). `add_special_tokens` (vLLM's
+  extra) false encodes a completion's text prompt without bos.
 - An explicit JSON `null` means "default" for every optional field.
 - `model` may be omitted (vLLM): the served model is used. A name other than the
   served one (or its aliases) is 404 `model_not_found`.
@@ -109,6 +116,16 @@ class _Common(_Request):
     # speculative decoding (tandem's extras): opt out; report this request's drafts in usage
     speculative: bool | None = True
     speculative_usage: bool | None = False
+    # vLLM extras this server does not honour, kept so that a request setting one is
+    # refused (400) instead of answered as if it had not (see check_supported)
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    spaces_between_special_tokens: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -182,10 +199,47 @@ class _Common(_Request):
             out.append((tok, float(bias)))
         return tuple(out)
 
+    def stop_token_ids_in(self, vocab_size: int) -> tuple[int, ...]:
+        """stop_token_ids; 400 for an id outside the vocabulary (it could never match)."""
+        ids = tuple(self.stop_token_ids or ())
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ApiError.invalid(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})",
+                                   "stop_token_ids")
+        return ids
+
     def check_supported(self) -> None:
         """400 for parameters accepted by the schema but not honoured by this server."""
         if self.stream_options is not None and not self.stream:
             raise ApiError.invalid("stream_options is only allowed when stream is true", "stream_options")
+        _refuse_unhonoured(self, _NOT_HONOURED)
+
+
+# vLLM request extras that tandem does not implement, each with the values that ask for
+# nothing (null is always fine): any other value is a 400, not an answer that ignores it.
+_NOT_HONOURED: dict[str, tuple[Any, ...]] = {
+    "allowed_token_ids": ([],),
+    "bad_words": ([],),
+    "truncate_prompt_tokens": (),
+    "use_beam_search": (False,),
+    "length_penalty": (1.0, 1),
+    "logits_processors": ([],),
+    "return_tokens_as_token_ids": (False,),
+    "spaces_between_special_tokens": (True,),
+}
+_NOT_HONOURED_CHAT: dict[str, tuple[Any, ...]] = {
+    "continue_final_message": (False,),
+    "add_special_tokens": (False,),  # the template writes bos itself
+    "chat_template": (),  # --chat-template sets it for the server
+    "documents": ([],),
+}
+
+
+def _refuse_unhonoured(req: _Request, table: dict[str, tuple[Any, ...]]) -> None:
+    for name, off in table.items():
+        value = getattr(req, name)
+        if value is not None and not any(value == o and type(value) is type(o) for o in off):
+            raise ApiError.invalid(f"{name} is not supported by this server", name)
 
 
 class CompletionRequest(_Common):
@@ -194,6 +248,7 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool | None = True  # vLLM extra: false encodes a text prompt without bos
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -303,6 +358,11 @@ class ChatCompletionRequest(_Common):
     # vLLM extras
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's chat extras that tandem does not implement: refused when they ask for something
+    continue_final_message: Any = None
+    add_special_tokens: Any = None
+    chat_template: Any = None
+    documents: Any = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -313,6 +373,7 @@ class ChatCompletionRequest(_Common):
                 raise ApiError.invalid(f"messages[{i}]: an assistant message needs content or tool_calls", "messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError.invalid("top_logprobs needs logprobs=true", "top_logprobs")
+        _refuse_unhonoured(self, _NOT_HONOURED_CHAT)
 
     def requested_max_tokens(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:
@@ -339,7 +400,8 @@ def _json_spec(value: dict | str | bool) -> GuidedSpec:
 
 
 def to_sampling_params(req: AnyRequest, max_tokens: int, guided: GuidedSpec | None = None,
-                       logit_bias: tuple[tuple[int, float], ...] = ()) -> SamplingParams:
+                       logit_bias: tuple[tuple[int, float], ...] = (),
+                       stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
     """The engine's parameters for `req` (max_tokens already resolved against the
     context); an invalid value is a 400 naming the parameter."""
     opt = {k: v for k, v in dict(
@@ -353,7 +415,7 @@ def to_sampling_params(req: AnyRequest, max_tokens: int, guided: GuidedSpec | No
         return SamplingParams(
             max_tokens=max_tokens, logprobs=req.requested_logprobs(), prompt_logprobs=req.prompt_logprobs,
             stop=tuple(stop),
-            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos),
+            stop_token_ids=stop_token_ids, ignore_eos=bool(req.ignore_eos),
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             skip_special_tokens=req.skip_special_tokens is not False, guided=guided, logit_bias=logit_bias,
             speculative=req.speculative is not False, **opt,

@@ -183,7 +183,8 @@ class OpenAIServing:
                 raise ApiError.invalid(f"{where} must not be empty", "prompt")
             if isinstance(item, str):
                 self._check_text_fits(len(item), where, "prompt")
-                out.append(PromptInput(await self._off_loop(len(item), self.tokenizer.encode, item), item))
+                ids = await self._off_loop(len(item), self.tokenizer.encode, item, req.add_special_tokens is not False)
+                out.append(PromptInput(ids, item))
                 continue
             bad = next((t for t in item if not 0 <= t < vocab), None)
             if bad is not None:
@@ -214,7 +215,8 @@ class OpenAIServing:
 
     def _constraints(self, req: AnyRequest) -> dict:
         """The structured-output spec (checked by the grammar engine: a spec it cannot
-        compile is a 400 with its message) and logit_bias, as SamplingParams fields."""
+        compile is a 400 with its message), logit_bias and stop_token_ids (checked
+        against the vocabulary), as SamplingParams fields."""
         guided, param = req.guided_spec(), "response_format"
         plan = getattr(req, "_tool_plan", None)
         if plan is not None and (tool_spec := plan.guided()) is not None:
@@ -230,7 +232,9 @@ class OpenAIServing:
             except GrammarError as e:
                 what = "the tools' parameters schemas do not" if param == "tools" else "the output spec does not"
                 raise ApiError.invalid(f"{what} compile: {e}", param) from None
-        return {"guided": guided, "logit_bias": req.logit_bias_pairs(self.tokenizer.vocab_size)}
+        vocab = self.tokenizer.vocab_size
+        return {"guided": guided, "logit_bias": req.logit_bias_pairs(vocab),
+                "stop_token_ids": req.stop_token_ids_in(vocab)}
 
     def _params(self, req: AnyRequest, prompt: PromptInput, default_max: int | None,
                 prompt_param: str, extra: dict) -> SamplingParams:

@@ -6,10 +6,14 @@ from engine.events import TokenEvent, TokenLogprobs
 from engine.sampling_params import GuidedSpec, SamplingParams
 from protos import tandem_pb2 as pb
 
+_INT32_MAX = 2**31 - 1
+
 
 def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(
-        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+        # a top_k past any vocabulary keeps every token, as int32's largest does
+        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=min(p.top_k, _INT32_MAX),
+        min_p=p.min_p,
         repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty, stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,

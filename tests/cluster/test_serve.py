@@ -171,6 +171,13 @@ def test_openai_sdk_and_metrics_on_a_disaggregated_cluster(serve, model_path):
     assert epochs and all(len(e) == 16 for e in epochs), epochs
     assert len(re.findall(r'INFO tandem.access: 127\.0\.0\.1:\d+ "POST /v1/(chat/)?completions" 200 ', log)) == 5
 
+    # values past the wire's int32 fields: top_k keeps every token (it was a 500 when the
+    # parameters went to the workers); stop_token_ids outside the vocabulary are a 400
+    body = {"prompt": short_prompt, "max_tokens": 8, "temperature": 0}
+    r = httpx.post(srv.url + "/v1/completions", json={**body, "top_k": 10**12}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == tok.decode(hf_greedy(model_path, short_prompt, 8))
+    r = httpx.post(srv.url + "/v1/completions", json={**body, "stop_token_ids": [2**40]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
 
 async def _user(url: str, prompts: list[list[int]], stop: asyncio.Event, results: list) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:

@@ -126,6 +126,19 @@ BAD_FIELDS = [  # (fields merged into a valid request, param named in the error)
     ({"logit_bias": {"50": 500}}, "logit_bias"),
     ({"ignore_eos": "perhaps"}, "ignore_eos"),
     ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+    ({"stop_token_ids": [5, 99999]}, "stop_token_ids"),  # outside the vocabulary: it could never match
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": [2**40]}, "stop_token_ids"),
+    # vLLM extras that are not implemented are refused, not ignored
+    ({"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+    ({"bad_words": ["sea"]}, "bad_words"),
+    ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"length_penalty": 0.5}, "length_penalty"),
+    ({"logits_processors": ["x"]}, "logits_processors"),
+    ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+    ({"use_beam_search": "no"}, "use_beam_search"),
     ({"priority": "high"}, "priority"),
 ]
 BAD_COMPLETION = [
@@ -144,6 +157,7 @@ BAD_COMPLETION = [
     ({"suffix": "end"}, "suffix"),
     ({"n": 2, "best_of": 1}, "best_of"),
     ({"echo": True, "logprobs": 1}, "echo"),
+    ({"add_special_tokens": [1]}, "add_special_tokens"),
 ]
 BAD_CHAT = [
     ({"messages": []}, "messages"),
@@ -160,6 +174,10 @@ BAD_CHAT = [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto needs a parser
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"add_special_tokens": True}, "add_special_tokens"),
+    ({"chat_template": "{{ messages }}"}, "chat_template"),
+    ({"documents": [{"text": "x"}]}, "documents"),
 ]
 
 
@@ -186,6 +204,13 @@ def test_bad_bodies(http, path):
     check_error(http.post(path, content=b" " * (64 * 1024 + 1)), 413, None, "request_too_large")
     assert http.post(path, json={k: v for k, v in body.items() if k != "model"}).status_code == 200  # model optional
     assert http.post(path, json={**body, "unknown_field": 1}).status_code == 200  # extras ignored
+    # the unimplemented vLLM extras at the values that ask for nothing, as clients send them
+    off = {"allowed_token_ids": None, "bad_words": [], "truncate_prompt_tokens": None, "use_beam_search": False,
+           "length_penalty": 1.0, "logits_processors": None, "return_tokens_as_token_ids": False,
+           "spaces_between_special_tokens": True}
+    assert http.post(path, json={**body, **off}).status_code == 200
+    # a top_k past the vocabulary (and past int32) keeps every token: an answer, not an error
+    assert http.post(path, json={**body, "top_k": 10**12, "temperature": 0}).status_code == 200
 
 
 def test_context_length(http, tok):

@@ -141,3 +141,19 @@ def test_prompt_logprobs_equal_transformers(client, server, tok, builtin_dir):
     assert all(f is None for f in firsts[1:])
     bad = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "prompt_logprobs": 21})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_add_special_tokens_false_encodes_a_completion_prompt_without_bos(client, tok, builtin_dir):
+    """vLLM's `add_special_tokens` on completions: false sends the text's ids alone, and
+    the greedy answer is transformers' on those ids."""
+    from tests.oracle import hf_greedy
+
+    text = "The sea was calm and the"
+    bare, full = tok.encode(text, add_special_tokens=False), tok.encode(text)
+    assert len(full) == len(bare) + 1  # the built-in tokenizer writes bos
+    r = client.completions.create(model=MODEL, prompt=text, max_tokens=6, temperature=0,
+                                  extra_body={"add_special_tokens": False, "return_token_ids": True})
+    assert r.usage.prompt_tokens == len(bare)
+    assert r.choices[0].prompt_token_ids == bare and r.choices[0].token_ids == hf_greedy(builtin_dir, bare, 6)
+    r = client.completions.create(model=MODEL, prompt=text, max_tokens=6, temperature=0)
+    assert r.usage.prompt_tokens == len(full)

@@ -109,3 +109,22 @@ def test_token_messages_written_in_place_equal_the_plain_way_byte_for_byte():
     # a run that carries nothing still names its Tokens message
     bare = [TokenEvent("r", None)]
     assert token_events_to_pb(bare).WhichOneof("kind") == "tokens"
+
+
+def test_sampling_params_cross_the_wire_whole_and_a_huge_top_k_keeps_every_token():
+    """Every field comes back as sent (floats that float32 holds exactly); a top_k past
+    int32 (the proto's field) goes as int32's largest, which keeps every token of any
+    vocabulary just the same."""
+    from engine.sampling_params import GuidedSpec, SamplingParams
+    from protos import tandem_pb2 as pb
+    from worker_runtime.convert import params_from_pb, params_to_pb
+
+    p = SamplingParams(max_tokens=9, temperature=0.75, top_p=0.875, top_k=40, min_p=0.0625, seed=2**62,
+                       repetition_penalty=1.25, presence_penalty=0.5, frequency_penalty=-0.5, logprobs=3,
+                       prompt_logprobs=2, stop_token_ids=(5, 2**31 - 1), ignore_eos=True, min_tokens=2,
+                       guided=GuidedSpec("regex", "a+"), logit_bias=((7, -100.0), (8, 2.5)), speculative=False)
+    wire = pb.SamplingParams.FromString(params_to_pb(p).SerializeToString())
+    assert params_from_pb(wire) == p
+    for top_k in (2**31 - 1, 2**31, 10**30):
+        back = params_from_pb(pb.SamplingParams.FromString(params_to_pb(p.replace(top_k=top_k)).SerializeToString()))
+        assert back.top_k == 2**31 - 1
