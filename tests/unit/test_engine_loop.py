@@ -64,8 +64,10 @@ async def test_steps_and_commands_run_in_inference_mode_and_a_failing_step_still
     loop = EngineLoop(step=step, wait_s=lambda: 0.0, on_results=got.append, on_fatal=fatal.append)
     loop.start()
     try:
+        # on_fatal runs on the engine thread, results reach the event loop by call_soon:
+        # the failure can be seen before the step's results are, so wait for both
         for _ in range(500):
-            if fatal:
+            if fatal and got:
                 break
             await asyncio.sleep(0.01)
         assert seen and all(seen), seen
