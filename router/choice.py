@@ -118,7 +118,7 @@ class ChoiceRun:
         if reason is not None:
             self.finish_reason = reason
             self._timer.finish(reason)
-        return Delta(text, list(batch.token_ids), list(batch.logprobs), reason)
+        return Delta(text, batch.token_ids, batch.logprobs, reason)  # the batch's own lists: nobody keeps it
 
     async def close(self) -> None:
         """End the engine request (an abort unless it already finished)."""

@@ -164,7 +164,8 @@ class ClusterBackend(Backend):
                 stream = disaggregated_stream(p.client, d.client, req, lease_s=self.lease_s, on_prefill=on_prefill)
             async with contextlib.aclosing(stream):
                 async for batch in stream:
-                    settle()
+                    if not claims[0].settled:
+                        settle()
                     if batch.finished and p is not None:
                         batch.cached_tokens = cached  # prompt tokens the prefill skipped
                     yield batch

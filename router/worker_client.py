@@ -41,14 +41,21 @@ class PrefillOutcome:
 
 
 def _batch(t: pb.Tokens) -> TokenBatch:
-    return TokenBatch(
-        first_index=t.first_index, token_ids=list(t.token_ids), logprobs=[logprobs_from_pb(x) for x in t.logprobs],
-        finished=t.finished, finish_reason=t.finish_reason or None, error=t.error or None,
-        prompt_tokens=t.usage.prompt_tokens, cached_tokens=t.usage.cached_tokens,
-        completion_tokens=t.usage.completion_tokens,
-        prompt_logprobs=[logprobs_from_pb(x) for x in t.prompt_logprobs] or None,
-        draft_tokens=t.usage.draft_tokens, accepted_tokens=t.usage.accepted_tokens,
-    )
+    """A Tokens message as a TokenBatch. Most are one token and nothing else, one per
+    stream per step: the fields that only some messages carry (logprobs, the first
+    one's prompt logprobs, the last one's end and usage) are read only when present."""
+    b = TokenBatch(t.first_index, list(t.token_ids))
+    if t.logprobs:
+        b.logprobs = [logprobs_from_pb(x) for x in t.logprobs]
+    if t.prompt_logprobs:
+        b.prompt_logprobs = [logprobs_from_pb(x) for x in t.prompt_logprobs]
+    if t.finished or t.finish_reason or t.error:
+        b.finished, b.finish_reason, b.error = t.finished, t.finish_reason or None, t.error or None
+    if t.HasField("usage"):  # the worker sends it with the last message
+        u = t.usage
+        b.prompt_tokens, b.cached_tokens, b.completion_tokens = u.prompt_tokens, u.cached_tokens, u.completion_tokens
+        b.draft_tokens, b.accepted_tokens = u.draft_tokens, u.accepted_tokens
+    return b
 
 
 def _decode_request(req: GenerateRequest, mode: int, lease_s: float, feed_id: str = "") -> pb.DecodeRequest:
@@ -106,10 +113,13 @@ class _DecodeCall:
         self._pump = asyncio.get_running_loop().create_task(self._pump_stream())
         wait_s = None  # until the Decode stream closes; then its last tokens may still be on the feed
         while True:
-            try:
-                item = await asyncio.wait_for(self.queue.get(), wait_s)
-            except TimeoutError:
-                raise BackendError(f"decode worker {self.decode.worker_id} ended the stream early", 500) from None
+            if wait_s is None:
+                item = await self.queue.get()
+            else:
+                try:
+                    item = await asyncio.wait_for(self.queue.get(), wait_s)
+                except TimeoutError:
+                    raise BackendError(f"decode worker {self.decode.worker_id} ended the stream early", 500) from None
             if item is _STREAM_END:
                 wait_s = FEED_GRACE_S
             elif item is token_feed.FEED_LOST:

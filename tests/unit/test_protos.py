@@ -74,6 +74,20 @@ def _tokens_the_plain_way(evs):
     return pb.DecodeEvent(tokens=t)
 
 
+def _batch_reading_every_field(t):
+    from router.backend import TokenBatch
+    from worker_runtime.convert import logprobs_from_pb
+
+    return TokenBatch(
+        first_index=t.first_index, token_ids=list(t.token_ids), logprobs=[logprobs_from_pb(x) for x in t.logprobs],
+        finished=t.finished, finish_reason=t.finish_reason or None, error=t.error or None,
+        prompt_tokens=t.usage.prompt_tokens, cached_tokens=t.usage.cached_tokens,
+        completion_tokens=t.usage.completion_tokens,
+        prompt_logprobs=[logprobs_from_pb(x) for x in t.prompt_logprobs] or None,
+        draft_tokens=t.usage.draft_tokens, accepted_tokens=t.usage.accepted_tokens,
+    )
+
+
 def test_token_messages_written_in_place_equal_the_plain_way_byte_for_byte():
     import random
 
@@ -81,6 +95,7 @@ def test_token_messages_written_in_place_equal_the_plain_way_byte_for_byte():
     from engine.events import TokenEvent, TokenLogprobs
     from engine.sequence import FinishReason
     from protos import tandem_pb2 as pb
+    from router import worker_client
     from worker_runtime.convert import can_join, token_events_to_pb
 
     rng = random.Random(0)
@@ -103,6 +118,9 @@ def test_token_messages_written_in_place_equal_the_plain_way_byte_for_byte():
             if end:
                 break
         assert token_events_to_pb(run).SerializeToString() == _tokens_the_plain_way(run).SerializeToString()
+        # the router reads it back as it did when it read every field of every message
+        t = pb.Tokens.FromString(token_events_to_pb(run).tokens.SerializeToString())
+        assert worker_client._batch(t) == _batch_reading_every_field(t)
         batch, _ = TokenFeed._batch(run)
         want = pb.FeedBatch(items=[pb.FeedItem(request_id=rid, tokens=_tokens_the_plain_way(run).tokens)])
         assert batch.SerializeToString() == want.SerializeToString()
