@@ -438,7 +438,8 @@ def test_sigterm_drains_streams_in_flight_then_exits_0(serve, model_path):
 def test_a_storm_of_client_disconnects_harms_nothing(serve):
     """Hundreds of streams, a third cancelled at random times, a third closed right after
     the headers, a third after 3 events (once this killed both workers): no worker
-    restarts, no 5xx, no leaked block, and the cluster serves afterwards."""
+    restarts, no 5xx, no leaked block, and the cluster serves afterwards. A quarter of
+    them are chat streams of two choices each, with logprobs or a JSON grammar."""
     srv = serve("--prefill", "1", "--decode", "1", "--num-blocks", "2048", "--reservation-quarantine-s", "2",
                 "--local-prefill-threshold", "48")
     epochs = {w["worker_id"]: w["epoch"] for pool in srv.pools().values() for w in pool["workers"]}
@@ -447,9 +448,16 @@ def test_a_storm_of_client_disconnects_harms_nothing(serve):
     statuses: list[int] = []
 
     async def one(i: int, client: httpx.AsyncClient) -> None:
-        body = {"model": "tandem-tiny-v2", "prompt": prompts[i % len(prompts)], "max_tokens": 24,
-                "ignore_eos": True, "stream": True}
-        async with client.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": f"storm-{i}"}) as r:
+        path, body = "/v1/completions", {"model": "tandem-tiny-v2", "prompt": prompts[i % len(prompts)],
+                                         "max_tokens": 24, "ignore_eos": True, "stream": True}
+        if i % 4 == 3:  # two choices, merged into one stream by the router
+            extra = ({"logprobs": True, "top_logprobs": 2} if i % 8 == 3
+                     else {"response_format": {"type": "json_object"}})
+            path, body = "/v1/chat/completions", {
+                "model": "tandem-tiny-v2", "messages": [{"role": "user", "content": f"Tell me about the sea, {i}."}],
+                "max_tokens": 24, "n": 2, "temperature": 0.8, "seed": i, "stream": True, **extra,
+            }
+        async with client.stream("POST", path, json=body, headers={"X-Request-Id": f"storm-{i}"}) as r:
             statuses.append(r.status_code)
             assert r.headers["x-request-id"] == f"storm-{i}"
             if i % 3 == 1:
