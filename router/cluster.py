@@ -149,8 +149,11 @@ class ClusterBackend(Backend):
                 cached = outcome.reply.num_cached_tokens
 
         def settle() -> None:
-            """First token seen (or the attempt ended): the workers' own stats now show it."""
-            if not claims[0].settled and p is not None:
+            """First token seen (or the attempt ended): the workers' own stats now show it.
+            The claims settle together, once; later calls (one a batch) return at once."""
+            if claims[0].settled:
+                return
+            if p is not None:
                 self.metrics.waiting_for_kv.dec()
             for c in claims:
                 c.settle()
@@ -164,8 +167,7 @@ class ClusterBackend(Backend):
                 stream = disaggregated_stream(p.client, d.client, req, lease_s=self.lease_s, on_prefill=on_prefill)
             async with contextlib.aclosing(stream):
                 async for batch in stream:
-                    if not claims[0].settled:
-                        settle()
+                    settle()
                     if batch.finished and p is not None:
                         batch.cached_tokens = cached  # prompt tokens the prefill skipped
                     yield batch

@@ -45,6 +45,15 @@ from router.errors import ApiError
 from router.tools import ToolCallDelta, ToolCallIn, ToolCallOut, ToolDef
 
 
+def check_in_vocabulary(ids, vocab_size: int, param: str, where: str | None = None) -> None:
+    """400 naming `param` for the first id outside [0, vocab_size); `where` prefixes the
+    message (e.g. "prompt[2]")."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        prefix = f"{where}: " if where else ""
+        raise ApiError.invalid(f"{prefix}token id {bad} is outside the vocabulary [0, {vocab_size})", param)
+
+
 # ---------------------------------------------------------------- requests ----
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -202,10 +211,7 @@ class _Common(_Request):
     def stop_token_ids_in(self, vocab_size: int) -> tuple[int, ...]:
         """stop_token_ids; 400 for an id outside the vocabulary (it could never match)."""
         ids = tuple(self.stop_token_ids or ())
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise ApiError.invalid(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})",
-                                   "stop_token_ids")
+        check_in_vocabulary(ids, vocab_size, "stop_token_ids", "stop_token_ids")
         return ids
 
     def check_supported(self) -> None:

@@ -37,6 +37,7 @@ from router.protocol import (
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
+    check_in_vocabulary,
     choice_seed,
     to_sampling_params,
 )
@@ -109,10 +110,7 @@ class OpenAIServing:
     async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
         if req.model is not None and req.model not in self.settings.model_names:
             raise ApiError.model_not_found(req.model)
-        vocab = self.tokenizer.vocab_size
-        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ApiError.invalid(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+        check_in_vocabulary(req.tokens, self.tokenizer.vocab_size, "tokens")
         return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens, skip_special_tokens=False))
 
     async def _serve(self, request: Request, req: AnyRequest, prompts: list[PromptInput],
@@ -186,9 +184,7 @@ class OpenAIServing:
                 ids = await self._off_loop(len(item), self.tokenizer.encode, item, req.add_special_tokens is not False)
                 out.append(PromptInput(ids, item))
                 continue
-            bad = next((t for t in item if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise ApiError.invalid(f"{where}: token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
+            check_in_vocabulary(item, vocab, "prompt", where)
             out.append(PromptInput(list(item), None))
         return out
 
