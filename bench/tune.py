@@ -43,10 +43,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.launch import ServeProcess
+from bench.servers import TandemServer
 
 SLO_NAMES = ("ttft", "tpot", "e2e")
 
@@ -148,15 +147,15 @@ def run_trial(trial: Trial, a: argparse.Namespace, slos: dict[str, float], tmp: 
             serve = [*shlex.split(a.serve_args), *knob_args(trial.knobs)]
             if a.model:
                 serve += ["--model", a.model]
-            server = ServeProcess(serve, Path(a.log_dir) / f"tune-{n}.log", timeout_s=max(30.0, timeout_s))
-    except RuntimeError as e:
+            server = TandemServer.launch(serve, Path(a.log_dir) / f"tune-{n}.log", timeout_s=max(30.0, timeout_s))
+    except (RuntimeError, TimeoutError) as e:
         trial.error = str(e)
         trial.seconds = time.monotonic() - t0
         return
     out = tmp / f"trial-{n}.json"
     try:
         before = _metrics(server.url)
-        cmd = [sys.executable, "-m", "router.cli", "bench", "--base-url", server.url + "/v1",
+        cmd = [sys.executable, "-m", "cli", "bench", "--base-url", server.url + "/v1",
                *shlex.split(a.bench_args), "--slo", *(f"{k}:{v:g}" for k, v in slos.items()), "--quiet", "-o",
                str(out)]
         left = max(10.0, timeout_s - (time.monotonic() - t0))
@@ -214,7 +213,7 @@ class RunningCluster:
 def _serve_options(serve_args: list[str], knobs: dict[str, str]) -> dict[str, Any]:
     """The options `--serve-args` plus `knobs` set, as profile keys (only those that
     differ from `tandem serve`'s defaults)."""
-    from router.cli import build_parser
+    from cli.main import build_parser
 
     parser = build_parser()
     argv = ["serve", *serve_args, *knob_args(knobs)]
@@ -225,25 +224,15 @@ def _serve_options(serve_args: list[str], knobs: dict[str, str]) -> dict[str, An
 
 def write_profile(path: Path, a: argparse.Namespace, slos: dict[str, float], best: Trial, defaults: Trial,
                   trials: list[Trial]) -> None:
-    doc: dict[str, Any] = {
-        "profile": {
-            "made_by": "tandem tune",
-            "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "bench_args": a.bench_args,
-            "slo_ms": slos,
-            "trials": len(trials),
-            "goodput_req_s": round(best.goodput_rps, 3),
-            "defaults_goodput_req_s": round(defaults.goodput_rps, 3),
-        },
-        **_serve_options(shlex.split(a.serve_args), best.knobs),
-    }
-    classes = {f"slo-{k}-ms": v for k, v in slos.items() if k in ("ttft", "tpot")}
-    if classes:
-        doc["classes"] = {"interactive": classes}
-    if best.workload:
-        doc["workload"] = best.workload
-    header = "# tandem profile, made by `tandem tune`: use it with `tandem serve --config THIS_FILE`\n"
-    path.write_text(header + yaml.safe_dump(doc, sort_keys=False))
+    from router.profile import ClassSLOs, Profile
+
+    meta = {"made_by": "tandem tune", "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "bench_args": a.bench_args, "slo_ms": slos, "trials": len(trials),
+            "goodput_req_s": round(best.goodput_rps, 3), "defaults_goodput_req_s": round(defaults.goodput_rps, 3)}
+    classes = {f"slo_{k}_ms": v for k, v in slos.items() if k in ("ttft", "tpot")}
+    profile = Profile(profile=meta, classes={"interactive": ClassSLOs(**classes)} if classes else None,
+                      workload=best.workload or None, **_serve_options(shlex.split(a.serve_args), best.knobs))
+    path.write_text(profile.text())
 
 
 def print_table(trials: list[Trial], best: Trial, slos: dict[str, float]) -> None:

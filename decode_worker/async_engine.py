@@ -12,7 +12,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from decode_worker.engine import LLMEngine, TokenEvent
+from decode_worker.llm_engine import LLMEngine, TokenEvent
 from engine.output import TextStream
 from engine.sampling_params import SamplingParams
 from engine.sequence import INTERACTIVE, FinishReason

@@ -11,13 +11,12 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
-from decode_worker.engine import EngineConfig, LLMEngine, TokenEvent
-from engine.config import CacheConfig, DeviceConfig, SchedulerConfig, default_block_size
+from decode_worker.llm_engine import EngineConfig, LLMEngine, TokenEvent
+from engine.config import CacheConfig, DeviceConfig, SchedulerConfig, SpeculativeConfig, default_block_size
 from engine.events import TokenLogprobs
 from engine.output import TextStream
 from engine.sampling_params import SamplingParams
 from engine.sequence import INTERACTIVE, FinishReason
-from engine.speculative import SpeculativeConfig
 
 
 @dataclass

@@ -25,8 +25,8 @@ import time
 import grpc
 
 from decode_worker.async_engine import AsyncEngine
-from decode_worker.engine import LLMEngine
 from decode_worker.feed import ATTACH_S, FeedSocket, TokenFeed
+from decode_worker.llm_engine import LLMEngine
 from engine import envs
 from engine.events import TokenEvent
 from engine.sampling_params import SamplingParamsError

@@ -31,7 +31,8 @@ class EngineParts:
 
 def build_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
     from engine.models.builtin import builtin_model_path
-    from engine.models.loader import build_model, load_checkpoint
+    from engine.models.checkpoint import load_checkpoint
+    from engine.models.loader import build_model
 
     t0 = time.monotonic()
     device = torch.device(config.device.device)

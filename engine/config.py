@@ -232,7 +232,7 @@ class SchedulerConfig:
     # tuned for reaches; the start-up KV budget check warns when max_num_seqs of them do
     # not fit in the cache. None: no expectation given (the check only reports).
     expected_context_len: int | None = None
-    # Asynchronous scheduling (decode_worker/engine.py `_step_ahead`): plan and launch step
+    # Asynchronous scheduling (decode_worker/llm_engine.py `_step_ahead`): plan and launch step
     # n+1 while the device runs step n. None: on where steps run apart from the host (CUDA)
     # and no speculative decoding; False: off (`--no-async-scheduling`); True: on (on CPU
     # it only reorders the same work: for tests).
@@ -275,9 +275,9 @@ class DeviceConfig:
     # prompts, turn it off and keep only oneDNN's packed copy.
     small_batch_linear: bool = True
     # CPU, several workers on one host's cores (router/pool.py): a step also runs threads on
-    # the cores of `shared_cores` whose owners are idle, as the ledger file at `core_ledger`
+    # the cores of `shared_cores` whose owners are idle, as the ledger file at `core_table`
     # says (engine/cores.py). None: the worker uses its own cores only.
-    core_ledger: str | None = None
+    core_table: str | None = None
     shared_cores: tuple[int, ...] | None = None
     # CUDA: replay decode steps from graphs captured per batch-size bucket (engine/graphs.py).
     # None: on wherever they can run (a CUDA device with the triton attention backend);

@@ -7,7 +7,7 @@ machine while the other is idle: a burst of prompts is prefilled on one core whi
 decode worker's core waits for KV, and the decode that follows runs on one core while
 the prefill worker's core is idle (docs/performance.md).
 
-The ledger is one byte per core in a small shared file (made by the pool, under
+The core table is one byte per core in a small shared file (made by the pool, under
 /dev/shm where there is one): 1 while the core's owner has work, 0 while it is idle or
 has no owner. A worker marks its own cores busy when a step starts and idle when its
 engine loop goes to sleep, and before each step adds the idle cores of the shared set to
@@ -19,7 +19,7 @@ they then share it for a step. A step's thread count already changed from step t
 (tests/model/test_core_lending.py).
 
 Only workers pinned by the pool to cores of a shared set take part; a worker on a host
-of its own (a Kubernetes pod, a GPU) has no ledger.
+of its own (a Kubernetes pod, a GPU) has no core table.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 LEDGER_BYTES = 4096  # core ids below this
 
 
-def create_ledger(prefix: str = "tandem-cores") -> str:
-    """Make a zeroed ledger file; returns its path (the creator unlinks it)."""
+def create_core_table(prefix: str = "tandem-cores") -> str:
+    """Make a zeroed core-table file; returns its path (the creator unlinks it)."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
     path = os.path.join(base, f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -48,12 +48,12 @@ def create_ledger(prefix: str = "tandem-cores") -> str:
     return path
 
 
-class CoreLedger:
-    """One worker's view of the ledger: its own cores and the shared set it may borrow from."""
+class CoreTable:
+    """One worker's view of the core table: its own cores and the shared set it may borrow from."""
 
     def __init__(self, path: str, own: tuple[int, ...], shared: tuple[int, ...]) -> None:
         if not own or max(own + shared) >= LEDGER_BYTES:
-            raise ValueError(f"core ledger: cores {own} / {shared} out of range")
+            raise ValueError(f"core table: cores {own} / {shared} out of range")
         fd = os.open(path, os.O_RDWR)
         try:
             self._mm = mmap.mmap(fd, LEDGER_BYTES)
@@ -87,12 +87,12 @@ class CoreLedger:
         self._mm.close()
 
 
-def open_ledger(path: str | None, own: tuple[int, ...] | None, shared: tuple[int, ...] | None) -> CoreLedger | None:
-    """The worker's ledger, or None (no shared set, nothing to borrow, or the file is gone)."""
+def open_core_table(path: str | None, own: tuple[int, ...] | None, shared: tuple[int, ...] | None) -> CoreTable | None:
+    """The worker's core table, or None (no shared set, nothing to borrow, or the file is gone)."""
     if not path or not own or not shared or not set(shared) - set(own):
         return None
     try:
-        return CoreLedger(path, tuple(own), tuple(shared))
+        return CoreTable(path, tuple(own), tuple(shared))
     except (OSError, ValueError) as e:
         log.warning("cores are not lent: %s", e)
         return None

@@ -46,7 +46,8 @@ class DraftModelProposer:
 
     def __init__(self, path: str | Path, target_runner, device_config: DeviceConfig,
                  target_path: str | Path | None = None) -> None:
-        from engine.models.loader import build_model, load_checkpoint
+        from engine.models.checkpoint import load_checkpoint
+        from engine.models.loader import build_model
         from engine.runner import ModelRunner
 
         target = target_runner.model_config

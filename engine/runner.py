@@ -24,7 +24,7 @@ import torch
 from engine import envs
 from engine.attention import AttentionBackend, AttentionMetadata, KeptRows, get_backend
 from engine.config import CacheConfig, ConfigError, DeviceConfig, ModelConfig
-from engine.cores import IdleHelpers, open_ledger
+from engine.cores import IdleHelpers, open_core_table
 from engine.cpu_kernels import build
 from engine.events import TokenLogprobs
 from engine.graphs import DecodeGraphs, cuda_capture
@@ -134,7 +134,7 @@ class ModelRunner:
         self.bind_cores = list(self.own_cores) if self.own_cores and self.max_threads > 1 else None
         # idle cores of other workers on this host, borrowed for a step (engine/cores.py); a
         # thread can run on a borrowed core only once bound to it, so lending needs binding
-        self.ledger = (open_ledger(device_config.core_ledger, self.own_cores, device_config.shared_cores)
+        self.ledger = (open_core_table(device_config.core_table, self.own_cores, device_config.shared_cores)
                        if self.own_cores else None)
         if self.ledger is not None:
             log.info("steps run on cores %s and borrow any of %s whose owners are idle", list(self.own_cores),

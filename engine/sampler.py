@@ -23,11 +23,11 @@ from typing import Sequence
 import torch
 
 from engine import envs
+from engine.bitmask import apply_bitmask, fill_bitmask, fill_draft_bitmask
 from engine.cpu_kernels import build
 from engine.events import TokenLogprobs
 from engine.plan import DEAD_END, SampleRow
 from engine.sampling_params import SamplingParams
-from engine.structured import apply_bitmask, fill_bitmask, fill_draft_bitmask
 
 _MASK64 = (1 << 64) - 1
 

@@ -1,8 +1,15 @@
 """Iteration-level scheduler (Orca) with chunked prefill (Sarathi-Serve), preemption
 by recompute, two priority lanes and reservations for KV written by a remote
-prefill. The decode worker runs it as is; the prefill worker's PrefillScheduler
-(prefill_worker/scheduler.py) ends sequences after their first token. Policy over
-plain data: no torch.
+prefill. Policy over plain data: no torch.
+
+Two lifecycles, chosen at construction (`hand_off`):
+
+    decode worker (hand_off False):
+        WAITING -> RUNNING -> FINISHED            (or AWAITING_KV -> RUNNING for remote KV)
+    prefill worker (hand_off True): a sequence ends its life here with its first token
+        WAITING -> RUNNING (chunks) -> HANDOFF -> FINISHED
+    HANDOFF keeps the blocks while the KV is written to the decode worker; `end_handoff`
+    releases them (they stay in the prefix cache for later prompts).
 
 One step, in order, all under `max_num_batched_tokens` and `max_num_seqs`:
 
@@ -61,7 +68,7 @@ _RUN_ORDER = attrgetter("priority", "arrival")  # the running list's order: inte
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, hand_off: bool = False) -> None:
         self.config = config
         self.pool = pool
         self.bs = pool.block_size
@@ -71,6 +78,10 @@ class Scheduler:
         # ended reservations whose blocks a late remote write may still reach: held,
         # but not requests (no slot, no drain); the handoff ledger says when to free
         self.quarantined: dict[str, Sequence] = {}
+        # prefill only: sequences past their first token whose KV is being written out
+        self.handoff: dict[str, Sequence] = {}
+        # what a sampled token does to its sequence: chosen once, not tested per token
+        self._on_token = self._to_handoff if hand_off else self._append_token
         self.watermark_blocks = math.ceil(config.watermark * pool.num_blocks)
         self.cache = KVCacheManager(pool, self.watermark_blocks)
         self.num_preemptions = 0
@@ -115,11 +126,8 @@ class Scheduler:
 
     def live(self) -> list[Sequence]:
         """Every sequence that may hold blocks or wait for them."""
-        return [*self.running, *self.awaiting_kv.values(), *self.quarantined.values(),
+        return [*self.running, *self.awaiting_kv.values(), *self.quarantined.values(), *self.handoff.values(),
                 *(s for q in self.lanes.values() for s in q)]
-
-    def _drop_other(self, seq: Sequence) -> None:
-        raise RuntimeError(f"{seq.seq_id}: unexpected status {seq.status}")
 
     def abort(self, seq_id: str) -> Sequence | None:
         """Remove a request wherever it is and free its blocks. Unknown ids: None."""
@@ -139,8 +147,10 @@ class Scheduler:
             del self.quarantined[seq.seq_id]
         elif seq.status is Status.WAITING:
             self.lanes[seq.priority].remove(seq)
+        elif seq.status is Status.HANDOFF:
+            del self.handoff[seq.seq_id]
         else:
-            self._drop_other(seq)
+            raise RuntimeError(f"{seq.seq_id}: unexpected status {seq.status}")
         self.cache.forget(seq)
         seq.num_computed = 0
         seq.status, seq.finish_reason = Status.FINISHED, reason
@@ -176,7 +186,7 @@ class Scheduler:
         seq.status = Status.RUNNING
         self.running.append(seq)
         self.cache.commit_full_blocks(seq)
-        self._append_token(seq, first_token)
+        self._on_token(seq, first_token)
         return seq
 
     def quarantine(self, seq_id: str) -> Sequence | None:
@@ -253,7 +263,7 @@ class Scheduler:
         for nothing, dropped at `update`. Called before `update(out)`, every earlier
         step's update done, for an `out` that sampled one token for every sequence it ran
         (no middle prompt chunk, draft or prompt logprobs: the engine launches no other
-        step, decode_worker/engine.py `_launchable`, and a step planned here is one).
+        step, decode_worker/llm_engine.py `_launchable`, and a step planned here is one).
 
         None, and nothing changed, where the ordinary `schedule` must run instead:
         something other than `out`'s sequences waits for a turn (a sequence admitted or
@@ -393,7 +403,7 @@ class Scheduler:
         tokens' slots) go back to the pool."""
         got: list[Sequence] = []
         running, finished = Status.RUNNING, Status.FINISHED
-        commit, append = self.cache.commit_full_blocks, self._append_token
+        commit, append = self.cache.commit_full_blocks, self._on_token
         for seq, n in out.scheduled:
             if seq.status is not running:
                 continue  # aborted while the step ran
@@ -426,6 +436,20 @@ class Scheduler:
         if reason is not None:
             self.finish(seq, reason)
 
+    def _to_handoff(self, seq: Sequence, tok: int) -> None:
+        """Prefill: the first token ends the sequence's compute; its blocks stay held."""
+        seq.output_ids.append(tok)
+        self.running.remove(seq)
+        seq.status = Status.HANDOFF
+        self.handoff[seq.seq_id] = seq
+
+    def end_handoff(self, seq_id: str, reason: FinishReason = FinishReason.LENGTH) -> Sequence | None:
+        """The KV was written (or the write failed): release the blocks. Idempotent."""
+        seq = self.handoff.get(seq_id)
+        if seq is not None:
+            self.finish(seq, reason)
+        return seq
+
     # ---- blocks --------------------------------------------------------------
     def _take(self, seq: Sequence, hit: PrefixHit, need_new: int) -> None:
         self.cache.allocate(seq, hit, need_new)
@@ -442,6 +466,7 @@ class Scheduler:
         assert all(s.status is Status.RUNNING for s in self.running)
         assert all(s.status is Status.AWAITING_KV for s in self.awaiting_kv.values())
         assert all(s.status is Status.QUARANTINED for s in self.quarantined.values())
+        assert all(s.status is Status.HANDOFF for s in self.handoff.values())
         for s in self.running:
             covered = len(self.cache.block_table(s.seq_id)) * self.bs
             assert covered >= s.num_computed, f"{s.seq_id}: blocks do not cover computed tokens"

@@ -18,10 +18,9 @@ import grpc
 
 from engine.build import build_parts
 from engine.sampling_params import SamplingParamsError
-from engine.scheduler import AdmissionError
+from engine.scheduler import AdmissionError, Scheduler
 from kv_transfer.base import PeerId
-from prefill_worker.engine import PrefillEngine, PrefillFailed, PrefillResult
-from prefill_worker.scheduler import PrefillScheduler
+from prefill_worker.prefill_engine import PrefillEngine, PrefillFailed, PrefillResult
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc as pb_grpc
 from worker_runtime.addresses import resolve as resolve_host
@@ -61,7 +60,7 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
         self.transport.register(parts.runner.kv_cache.kv)
         self.engine = PrefillEngine(
             parts.runner,
-            PrefillScheduler(parts.scheduler_config, parts.pool),
+            Scheduler(parts.scheduler_config, parts.pool, hand_off=True),
             self.transport,
             parts.eos_ids,
             layerwise=cfg.layerwise_transfer,

@@ -26,9 +26,9 @@ from engine.block_pool import block_hashes
 from router.backend import Backend, BackendError, GenerateRequest, TokenBatch
 from router.cluster_metrics import ClusterMetrics
 from router.policy import RoutingConfig, WorkerView, choose_decode, plan
-from router.pool import Worker
 from router.view import ClusterView
 from router.worker_client import disaggregated_stream, local_stream
+from router.workers import Worker
 from worker_runtime.config import Role
 
 log = logging.getLogger(__name__)
@@ -37,40 +37,40 @@ log = logging.getLogger(__name__)
 class ClusterBackend(Backend):
     def __init__(
         self,
-        pool: ClusterView,
+        view: ClusterView,
         routing: RoutingConfig,
         metrics: ClusterMetrics | None = None,
         capacity_wait_s: float = 30.0,
         max_attempts: int = 3,
     ) -> None:
-        self.pool = pool
+        self.view = view
         self.routing = routing
-        self.metrics = metrics or ClusterMetrics(pool)
+        self.metrics = metrics or ClusterMetrics(view)
         self.capacity_wait_s = capacity_wait_s
         self.max_attempts = max_attempts
         self.lease_s = 30.0
 
     async def start(self) -> None:
-        await self.pool.start()
+        await self.view.start()
         # what the pools were made with: the controller's, whoever started it
-        info = self.pool.info
+        info = self.view.info
         self.routing = dataclasses.replace(self.routing, colocated=bool(info.get("colocated", False)))
         self.lease_s = float(info.get("lease_s", self.lease_s))
 
     async def stop(self) -> None:
-        await self.pool.stop()
+        await self.view.stop()
 
     def ready(self) -> bool:
-        return bool(self.pool.ready(Role.DECODE))
+        return bool(self.view.ready(Role.DECODE))
 
     @property
     def max_model_len(self) -> int:
-        lens = [w.stats.max_model_len for w in self.pool.ready(Role.DECODE) if w.stats and w.stats.max_model_len]
+        lens = [w.stats.max_model_len for w in self.view.ready(Role.DECODE) if w.stats and w.stats.max_model_len]
         return min(lens) if lens else 0
 
     @property
     def block_size(self) -> int:
-        sizes = [w.stats.block_size for w in self.pool.workers.values() if w.stats and w.stats.block_size]
+        sizes = [w.stats.block_size for w in self.view.workers.values() if w.stats and w.stats.block_size]
         return sizes[0] if sizes else 16
 
     # ---- one request ---------------------------------------------------------------------
@@ -116,7 +116,7 @@ class ClusterBackend(Backend):
                     continue
                 if e.status == 400 or attempt + 1 >= self.max_attempts:
                     raise
-                self.pool.suspect(d.worker_id)
+                self.view.suspect(d.worker_id)
                 failed.add(d.worker_id)
                 cause = "migrated" if len(emitted) > len(req.output_ids) else "decode_failed"
                 self.metrics.retries.labels(cause).inc()
@@ -186,7 +186,7 @@ class ClusterBackend(Backend):
         need = math.ceil((prompt_len + 1) / self.block_size)
         deadline = time.monotonic() + self.capacity_wait_s
         while True:
-            decodes = self.pool.ready(Role.DECODE)
+            decodes = self.view.ready(Role.DECODE)
             if exclude and any(w.worker_id not in exclude for w in decodes):
                 decodes = [w for w in decodes if w.worker_id not in exclude]
             views = [self._view(w, hashes) for w in decodes]
@@ -194,13 +194,13 @@ class ClusterBackend(Backend):
             if choice is not None:
                 best = choice.worker
                 self.metrics.decode_decisions.labels(choice.reason).inc()
-                d = self.pool.get(best.worker_id)
+                d = self.view.get(best.worker_id)
                 if req.output_ids:  # a migration: the decode worker prefills prompt + output itself
                     return d, None, "fallback"
-                prefills = [self._view(w, hashes) for w in self.pool.ready(Role.PREFILL)]
+                prefills = [self._view(w, hashes) for w in self.view.ready(Role.PREFILL)]
                 route = plan(len(req.prompt_ids), best, prefills, self.routing, self.block_size,
                              local_only=req.params.prompt_logprobs is not None, lease_s=self.lease_s)
-                return d, (self.pool.get(route.prefill) if route.prefill else None), route.reason
+                return d, (self.view.get(route.prefill) if route.prefill else None), route.reason
             if not decodes and time.monotonic() > deadline - self.capacity_wait_s + 5.0:
                 raise BackendError("no decode worker is ready", 503, retry_after=2.0)
             if time.monotonic() >= deadline:
@@ -222,6 +222,6 @@ class ClusterBackend(Backend):
             in_flight_blocks=w.load.blocks,
             in_flight_tokens=w.load.tokens,
             max_num_seqs=s.max_num_seqs if s else 1,
-            cached_blocks=self.pool.index.overlap_blocks(w.worker_id, hashes),
+            cached_blocks=self.view.index.overlap_blocks(w.worker_id, hashes),
             prefill_tokens_per_s=s.prefill_tokens_per_s if s else 0.0,
         )

@@ -9,15 +9,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from router.pool import ROLES, WorkerState
+from worker_runtime.membership import ROLES, WorkerState
 
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class _WorkerCollector(Collector):
-    def __init__(self, pool) -> None:
-        self.pool = pool
+    def __init__(self, view) -> None:
+        self.view = view
 
     def collect(self):
         labels = ["worker_id", "role"]
@@ -66,7 +66,7 @@ class _WorkerCollector(Collector):
                 "tandem:worker_num_preemptions", "Sequences preempted (recomputed) on the worker.", labels=labels
             ),
         }
-        for w in list(self.pool.workers.values()):
+        for w in list(self.view.workers.values()):
             lv = [w.worker_id, w.role.value]
             gauges["up"].add_metric(lv, 1.0 if w.state is WorkerState.READY else 0.0)
             s = w.stats
@@ -86,14 +86,14 @@ class _WorkerCollector(Collector):
                 counters[key].add_metric(lv, val)
         pools = GaugeMetricFamily("tandem:pool_target_workers", "Target size of each worker pool.", labels=["role"])
         ready = GaugeMetricFamily("tandem:pool_ready_workers", "Ready workers in each pool.", labels=["role"])
-        for role, target in self.pool.targets.items():
+        for role, target in self.view.targets.items():
             pools.add_metric([role.value], target)
-            ready.add_metric([role.value], len(self.pool.ready(role)))
+            ready.add_metric([role.value], len(self.view.ready(role)))
         yield from gauges.values()
         yield from counters.values()
         yield pools
         yield ready
-        auto = getattr(self.pool, "autoscaler", None)
+        auto = getattr(self.view, "autoscaler", None)
         if auto:  # the controller's counts (every router shows the same: aggregate with max)
             c = CounterMetricFamily("tandem:autoscaler_decisions", "Pool size changes the autoscaler made, by pool "
                                     "and direction (its reasons are in the controller's log and /admin/pools).",
@@ -106,7 +106,7 @@ class _WorkerCollector(Collector):
 
 
 class ClusterMetrics:
-    def __init__(self, pool=None) -> None:
+    def __init__(self, view=None) -> None:
         self.registry = reg = CollectorRegistry()
         self.decisions = Counter(
             "tandem:prefill_decisions",
@@ -172,8 +172,8 @@ class ClusterMetrics:
             self.decode_decisions.labels(reason)
         for cause in ("decode_failed", "migrated", "no_capacity", "full"):
             self.retries.labels(cause)
-        if pool is not None:
-            reg.register(_WorkerCollector(pool))
+        if view is not None:
+            reg.register(_WorkerCollector(view))
 
     def prefill_outcome(self, outcome) -> None:
         """Record one remote prefill's reply (or failure)."""

@@ -33,6 +33,9 @@ from typing import Callable
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+from pydantic import ValidationError
+
+from router.profile import ProfileError, Workload, field_errors
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +43,6 @@ DIMENSIONS = ("prompt_tokens", "output_tokens", "arrival_rate", "prefix_hit_rate
 LENGTHS = ("prompt_tokens", "output_tokens")
 SHARES = ("prefix_hit_rate", "batch_share")
 SHARE_SCALE = 0.25
-
-
-class ProfileError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -80,27 +79,15 @@ def summarize(done: list[_Done], span_s: float) -> dict:
     }
 
 
-def check_reference(ref: dict) -> dict:
-    """A profile's `workload` section, checked: every dimension present and sane."""
-    if not isinstance(ref, dict):
-        raise ProfileError("the profile's workload must be a mapping of " + ", ".join(DIMENSIONS))
-    missing = [d for d in DIMENSIONS if d not in ref]
-    if missing:
-        raise ProfileError(f"the profile's workload lacks {', '.join(missing)}")
-    try:
-        for d in LENGTHS:
-            if not all(float(ref[d][q]) > 0 for q in ("p50", "p90")):
-                raise ProfileError(f"workload {d}: p50 and p90 must be > 0")
-        if float(ref["arrival_rate"]) <= 0:
-            raise ProfileError("workload arrival_rate must be > 0 requests/s")
-        for d in SHARES:
-            if not 0 <= float(ref[d]) <= 1:
-                raise ProfileError(f"workload {d} must be within [0, 1]")
-    except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, ProfileError):
-            raise
-        raise ProfileError(f"the profile's workload is malformed: {e!r}") from None
-    return ref
+def check_reference(ref) -> dict:
+    """A profile's `workload` (router/profile.py's Workload, or its mapping), checked, as
+    the plain mapping the monitor compares with live traffic. ProfileError names the field."""
+    if not isinstance(ref, Workload):
+        try:
+            ref = Workload.model_validate(ref)
+        except ValidationError as e:
+            raise ProfileError("workload: " + field_errors(e)) from None
+    return ref.model_dump()
 
 
 def distances(live: dict, ref: dict) -> dict[str, float]:

@@ -42,7 +42,7 @@ class RoutingConfig:
     colocated: bool = False  # no prefill pool: every prompt prefills on its decode worker
     decode_routing: str = "prefix"  # "prefix" (cached blocks against load) | "headroom"
     # a prompt block to prefill (or receive), against a block of decode load; 8 kept every
-    # multi-turn hit that 1 and 4 lost (bench.multiturn, docs/performance.md)
+    # multi-turn hit that 1 and 4 lost (bench.lab.multiturn, docs/performance.md)
     prefill_block_weight: float = 8.0
     # seconds of backlog on the least-loaded prefill worker from which a prompt may
     # prefill on its decode worker instead; 0: never

@@ -1,11 +1,11 @@
-"""One router's view of the pools the controller (router/controller.py) runs.
+"""One router's view of the pools the controller (controller/) runs.
 
 A router keeps no state another router needs: it learns the members from the
 controller (a long poll, so a change reaches it at once), and keeps what it needs to
 route by itself: a gRPC client per worker, each worker's stats (polled), the prefix
 index (from each worker's KV event stream, which starts with a full snapshot, so a
 new router rebuilds it), and the load it has sent each worker and not yet seen in
-the worker's stats (`Load`, router/pool.py). Admin calls go to the controller, so
+the worker's stats (`Load`, router/workers.py). Admin calls go to the controller, so
 every router acts on the same pools.
 
 A worker is routable here once the controller calls it ready and this router has
@@ -21,15 +21,16 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from protos import tandem_pb2 as pb
-from router import controller as ctl
+from router import controller_client as ctl
 from router.admin import AdminInterface
-from router.pool import ROLES, PoolConfig, Worker, WorkerState
 from router.prefix_index import PrefixIndex
+from router.workers import Worker
 from worker_runtime.client import RPC_ERRORS, WorkerClient
 from worker_runtime.config import Role
+from worker_runtime.membership import ROLES, Membership, RouterReport, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +38,10 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ViewConfig:
     ray_address: str | None  # None: start a local Ray (tandem serve on a laptop)
-    pools: PoolConfig | None = None  # given: create the controller when none runs; None: attach only
+    # given: called (no arguments) to create the controller when none runs, returning its
+    # handle (the command line passes controller.actor.create); None: attach only
+    create_controller: Callable[[], Any] | None = None
     detached: bool = False  # a controller created here outlives this process
-    info: dict | None = None  # what the created controller tells routers (model, colocated, ...)
     join_timeout_s: float = 60.0
     controller_wait_s: float = 60.0
     start_timeout_s: float = 900.0
@@ -53,7 +55,7 @@ class ClusterView(AdminInterface):
         self.workers: dict[str, Worker] = {}
         self.targets: dict[Role, int] = {r: 0 for r in ROLES}
         self.index = PrefixIndex()
-        self.info: dict = dict(config.info or {})
+        self.info: dict = {}
         self.controller = None
         self.created = False  # this router created the controller (and stops it, unless detached)
         self._owns_ray = False
@@ -61,8 +63,8 @@ class ClusterView(AdminInterface):
         self._said: dict[str, WorkerState] = {}  # each worker's state as the controller last gave it
         self._bg: list[asyncio.Task] = []
         self.autoscaler: dict | None = None  # the controller's autoscaler status, when it runs one
-        # this router's side of the load, for the autoscaler (set by the app: router/serve.py)
-        self.report_source: Callable[[], dict] | None = None
+        # this router's side of the load, for the autoscaler (set by the app: cli/serve.py)
+        self.report_source: Callable[[], RouterReport] | None = None
         self.router_id = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -76,17 +78,15 @@ class ClusterView(AdminInterface):
         self._owns_ray = await ctl.connect(c.ray_address, c.join_timeout_s)
         log.info("Ray up in %.1f s", time.monotonic() - t0)
         handle = await asyncio.to_thread(ctl.find)
-        if handle is None and c.pools is not None:
+        if handle is None and c.create_controller is not None:
             try:
-                handle = ctl.create(c.pools, self.info, detached=c.detached)
+                handle = c.create_controller()
                 self.created = True
-                log.info("controller started; starting the pools: %s", ", ".join(
-                    f"{n} {role.value}" for role, n in c.pools.sizes.items() if n))
             except ValueError:  # another process created it first (the name is taken): use that one
                 handle = await asyncio.to_thread(ctl.find)
         elif handle is None:
             handle = await ctl.wait_for(c.controller_wait_s)
-        elif c.pools is not None:
+        elif c.create_controller is not None:
             log.warning("a tandem controller already runs in this cluster: attached to it (its pool sizes stand; "
                         "resize with `tandem scale`)")
         self.controller = handle
@@ -186,25 +186,25 @@ class ClusterView(AdminInterface):
             except Exception as e:
                 log.warning("report to the controller failed: %s", ctl.remote_cause(e))
 
-    async def _sync(self, m: dict) -> None:
-        self._version = m["version"]
-        self.autoscaler = m.get("autoscaler")
-        self.targets = {Role(r): n for r, n in m["targets"].items()}
+    async def _sync(self, m: Membership) -> None:
+        self._version = m.version
+        self.autoscaler = m.autoscaler
+        self.targets = dict(m.targets)
         seen = set()
-        for entry in m["workers"]:
-            wid = entry["worker_id"]
+        for entry in m.workers:
+            wid = entry.worker_id
             seen.add(wid)
             w = self.workers.get(wid)
-            if w is not None and (w.epoch != entry["epoch"] or (w.client and w.client.address != entry["address"])):
+            if w is not None and (w.epoch != entry.epoch or w.client.address != entry.address):
                 await self._forget(w)  # the same name on a new process (a new controller)
                 w = None
-            state = self._said[wid] = WorkerState(entry["state"])
+            state = self._said[wid] = entry.state
             if w is None:
-                if state is not WorkerState.READY or not entry["address"]:
+                if state is not WorkerState.READY or not entry.address:
                     continue  # not reachable yet: picked up when the controller calls it ready
-                w = Worker(wid, Role(entry["role"]), actor=None, state=WorkerState.STARTING, epoch=entry["epoch"],
-                           metrics_address=entry["metrics_address"], pid=entry["pid"])
-                w.client = WorkerClient(wid, w.role, entry["address"], self.info["cluster_token"])
+                client = WorkerClient(wid, entry.role, entry.address, self.info["cluster_token"])
+                w = Worker(wid, entry.role, client, epoch=entry.epoch, metrics_address=entry.metrics_address,
+                           pid=entry.pid)
                 self.workers[wid] = w
                 w.tasks.append(asyncio.create_task(self._follow_kv_events(w)))
             if state is WorkerState.READY and w.stats is None:
@@ -221,8 +221,7 @@ class ClusterView(AdminInterface):
             t.cancel()
         self.index.drop(w.worker_id)
         self.workers.pop(w.worker_id, None)
-        if w.client is not None:
-            await w.client.close()
+        await w.client.close()
 
     async def _stats_loop(self) -> None:
         while True:

@@ -1,5 +1,6 @@
 """Suite-wide setup: hermetic caches, Triton's interpreter on CPU-only machines, oneDNN
-kept off AMX for the bf16 oracle, and the GPU marker's skip."""
+kept off AMX for the bf16 oracle, each test's speed marker checked against its folder,
+and the GPU marker's skip."""
 
 import os
 import tempfile
@@ -31,10 +32,20 @@ os.environ.setdefault("TANDEM_CACHE_DIR", os.path.join(tempfile.gettempdir(), "t
 
 import pytest  # noqa: E402
 
+SPEEDS = ("unit", "model", "cluster", "gpu")  # a test's folder is its speed, and its marker
+
 
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    wrong = sorted({f"{item.path.relative_to(config.rootpath)} (folder {folder}, marked {marks or 'nothing'})"
+                    for item in items
+                    for folder in [item.path.parent.name]
+                    for marks in [[m for m in SPEEDS if item.get_closest_marker(m)]]
+                    if folder in SPEEDS and marks != [folder]})
+    if wrong:
+        raise pytest.UsageError("each test carries its folder's speed marker, and only that one:\n  "
+                                + "\n  ".join(wrong))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

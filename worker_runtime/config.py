@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 
 from engine.config import ConfigError, EngineConfig
 
+# Every tandem process's log line: time, level, logger, message
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
 
 class Role(str, enum.Enum):
     PREFILL = "prefill"

@@ -22,15 +22,13 @@ import threading
 import time
 from typing import Callable, Protocol
 
-from engine.cli_args import add_engine_args, engine_config_from_args
 from worker_runtime import eventloop
 from worker_runtime.args import add_worker_args, worker_config_from_args
-from worker_runtime.config import Role, WorkerConfig
+from worker_runtime.config import LOG_FORMAT, Role, WorkerConfig
+from worker_runtime.engine_args import add_engine_args, engine_config_from_args
 from worker_runtime.gcheap import freeze_startup_heap
-from worker_runtime.rpc import setup_process
 
 log = logging.getLogger(__name__)
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class WorkerService(Protocol):
@@ -137,6 +135,26 @@ class WorkerActor:
     def stop(self) -> bool:
         self.host.stop()
         return True
+
+
+def setup_process(num_threads: int | None, cpu_affinity: tuple[int, ...] | None) -> None:
+    """Pin this worker to its cores. When its thread count or cores are given, the
+    process's main thread (model loading, weight packing) runs torch on one thread, and
+    the engine sizes each step's team on its own thread from the same settings
+    (engine/runner.py). libgomp keeps a pool of helper threads for every thread that ran
+    a parallel region, and with more threads than cores it stops spin-waiting at once
+    (its "throttled" spin count), so every parallel region of a step then starts with a
+    wake-up. A main-thread pool left from loading cost a served one-stream step of the
+    small model 17-20 ms against 11.9-15 ms without it (docs/performance.md)."""
+    import torch  # this is a worker process: it has loaded torch already
+
+    if cpu_affinity:
+        try:
+            os.sched_setaffinity(0, set(cpu_affinity))
+        except (AttributeError, OSError) as e:
+            log.warning("could not pin to cores %s: %s", cpu_affinity, e)
+    if num_threads or cpu_affinity:
+        torch.set_num_threads(1)
 
 
 def parse_args(role: Role, argv: list[str] | None) -> WorkerConfig:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import secrets
 
 import grpc
@@ -90,23 +89,3 @@ def channel(address: str) -> grpc.aio.Channel:
 
 def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return ((TOKEN_HEADER, token),) if token else ()
-
-
-def setup_process(num_threads: int | None, cpu_affinity: tuple[int, ...] | None) -> None:
-    """Pin this worker to its cores. When its thread count or cores are given, the
-    process's main thread (model loading, weight packing) runs torch on one thread, and
-    the engine sizes each step's team on its own thread from the same settings
-    (engine/runner.py). libgomp keeps a pool of helper threads for every thread that ran
-    a parallel region, and with more threads than cores it stops spin-waiting at once
-    (its "throttled" spin count), so every parallel region of a step then starts with a
-    wake-up. A main-thread pool left from loading cost a served one-stream step of the
-    small model 17-20 ms against 11.9-15 ms without it (docs/performance.md)."""
-    import torch
-
-    if cpu_affinity:
-        try:
-            os.sched_setaffinity(0, set(cpu_affinity))
-        except (AttributeError, OSError) as e:
-            log.warning("could not pin to cores %s: %s", cpu_affinity, e)
-    if num_threads or cpu_affinity:
-        torch.set_num_threads(1)

@@ -26,7 +26,7 @@ from tests.cluster.test_serve import Serve, _wait_for, assert_workers_clean
 def _logs(srv: Serve) -> str:
     """tandem serve's log, and the files Ray keeps of its session's worker processes."""
     session = os.path.join(os.environ.get("RAY_TMPDIR", tempfile.gettempdir()), "ray", "session_latest", "logs")
-    texts = [open(srv.log.name, errors="replace").read()]
+    texts = [open(srv.log_path, errors="replace").read()]
     for path in glob.glob(os.path.join(session, "worker-*")):
         with open(path, errors="replace") as f:
             texts.append(f.read())

@@ -14,8 +14,9 @@ import signal
 import pytest
 
 from bench.cli import run_main
+from bench.lab.sweep import COUNTERS, SweepTandem, bench_totals, counter_deltas, scrape_counters
 from bench.report import load_json, records_of
-from bench.sweep import COUNTERS, TandemServer, bench_totals, counter_deltas, free_port, scrape_counters
+from bench.servers import free_port
 
 pytestmark = pytest.mark.cluster
 
@@ -26,7 +27,7 @@ PREFIX = "tandem:"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_path):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    srv = TandemServer(free_port(), log, colocated=False,
+    srv = SweepTandem(free_port(), log, colocated=False,
                        extra_args=("--num-blocks", "256", "--max-model-len", "1024"))
     srv.start()
     try:
@@ -52,7 +53,7 @@ def _decisions(base_url: str) -> dict[str, float]:
     return out
 
 
-def _bench(srv: TandemServer, out, *args: str) -> dict:
+def _bench(srv: SweepTandem, out, *args: str) -> dict:
     path = out / "bench.json"
     code = run_main(["--base-url", srv.base_url, "--quiet", "-o", str(path), *args])
     assert code == 0 and path.is_file(), f"tandem bench exited with {code}"

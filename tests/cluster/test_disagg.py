@@ -33,6 +33,16 @@ async def collect(stream):
     return out
 
 
+async def until_stats(client, ok, what: str, timeout: float = 30.0):
+    """Poll `client`'s stats until `ok(stats)`: the stage a test names is reached, not
+    slept towards."""
+    deadline = time.monotonic() + timeout
+    while not ok(s := await client.stats()):
+        assert time.monotonic() < deadline, f"{client.worker_id}: never reached: {what} ({s})"
+        await asyncio.sleep(0.02)
+    return s
+
+
 async def assert_clean(*clients, timeout=10.0):
     """Integrity checks pass and every block is free again (quarantines ended)."""
     deadline = time.monotonic() + timeout
@@ -103,8 +113,7 @@ async def test_prefill_worker_killed_mid_prefill(spawn, model_path):
     await wait_ready(pc)
     [prompt] = random_prompts([320], seed=24)  # 10 chunks of 32 at 0.25 s each
     task = asyncio.create_task(collect(disaggregated_stream(pc, dc, req("long", prompt), fallback_local=True)))
-    await asyncio.sleep(1.0)
-    assert (await pc.stats()).num_running == 1, "the prefill must be in flight when it dies"
+    await until_stats(pc, lambda s: s.num_running == 1, "the prefill in flight when it dies")
     p.kill()
     out = await asyncio.wait_for(task, 60)  # prefilled locally on the decode worker instead
     assert out == hf_greedy(model_path, prompt, 12, ignore_eos=True)
@@ -113,7 +122,7 @@ async def test_prefill_worker_killed_mid_prefill(spawn, model_path):
     pc2 = p2.client()
     await wait_ready(pc2)
     task = asyncio.create_task(collect(disaggregated_stream(pc2, dc, req("long2", prompt), fallback_local=False)))
-    await asyncio.sleep(1.0)
+    await until_stats(pc2, lambda s: s.num_running == 1, "the prefill in flight when it dies")
     p2.kill()
     with pytest.raises(BackendError, match="prefill failed: prefill worker prefill-1: UNAVAILABLE"):
         await asyncio.wait_for(task, 60)
@@ -260,7 +269,9 @@ async def test_a_prefill_cancelled_before_it_wrote_frees_the_reservation_at_once
     prompts = random_prompts([100, 100, 100], seed=29)
     tasks = [asyncio.create_task(collect(disaggregated_stream(pc, dc, req(f"c{i}", p), fallback_local=False)))
              for i, p in enumerate(prompts)]
-    await asyncio.sleep(0.4)  # the first prompt is mid-prefill (4 chunks of 0.3 s), the others queued
+    # every reservation made, the first prompt mid-prefill (4 chunks of 0.3 s), the others queued
+    await until_stats(dc, lambda s: s.num_awaiting_kv == 3, "three reservations")
+    await until_stats(pc, lambda s: s.num_running >= 1 and s.num_running + s.num_waiting == 3, "one prompt prefilling")
     for task in tasks:
         task.cancel()
     for task in tasks:

@@ -189,7 +189,7 @@ def test_prefill_on_one_host_decode_on_another_over_tcp_and_nixl(hosts, ray_clus
         url = f"http://{HOSTS['a']}:{port}"
         log = open(tmp_path / f"serve-{transport}.log", "w")
         serve = hosts.run("a", [
-            sys.executable, "-m", "router.cli", "serve", "--address", f"{HOSTS['a']}:{RAY_PORT}",
+            sys.executable, "-m", "cli", "serve", "--address", f"{HOSTS['a']}:{RAY_PORT}",
             "--host", HOSTS["a"], "--port", str(port), "--admin-key", ADMIN, "--prefill", "1", "--decode", "1",
             "--transport", transport, "--num-threads", "1", "--num-blocks", "256",
             "--prefill-resources", json.dumps({"tandem_host_a": 1}),
@@ -243,7 +243,7 @@ def test_joining_a_cluster_with_token_authentication(hosts, tmp_path):
                            "--node-ip-address", HOSTS["a"], "--port", str(RAY_PORT)], log, head_env)
     driver_home = tmp_path / "driver-home"
     driver_home.mkdir()
-    serve = [sys.executable, "-m", "router.cli", "serve", "--address", f"{HOSTS['a']}:{RAY_PORT}", "--host",
+    serve = [sys.executable, "-m", "cli", "serve", "--address", f"{HOSTS['a']}:{RAY_PORT}", "--host",
              HOSTS["a"], "--port", str(HTTP_PORT + 5), "--colocated", "--decode", "1", "--num-threads", "1"]
     try:
         time.sleep(5)
@@ -346,7 +346,7 @@ def test_router_failover_under_load(hosts, ray_cluster, tmp_path, model_path):
 
     token = "failover-cluster-token"
     address = f"{HOSTS['a']}:{RAY_PORT}"
-    tandem = [sys.executable, "-m", "router.cli"]
+    tandem = [sys.executable, "-m", "cli"]
     logs: list = []
 
     def log(name: str):
@@ -425,15 +425,19 @@ def test_router_failover_under_load(hosts, ray_cluster, tmp_path, model_path):
             time.sleep(1)
         assert set(before) < set(_epochs(url2))
 
-        async def clean() -> None:
-            await asyncio.sleep(3)  # quarantined reservations (2 s) expire
+        async def clean() -> None:  # polled: quarantined reservations (2 s) expire by themselves
             for pool in _pools(url2).values():
                 for w in pool["workers"]:
                     c = WorkerClient(w["worker_id"], w["role"], w["address"], token)
-                    h, s = await c.check_integrity(), await c.stats()
+                    deadline = time.monotonic() + 30
+                    while True:
+                        h, s = await c.check_integrity(), await c.stats()
+                        assert h.healthy, h.error
+                        if s.num_blocks == s.num_free_blocks:
+                            break
+                        assert time.monotonic() < deadline, f"{w['worker_id']} holds blocks"
+                        await asyncio.sleep(0.1)
                     await c.close()
-                    assert h.healthy, h.error
-                    assert s.num_blocks == s.num_free_blocks, f"{w['worker_id']} holds blocks"
 
         asyncio.run(clean())
         for p in (r2, r3):  # the others stop cleanly: exit 0, no backtrace (Ray Client's included)

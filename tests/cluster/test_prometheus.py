@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from bench.sweep import free_port
+from bench.servers import free_port
 from tests import needs
 from tests.cluster.test_serve import ADMIN, Serve
 from tests.oracle import random_prompts

@@ -17,26 +17,25 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.launch import ServeProcess
-from bench.sweep import free_port
+from bench.servers import TandemServer, free_port
 from tests.oracle import hf_greedy, random_prompts
 from worker_runtime.client import WorkerClient
-from worker_runtime.process import stop_process_group
 
 pytestmark = pytest.mark.cluster
 
 ADMIN, TOKEN = "test-admin-key", "test-cluster-token"
 
 
-class Serve(ServeProcess):
+class Serve(TandemServer):
     def __init__(self, args: list[str], log_path) -> None:
         super().__init__(["--admin-key", ADMIN, "--cluster-token", TOKEN, "--num-blocks", "256", "--num-threads", "1",
                           *args], log_path)
-
-    def stop(self) -> None:
-        if not self.log.closed:
-            stop_process_group(self.proc, grace_s=60)
-            self.log.close()
+        self.start()
+        try:
+            self.wait_ready(300)
+        except BaseException:
+            self.stop()
+            raise
 
     def pools(self) -> dict:
         r = httpx.get(self.url + "/admin/pools", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10)
@@ -63,11 +62,11 @@ def serve(tmp_path, model_path):
 
     yield _start
     for s in started:
-        died = s.proc.poll()
+        died = s.proc.poll() if s.proc is not None else None  # None too once a test stopped it
         s.stop()
         if died is not None:  # it exited before the test stopped it: show why (in the failure report)
             print(f"tandem serve exited by itself with {died}; the end of its log:")
-            print("".join(open(s.log.name).readlines()[-60:]))
+            print("".join(open(s.log_path).readlines()[-60:]))
 
 
 def test_openai_sdk_and_metrics_on_a_disaggregated_cluster(serve, model_path):
@@ -158,8 +157,7 @@ def test_openai_sdk_and_metrics_on_a_disaggregated_cluster(serve, model_path):
              r"prefill-0 ready at \S+ \(started in [0-9.]+ s\)", r"pools up [0-9.]+ s after the start")
     deadline = time.monotonic() + 30
     while True:
-        srv.log.flush()
-        log = open(srv.log.name).read()
+        log = open(srv.log_path).read()
         missing = [step for step in steps if not re.search(step, log)]
         if not missing or time.monotonic() > deadline:
             break
@@ -269,7 +267,7 @@ def test_scale_and_kill_under_load(serve, model_path):
         await asyncio.sleep(2)
         # the operator's command: a table of the change, then --wait follows the drains
         cli = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "router.cli", "scale", "--url", srv.url, "--prefill", "1", "--decode", "2",
+            sys.executable, "-m", "cli", "scale", "--url", srv.url, "--prefill", "1", "--decode", "2",
             "--wait", "--timeout-s", "180", env={**os.environ, "TANDEM_ADMIN_KEY": ADMIN},
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         out = (await asyncio.wait_for(cli.communicate(), 200))[0].decode()
@@ -306,8 +304,7 @@ def test_scale_and_kill_under_load(serve, model_path):
     assert srv.pools()["decode"]["ready"] == 2 and srv.metrics()["tandem:worker_up"] == 3
 
     asyncio.run(assert_workers_clean(srv, after_s=3))  # quarantines (2 s) end
-    srv.log.flush()
-    log = open(srv.log.name).read()
+    log = open(srv.log_path).read()
     assert "scale request from 127.0.0.1: decode 2 -> 3" in log
     assert "scale request from 127.0.0.1: prefill 2 -> 1, decode 3 -> 2" in log
 
@@ -425,8 +422,7 @@ def test_sigterm_drains_streams_in_flight_then_exits_0(serve, model_path):
         usage = __import__("json").loads(events[-2])["usage"]
         assert usage["completion_tokens"] == n_tokens
     assert srv.proc.wait(timeout=120) == 0
-    srv.log.flush()
-    log = open(srv.log.name).read()
+    log = open(srv.log_path).read()
     assert log.count("tandem: stopped on SIGTERM") == 1 and f"all {n_streams} finished" in log, log[-3000:]
     assert "SIGTERM received" not in log and "Traceback" not in log, log[-3000:]
     deadline = time.monotonic() + 30
@@ -489,19 +485,18 @@ def test_a_storm_of_client_disconnects_harms_nothing(serve):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     # the client's request id reaches the workers' log lines: the streams closed after 3
     # events were running on the decode worker, which logs each abort with its id
-    srv.log.flush()
     closed = re.findall(r"\(decode-0 pid=\d+\) .* request cmpl-storm-(\d+)-[0-9a-f]{16}-0(?:#\d+)?: "
-                        r"stream closed by the router", open(srv.log.name).read())
+                        r"stream closed by the router", open(srv.log_path).read())
     assert closed and all(0 <= int(i) < 240 for i in closed)
     assert any(int(i) % 3 == 2 for i in closed), closed
 
 
 def test_multiturn_chat_finds_every_earlier_turn_cached(tmp_path):
-    """bench.multiturn end to end on two colocated decode workers: with prefix-aware
+    """bench.lab.multiturn end to end on two colocated decode workers: with prefix-aware
     decode routing every later turn lands where its earlier turns are cached."""
     import json
 
-    from bench.multiturn import main
+    from bench.lab.multiturn import main
 
     out = tmp_path / "mt.json"
     rc = main(["--conversations", "3", "--turns", "3", "--max-tokens", "8", "--policies", "prefix",
@@ -545,7 +540,7 @@ def test_joining_an_unreachable_cluster_fails_at_once_with_advice(tmp_path):
     retries for minutes, deaf to SIGTERM meanwhile)."""
     port = free_port()
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--address", f"127.0.0.1:{port}",
+    r = subprocess.run([sys.executable, "-m", "cli", "serve", "--address", f"127.0.0.1:{port}",
                         "--port", str(free_port())], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, r.stderr[-2000:]
     assert time.monotonic() - t0 < 60
@@ -611,8 +606,7 @@ def test_sigterm_to_a_worker_actor_drains_it_and_it_is_replaced(serve, model_pat
     asyncio.run(_wait_for(lambda: srv.pools()["decode"]["ready"] == 2
                           and victim["worker_id"] not in {w["worker_id"] for w in srv.pools()["decode"]["workers"]},
                           180, "a replacement decode worker"))
-    srv.log.flush()
-    log = open(srv.log.name).read()
+    log = open(srv.log_path).read()
     said = re.search(rf"decode {victim['worker_id']} stopped on SIGTERM after draining for [0-9.]+ s "
                      r"\(requests live: (\d+), all (\d+) finished\)", log)
     assert said and int(said[1]) == int(said[2]) > 0, log[-3000:]

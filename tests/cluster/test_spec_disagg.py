@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from engine.models.loader import load_checkpoint
+from engine.models.checkpoint import load_checkpoint
 from router.worker_client import disaggregated_stream
 from tests.cluster.test_disagg import assert_clean, req
 from tests.model.test_spec_decoding import CODE

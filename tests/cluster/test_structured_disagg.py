@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import pytest
 
-from engine.models.builtin import random_model_path
+from engine.models.writer import random_model_path
 from tests.cluster.test_serve import Serve
 from tests.model.test_structured_outputs import SCHEMAS, Person, chat_json
 

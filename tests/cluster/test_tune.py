@@ -19,7 +19,7 @@ pytestmark = pytest.mark.cluster
 def test_tune_measures_each_configuration_and_writes_a_profile_serve_takes(tmp_path):
     out = tmp_path / "profile.yaml"
     done = subprocess.run(
-        [sys.executable, "-m", "router.cli", "tune", "--bench-args=--input-len 32 --output-len 16 --request-rate 8 "
+        [sys.executable, "-m", "cli", "tune", "--bench-args=--input-len 32 --output-len 16 --request-rate 8 "
          "--num-requests 24", "--slo", "ttft:2000", "tpot:200", "--serve-args=--colocated --num-threads 1",
          "--knob", "max-num-seqs=4", "--budget-s", "240", "-o", str(out), "--plot", str(tmp_path),
          "--log-dir", str(tmp_path)], capture_output=True, text=True, timeout=400)
@@ -44,7 +44,7 @@ def test_tune_measures_each_configuration_and_writes_a_profile_serve_takes(tmp_p
         # pointed at this running cluster, tune tries the pools' split through the admin API, then puts it back
         again = tmp_path / "running.yaml"
         done = subprocess.run(
-            [sys.executable, "-m", "router.cli", "tune", "--url", srv.url, "--admin-key", ADMIN, "--bench-args="
+            [sys.executable, "-m", "cli", "tune", "--url", srv.url, "--admin-key", ADMIN, "--bench-args="
              "--input-len 32 --output-len 16 --request-rate 8 --num-requests 24", "--slo", "ttft:2000",
              "--knob", "pools=0:2", "--budget-s", "240", "-o", str(again)], capture_output=True, text=True, timeout=400)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -52,7 +52,7 @@ def test_tune_measures_each_configuration_and_writes_a_profile_serve_takes(tmp_p
         pools = httpx.get(srv.url + "/admin/pools", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10).json()
         assert pools["pools"]["decode"]["target"] == 1
         with pytest.raises(subprocess.CalledProcessError):  # engine knobs need new workers: refused with --url
-            subprocess.run([sys.executable, "-m", "router.cli", "tune", "--url", srv.url, "--bench-args=",
+            subprocess.run([sys.executable, "-m", "cli", "tune", "--url", srv.url, "--bench-args=",
                             "--slo", "ttft:1", "--knob", "max-num-seqs=4"], check=True, capture_output=True, timeout=60)
     finally:
         srv.stop()

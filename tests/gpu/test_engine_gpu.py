@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton", reason="triton is not installed")
 
-from decode_worker.engine import EngineConfig, LLMEngine  # noqa: E402
+from decode_worker.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.config import CacheConfig, DeviceConfig, SchedulerConfig  # noqa: E402
 from engine.models.builtin import builtin_model_path  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.models.builtin import builtin_model_path, copy_tokenizer_files, random_model_path
+from engine.models.builtin import builtin_model_path
+from engine.models.writer import copy_tokenizer_files, random_model_path
 
 
 @pytest.fixture(scope="session")

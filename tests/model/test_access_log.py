@@ -12,13 +12,13 @@ import re
 import httpx
 import pytest
 
-from decode_worker.engine import EngineConfig
+from decode_worker.llm_engine import EngineConfig
 from engine.config import CacheConfig, DeviceConfig, SchedulerConfig
 from engine.tokenizer import Tokenizer
 from router.access import JsonFormatter, use_log_format
 from router.app import RouterSettings, create_app
-from router.engine_backend import EngineBackend
-from router.server_thread import ServerThread
+from tests.harness.engine_backend import EngineBackend
+from tests.harness.server_thread import ServerThread
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(240)]
 

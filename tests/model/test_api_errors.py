@@ -11,16 +11,14 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from decode_worker.engine import EngineConfig
+from decode_worker.llm_engine import EngineConfig
 from engine.config import CacheConfig, DeviceConfig, SchedulerConfig
 from engine.tokenizer import Tokenizer
 from router.admin import AdminInterface
-from router.admission import Admission
 from router.app import RouterSettings, create_app
 from router.backend import Backend, BackendError, TokenBatch
-from router.engine_backend import EngineBackend
-from router.errors import ApiError
-from router.server_thread import ServerThread
+from tests.harness.engine_backend import EngineBackend
+from tests.harness.server_thread import ServerThread
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(240)]
 
@@ -360,25 +358,6 @@ def test_backend_failures(tok):
     assert events[-1] == "data: [DONE]" and "internal_error" in events[-2] and "secret" not in r.text
     metrics = client.get("/metrics").text
     assert 'tandem:request_errors_total{model_name="tandem-tiny-v2",status="500"} 4.0' in metrics
-
-
-async def test_admission_queue_full_then_timeout():
-    adm = Admission(max_running=2, max_waiting=2, timeout_s=0.2, retry_after_s=3)
-    assert [await adm.acquire(1), await adm.acquire(1)] == [1, 1]
-    waiter = asyncio.ensure_future(adm.acquire(2))
-    await asyncio.sleep(0)
-    assert (adm.running, adm.waiting) == (2, 2)
-    with pytest.raises(ApiError) as full:
-        await adm.acquire(1)
-    assert full.value.status == 429 and full.value.headers["Retry-After"] == "3"
-    with pytest.raises(ApiError) as late:
-        await waiter
-    assert late.value.status == 503 and (adm.running, adm.waiting) == (2, 0)
-    waiter = asyncio.ensure_future(adm.acquire(5))  # more than max_running: runs alone
-    await asyncio.sleep(0)
-    adm.release(1)
-    adm.release(1)
-    assert await waiter == 2 and (adm.running, adm.waiting) == (2, 0)
 
 
 async def test_overload_answers_429_or_503_then_recovers(server):

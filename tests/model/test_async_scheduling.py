@@ -1,4 +1,4 @@
-"""Asynchronous scheduling (decode_worker/engine.py `_step_ahead`): step n+1 planned and
+"""Asynchronous scheduling (decode_worker/llm_engine.py `_step_ahead`): step n+1 planned and
 launched on the tokens step n samples before they reach the host. On CPU it reorders the
 same work, so these tests check what it must keep: the same tokens as a synchronous
 engine (and as transformers), sequences that an EOS or stop id ends while the next step
@@ -9,12 +9,11 @@ on a device where the steps really overlap."""
 
 import pytest
 
-from decode_worker.engine import EngineConfig, LLMEngine
-from engine.config import CacheConfig, ConfigError, SchedulerConfig
+from decode_worker.llm_engine import EngineConfig, LLMEngine
+from engine.config import CacheConfig, ConfigError, SchedulerConfig, SpeculativeConfig
 from engine.plan import PENDING
 from engine.sampling_params import SamplingParams
 from engine.scheduler import _OutputAhead
-from engine.speculative import SpeculativeConfig
 from tests.oracle import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.model

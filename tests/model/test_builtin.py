@@ -9,10 +9,12 @@ import os
 import pytest
 import torch
 
-import engine.models.builtin as builtin
+import engine.models.writer as writer
 from engine.attention import AttentionMetadata, TorchAttention
-from engine.models.builtin import RANDOM_VERSION, build_random_checkpoint, random_model_path
-from engine.models.loader import build_model, load_checkpoint
+from engine.models.builtin import RANDOM_VERSION
+from engine.models.checkpoint import load_checkpoint
+from engine.models.loader import build_model
+from engine.models.writer import build_random_checkpoint, random_model_path
 
 pytestmark = [pytest.mark.model, pytest.mark.usefixtures("one_thread")]
 
@@ -122,7 +124,7 @@ def test_lost_race_returns_the_winners_dir(monkeypatch, tmp_path):
         final.mkdir()
         (final / "winner").write_text("x")
 
-    monkeypatch.setattr(builtin, "build_random_checkpoint", build_while_another_process_wins)
+    monkeypatch.setattr(writer, "build_random_checkpoint", build_while_another_process_wins)
     assert random_model_path(tmp_path) == final
     assert os.listdir(tmp_path) == [RANDOM_VERSION] and os.listdir(final) == ["winner"]
 

@@ -11,7 +11,7 @@ import torch
 
 from decode_worker.llm import LLM
 from engine.models.builtin import BUILTIN_CONFIG, builtin_draft_path, builtin_model_path, verify_manifest
-from engine.models.loader import load_checkpoint
+from engine.models.checkpoint import load_checkpoint
 from engine.sampling_params import SamplingParams
 from tests.oracle import hf_greedy
 

@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from decode_worker.engine import EngineConfig, LLMEngine
+from decode_worker.llm_engine import EngineConfig, LLMEngine
 from engine.config import CacheConfig, DeviceConfig
-from engine.cores import CoreLedger, create_ledger
+from engine.cores import CoreTable, create_core_table
 from engine.cpu_kernels import build
 from engine.sampling_params import SamplingParams
 from tests.oracle import hf_greedy
@@ -28,7 +28,7 @@ def _pinned_engine(builtin_dir, own, other, path):
     torch.set_num_threads(1)  # what a worker pinned to one core starts with
     engine = LLMEngine.from_config(EngineConfig(
         model=str(builtin_dir), cache=CacheConfig(num_blocks=64),
-        device=DeviceConfig(num_threads=1, cpu_affinity=own, core_ledger=path, shared_cores=own + other)))
+        device=DeviceConfig(num_threads=1, cpu_affinity=own, core_table=path, shared_cores=own + other)))
     runner = engine.runner
     seen: list[int] = []
     real = runner._prepare
@@ -41,8 +41,8 @@ def test_steps_borrow_the_idle_core_and_give_it_back(builtin_dir):
     if build.load_or_none() is None:
         pytest.skip("no cpu kernels build here (threads cannot be bound)")
     own, other = (CORES[0],), (CORES[1],)
-    path = create_ledger("tandem-cores-test")
-    peer = CoreLedger(path, other, own + other)  # the other worker on this host
+    path = create_core_table("tandem-cores-test")
+    peer = CoreTable(path, other, own + other)  # the other worker on this host
     prompt = list(range(40, 70))
     before = torch.get_num_threads()
 
@@ -85,13 +85,13 @@ def test_steps_borrow_the_idle_core_and_give_it_back(builtin_dir):
 @pytest.mark.skipif(len(CORES) < 2, reason="needs two cores")
 def test_own_cores_only_borrows_nothing(builtin_dir):
     """A timing that must describe the worker alone (a prefill worker's start-up rate,
-    prefill_worker/engine.py measure_rate) runs its steps on the worker's own core even
+    prefill_worker/prefill_engine.py measure_rate) runs its steps on the worker's own core even
     while the other core's owner is idle; outside the block the step borrows it again."""
     if build.load_or_none() is None:
         pytest.skip("no cpu kernels build here (threads cannot be bound)")
     own, other = (CORES[0],), (CORES[1],)
-    path = create_ledger("tandem-cores-test")
-    peer = CoreLedger(path, other, own + other)
+    path = create_core_table("tandem-cores-test")
+    peer = CoreTable(path, other, own + other)
     before = torch.get_num_threads()
 
     def run():

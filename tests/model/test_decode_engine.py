@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from decode_worker.async_engine import AsyncEngine
-from decode_worker.engine import EngineConfig, LLMEngine
 from decode_worker.llm import LLM
+from decode_worker.llm_engine import EngineConfig, LLMEngine
 from engine.block_pool import BlockPool
 from engine.config import CacheConfig, SchedulerConfig
 from engine.plan import SampleRow, SeqWork, StepPlan

@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from decode_worker.engine import EngineConfig, LLMEngine
+from decode_worker.llm_engine import EngineConfig, LLMEngine
 from engine.config import CacheConfig, ConfigError, DeviceConfig, SchedulerConfig
 from engine.graphs import DecodeGraphs, buckets_for, eager_capture
 from engine.sampling_params import SamplingParams

@@ -7,7 +7,7 @@ on it and six on oneDNN's packed linear layers."""
 
 import pytest
 
-from decode_worker.engine import EngineConfig, LLMEngine
+from decode_worker.llm_engine import EngineConfig, LLMEngine
 from engine.config import CacheConfig, DeviceConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
 from tests.oracle import random_prompts

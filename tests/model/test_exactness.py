@@ -6,7 +6,7 @@ batch; then chunked; then with a shared prefix served from the prefix cache."""
 
 import pytest
 
-from decode_worker.engine import EngineConfig, LLMEngine
+from decode_worker.llm_engine import EngineConfig, LLMEngine
 from engine.config import CacheConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
 from tests.oracle import hf_greedy, random_prompts

@@ -20,7 +20,7 @@ BEFORE_RAY_S = 15.0
 
 def tandem(*args: str, timeout: float = 120) -> tuple[int, list[str], float]:
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "router.cli", *args], capture_output=True, text=True, timeout=timeout,
+    p = subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, timeout=timeout,
                        stdin=subprocess.DEVNULL)
     lines = [line for line in (p.stdout + p.stderr).splitlines() if line.strip()]
     return p.returncode, lines, time.monotonic() - t0

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from cli.main import main
 from engine.tokenizer import Tokenizer
-from router.cli import main
 from tests.oracle import hf_greedy
 
 pytestmark = pytest.mark.model

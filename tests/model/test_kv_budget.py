@@ -146,7 +146,8 @@ def test_a_worker_sized_from_device_memory_runs_the_profile_step_first(builtin_d
     else is the real path: the profile step runs before the cache exists, then the
     cache gets what the arithmetic leaves, and the log line says so."""
     from engine.config import DeviceConfig
-    from engine.models.loader import build_model, load_checkpoint
+    from engine.models.checkpoint import load_checkpoint
+    from engine.models.loader import build_model
     from engine.runner import ModelRunner
 
     class Counters(StandInDevice):
@@ -185,7 +186,8 @@ def test_a_worker_with_decode_graphs_sets_their_memory_aside_before_sizing_the_c
     import engine.runner as runner_mod
     from engine.config import DeviceConfig
     from engine.graphs import eager_capture
-    from engine.models.loader import build_model, load_checkpoint
+    from engine.models.checkpoint import load_checkpoint
+    from engine.models.loader import build_model
     from engine.runner import ModelRunner
 
     MiB = 1 << 20

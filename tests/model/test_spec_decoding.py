@@ -10,7 +10,8 @@ import json
 import pytest
 
 from decode_worker.llm import LLM
-from engine.models.builtin import builtin_draft_path, random_model_path
+from engine.models.builtin import builtin_draft_path
+from engine.models.writer import random_model_path
 from engine.sampling_params import GuidedSpec, SamplingParams
 from tests.oracle import hf_greedy, random_prompts
 
@@ -29,7 +30,7 @@ CODE = [
 
 @pytest.fixture(scope="module")
 def prompts(builtin_dir):
-    from engine.models.loader import load_checkpoint
+    from engine.models.checkpoint import load_checkpoint
 
     tok = load_checkpoint(builtin_dir).tokenizer
     return [tok.encode(p) for p in CODE] + random_prompts([7, 19], seed=5)

@@ -13,8 +13,8 @@ from engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConf
 from engine.tokenizer import Tokenizer
 from router.admin import AdminInterface
 from router.app import RouterSettings, create_app
-from router.engine_backend import EngineBackend
-from router.server_thread import ServerThread
+from tests.harness.engine_backend import EngineBackend
+from tests.harness.server_thread import ServerThread
 
 pytestmark = pytest.mark.model
 

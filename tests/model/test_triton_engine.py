@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from decode_worker.engine import EngineConfig, LLMEngine
+from decode_worker.llm_engine import EngineConfig, LLMEngine
 from engine.config import CacheConfig, DeviceConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
 from tests import triton_env

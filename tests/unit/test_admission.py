@@ -166,3 +166,22 @@ async def test_a_cancelled_waiter_leaves_its_class_queue_and_counts():
 def test_an_unknown_order_is_refused():
     with pytest.raises(ValueError, match="priority, fifo"):
         Admission(1, 1, 1, 1, order="lifo")
+
+
+async def test_admission_queue_full_then_timeout():
+    adm = Admission(max_running=2, max_waiting=2, timeout_s=0.2, retry_after_s=3)
+    assert [await adm.acquire(1), await adm.acquire(1)] == [1, 1]
+    waiter = asyncio.ensure_future(adm.acquire(2))
+    await asyncio.sleep(0)
+    assert (adm.running, adm.waiting) == (2, 2)
+    with pytest.raises(ApiError) as full:
+        await adm.acquire(1)
+    assert full.value.status == 429 and full.value.headers["Retry-After"] == "3"
+    with pytest.raises(ApiError) as late:
+        await waiter
+    assert late.value.status == 503 and (adm.running, adm.waiting) == (2, 0)
+    waiter = asyncio.ensure_future(adm.acquire(5))  # more than max_running: runs alone
+    await asyncio.sleep(0)
+    adm.release(1)
+    adm.release(1)
+    assert await waiter == 2 and (adm.running, adm.waiting) == (2, 0)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from router.autoscale import AutoscaleConfig, Autoscaler, RouterReport, WorkerLoad
+from controller.autoscale import AutoscaleConfig, Autoscaler, WorkerLoad
 from worker_runtime.config import Role
+from worker_runtime.membership import RouterReport
 
 pytestmark = pytest.mark.unit
 

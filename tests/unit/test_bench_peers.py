@@ -1,9 +1,9 @@
-"""bench.peers without starting vLLM: config checks, command line and environment."""
+"""bench.lab.peers without starting vLLM: config checks, command line and environment."""
 from __future__ import annotations
 
 import pytest
 
-from bench.peers import VllmConfig, VllmServer
+from bench.lab.peers import VllmConfig, VllmServer
 
 pytestmark = pytest.mark.unit
 
@@ -44,7 +44,7 @@ def test_config_names_the_fix(fake_install, tmp_path):
 
 def _point(server: str, rnd: int, tput: float | None = None, tpot: float | None = None,
            step: float | None = None, engine: dict | None = None, duration: float | None = None) -> dict:
-    """A saved sweep point as bench.sweep writes it: rate inf (throughput, the run's
+    """A saved sweep point as bench.lab.sweep writes it: rate inf (throughput, the run's
     duration, for tandem the pools' forward seconds) or single stream (TPOT p50, a mean
     0.5 ms above it, and for tandem the decode workers' mean step)."""
     conc = 1 if tpot is not None else None
@@ -58,7 +58,7 @@ def test_sweep_rounds_order_and_side_by_side_medians():
     """--rounds: every server once, then the repeated ones again with the order reversed
     every other round; the side-by-side takes each ratio within its round (llama.cpp, run
     once, through its only figure) and reports the medians and ranges over the rounds."""
-    from bench.sweep import Sweep, _side_by_side, build_parser, main
+    from bench.lab.sweep import Sweep, _side_by_side, build_parser, main
 
     args = build_parser().parse_args(["--preset", "peers", "--rounds", "3", "--out", "/nonexistent"])
     args.servers, args.repeat_servers = "vllm,llamacpp,tandem-colocated", "vllm,tandem-colocated"
@@ -93,7 +93,7 @@ def test_side_by_side_reports_engine_time_at_rate_inf():
     """The rate-inf point's engine forward seconds per pool (read from the workers'
     step histograms) against its duration; servers or older results without them get no
     row, and with none at all the table is left out."""
-    from bench.sweep import _side_by_side
+    from bench.lab.sweep import _side_by_side
 
     meta = {"workloads": {"random": []}, "num_requests": 200, "model": "m"}
     pts = [_point("vllm", 1, tput=500.0, duration=51.0), _point("vllm", 1, tpot=30.0),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from router.cli import apply_config_file, build_parser
+from cli.main import apply_config_file, build_parser
 
 pytestmark = pytest.mark.unit
 
@@ -43,14 +43,14 @@ def test_unknown_key_in_config_is_an_error(tmp_path):
 
 
 def test_scale_needs_a_size(capsys):
-    from router.cli import main
+    from cli.main import main
 
     assert main(["scale"]) == 2
     assert capsys.readouterr().err == "tandem scale: error: give --prefill N and/or --decode M\n"
 
 
 def test_status_and_scale_help_name_their_defaults_and_environment(capsys):
-    from router.cli import main
+    from cli.main import main
 
     for command in ("status", "scale"):
         with pytest.raises(SystemExit):
@@ -88,13 +88,14 @@ def test_a_profile_carries_per_class_slos_and_the_workload_it_was_tuned_for(tmp_
 
 
 @pytest.mark.parametrize("bad, message", [
-    ("classes: {urgent: {slo-ttft-ms: 1}}", "classes are 'interactive' and 'batch'"),
-    ("classes: {batch: {slo-e2e-ms: 1}}", "unknown setting 'slo-e2e-ms'"),
-    ("workload: {prompt_tokens: {p50: 1, p90: 2}}", "lacks output_tokens, arrival_rate"),
-    (PROFILE.replace("arrival_rate: 4.0", "arrival_rate: 0"), "arrival_rate must be > 0"),
+    ("classes: {urgent: {slo-ttft-ms: 1}}", r"classes\.urgent\.\[key\]: Input should be 'interactive' or 'batch'"),
+    ("classes: {batch: {slo-e2e-ms: 1}}", r"classes\.batch\.slo-e2e-ms: Extra inputs are not permitted"),
+    ("workload: {prompt_tokens: {p50: 1, p90: 2}}", r"workload\.output_tokens: Field required; workload\.arrival_rate"),
+    (PROFILE.replace("arrival_rate: 4.0", "arrival_rate: 0"), r"workload\.arrival_rate: Input should be greater"),
+    ("[1, 2]", "expected a mapping of options"),
 ])
 def test_a_bad_profile_says_what_is_wrong(tmp_path, bad, message):
-    from router.checks import CommandError
+    from cli.checks import CommandError
 
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(bad)
@@ -103,7 +104,7 @@ def test_a_bad_profile_says_what_is_wrong(tmp_path, bad, message):
 
 
 def test_status_says_how_far_the_traffic_drifted():
-    from router.cli import _drift_line
+    from cli.main import _drift_line
 
     assert _drift_line(None) == "traffic drift: not reported by this router"
     waiting = {"drift": None, "reference": None, "live": None, "min_requests": 50, "window_s": 600}
@@ -128,7 +129,7 @@ def test_test_file_names_are_unique_across_the_test_folders():
     ([], 64), (["--device", "cuda"], 16), (["--device", "cuda:1"], 16),
     (["--block-size", "32"], 32), (["--device", "cuda", "--block-size", "128"], 128)])
 def test_block_size_defaults_by_device_and_a_flag_wins(argv, want):
-    from engine.cli_args import engine_config_from_args
+    from worker_runtime.engine_args import engine_config_from_args
 
     assert engine_config_from_args(parse(["serve", *argv])).cache.block_size == want
 
@@ -136,7 +137,7 @@ def test_block_size_defaults_by_device_and_a_flag_wins(argv, want):
 @pytest.mark.parametrize("argv, want", [
     ([], None), (["--device", "cuda"], None), (["--cuda-graphs"], True), (["--enforce-eager"], False)])
 def test_decode_graphs_are_on_where_they_can_run_unless_turned_off(argv, want):
-    from engine.cli_args import engine_config_from_args
+    from worker_runtime.engine_args import engine_config_from_args
 
     assert engine_config_from_args(parse(["serve", *argv])).device.cuda_graphs is want
 
@@ -149,13 +150,13 @@ def test_cuda_graphs_and_enforce_eager_exclude_each_other(capsys):
 
 @pytest.mark.parametrize("argv, want", [([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)])
 def test_async_scheduling_is_the_engines_choice_unless_a_flag_says(argv, want):
-    from engine.cli_args import engine_config_from_args
+    from worker_runtime.engine_args import engine_config_from_args
 
     assert engine_config_from_args(parse(["serve", *argv])).scheduler.async_scheduling is want
 
 
 def test_async_scheduling_flags_exclude_each_other_and_a_config_file_sets_it(capsys, tmp_path):
-    from engine.cli_args import engine_config_from_args
+    from worker_runtime.engine_args import engine_config_from_args
 
     with pytest.raises(SystemExit):
         parse(["serve", "--async-scheduling", "--no-async-scheduling"])
@@ -166,7 +167,7 @@ def test_async_scheduling_flags_exclude_each_other_and_a_config_file_sets_it(cap
 
 
 def test_a_config_file_turns_decode_graphs_off(tmp_path):
-    from engine.cli_args import engine_config_from_args
+    from worker_runtime.engine_args import engine_config_from_args
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text("cuda-graphs: false\n")

@@ -165,7 +165,7 @@ def test_the_large_values_turn_on_every_monitoring_object_and_the_ingress():
     controller = yaml.safe_load(config["data"]["controller.yaml"])
     assert controller["autoscale"] is True
     assert [controller[k] for k in ("min-prefill", "max-prefill", "min-decode", "max-decode")] == [2, 8, 4, 32]
-    from router.cli import build_parser
+    from cli.main import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command").choices["controller"]

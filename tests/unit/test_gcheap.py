@@ -9,6 +9,8 @@ import pytest
 
 from worker_runtime.gcheap import freeze_startup_heap
 
+pytestmark = pytest.mark.unit
+
 
 class _Node:
     def __init__(self) -> None:

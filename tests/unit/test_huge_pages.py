@@ -13,6 +13,8 @@ import pytest
 
 from engine import envs
 
+pytestmark = pytest.mark.unit
+
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -35,7 +37,7 @@ def test_use_huge_pages_sets_torch_switch_unless_turned_off(monkeypatch):
 
 PROBE = """
 import sys
-from router import cli
+from cli import main as cli
 try:
     cli.main(["--help"])
 except SystemExit:

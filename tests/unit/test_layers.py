@@ -34,10 +34,12 @@ def test_the_blocker_blocks_torch():
     assert done.returncode != 0 and "torch is not importable here" in done.stderr
 
 
-def test_router_imports_without_torch():
+def test_router_controller_and_cli_import_without_torch():
     done = run_without_torch("""
-        import router.app, router.cluster, router.controller, router.pool, router.serve, router.view
-        import router.worker_client
+        import router.app, router.cluster, router.controller_client, router.view, router.worker_client
+        import controller.actor, controller.pools, controller.autoscale
+        import cli.main, cli.serve, cli.checks
+        cli.main.build_parser()  # mounts bench, tune and generate through their entry points
         from worker_runtime.client import WorkerClient
         from worker_runtime.stats import WorkerStats
         assert "torch" not in sys.modules, "torch was imported"

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
-from engine.models.builtin import random_weights, tokenizer_files, train_tokenizer, write_checkpoint
 from engine.models.builtin_corpus import corpus
+from engine.models.checkpoint import INDEX_FILE, CheckpointError, load_checkpoint
 from engine.models.llama import LlamaForCausalLM
-from engine.models.loader import INDEX_FILE, CheckpointError, build_model, load_checkpoint
+from engine.models.loader import build_model, iter_tensors
+from engine.models.writer import random_weights, tokenizer_files, train_tokenizer, write_checkpoint
 
 pytestmark = pytest.mark.unit
 
@@ -67,7 +68,7 @@ def test_loads_config_tokenizer_and_tensors(ckpt, tensors):
     )  # config.json's 1 merged with generation_config's [1, 4]
     assert c.tokenizer.eos_token_ids == (1, 4) and c.tokenizer.encode("hi")[0] == 0
     assert c.hf_config == TINY and c.generation_config["eos_token_id"] == [1, 4]
-    loaded = dict(c.iter_tensors())
+    loaded = dict(iter_tensors(c))
     assert loaded.keys() == tensors.keys()
     assert all(torch.equal(loaded[n], tensors[n]) for n in tensors)
 
@@ -75,7 +76,7 @@ def test_loads_config_tokenizer_and_tensors(ckpt, tensors):
 def test_dtype_override_converts_tensors(ckpt):
     c = load_checkpoint(ckpt, dtype="bfloat16")
     assert c.config.dtype == "bfloat16"
-    assert {t.dtype for _, t in c.iter_tensors()} == {torch.bfloat16}
+    assert {t.dtype for _, t in iter_tensors(c)} == {torch.bfloat16}
 
 
 def test_build_model_loads_weights_in_eval_mode(ckpt, tensors):

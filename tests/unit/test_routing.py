@@ -2,10 +2,10 @@
 
 import pytest
 
+from controller.pools import share_cores
 from engine.block_pool import block_hashes
 from protos import tandem_pb2 as pb
 from router.policy import RoutingConfig, WorkerView, choose_decode, choose_prefill, plan
-from router.pool import share_cores
 from router.prefix_index import PrefixIndex
 from worker_runtime.stats import RateMeter
 

@@ -23,9 +23,14 @@ class Clock:
         return self.t
 
 
-def make(num_blocks=32, **cfg):
+_made: list[Scheduler] = []  # this test's schedulers, checked for leaks when it ends
+
+
+def make(num_blocks=32, hand_off=False, **cfg):
     cfg = {"max_num_batched_tokens": 16, "max_num_seqs": 8, "max_model_len": 64, "watermark": 0.0, **cfg}
-    return Scheduler(SchedulerConfig(**cfg), BlockPool(num_blocks, BS))
+    s = Scheduler(SchedulerConfig(**cfg), BlockPool(num_blocks, BS), hand_off=hand_off)
+    _made.append(s)
+    return s
 
 
 _bases = itertools.count(1000, 1000)
@@ -56,7 +61,17 @@ def shape(out):
 
 @pytest.fixture(autouse=True)
 def _no_leaks():
+    """After each test: the ref counts of every scheduler it made match its live
+    sequences, and once those are aborted every block is free again (cached blocks
+    stay in the prefix cache but hold no reference)."""
+    _made.clear()
     yield
+    for s in _made:
+        s.check_integrity()
+        for seq in s.live():
+            s.finish(seq, FinishReason.ABORT)
+        s.check_integrity()
+        assert s.pool.num_free_blocks == s.pool.num_blocks, "blocks still held after every sequence ended"
 
 
 def test_admission_fcfs_with_chunked_prefill_budget():
@@ -308,3 +323,21 @@ def test_a_plain_decode_keeps_one_sample_row_and_min_tokens_bans_eos_until_reach
     assert len({id(r) for r in rows["b"][1:]}) == 1 and rows["b"][0].banned_ids == ()
     for x in (a, b):
         s.finish(x, FinishReason.ABORT)
+
+
+def test_prefill_lifecycle_hands_off_after_the_first_token_and_holds_the_blocks():
+    """hand_off=True (the prefill worker): WAITING -> RUNNING -> HANDOFF -> FINISHED;
+    the blocks stay held while the KV is written out, then go back (cached)."""
+    s = make(hand_off=True)
+    a, b = seq("a", 10), seq("b", 6)
+    s.add(a)
+    s.add(b)
+    step(s)
+    assert a.status is b.status is Status.HANDOFF and a.output_ids == b.output_ids == [7]
+    assert s.running == [] and set(s.handoff) == {"a", "b"}
+    assert s.pool.num_used_blocks == 3 + 2  # 10 and 6 tokens in blocks of 4
+    assert shape(s.schedule()) == []  # nothing left to compute
+    assert s.end_handoff("a") is a and a.status is Status.FINISHED
+    assert s.end_handoff("a") is None  # idempotent
+    assert s.abort("b") is b and b.finish_reason is FinishReason.ABORT and s.handoff == {}
+    s.check_integrity()

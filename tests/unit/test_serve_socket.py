@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from router.serve import _bind
+from cli.serve import _bind
 
 pytestmark = pytest.mark.unit
 

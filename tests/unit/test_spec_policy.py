@@ -3,7 +3,11 @@ per batch size, and each request's draft depth from its acceptance."""
 
 from __future__ import annotations
 
+import pytest
+
 from engine.spec_policy import AdaptivePolicy, ModeChooser
+
+pytestmark = pytest.mark.unit
 
 
 def _feed(c: ModeChooser, batch: int, on_rate: float, off_rate: float, steps: int) -> list[bool]:

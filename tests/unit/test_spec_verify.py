@@ -11,6 +11,7 @@ output leans toward the draft token)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.plan import SampleRow
@@ -18,6 +19,8 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.speculative import NgramProposer, SpecStats, SuffixProposer
+
+pytestmark = pytest.mark.unit
 
 V = 6
 P1 = torch.tensor([0.05, 0.40, 0.30, 0.15, 0.10, 0.00])

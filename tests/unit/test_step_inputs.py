@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from array import array
 
+import pytest
 import torch
 
 from engine.block_pool import BlockPool
@@ -12,6 +13,8 @@ from engine.kv_cache_manager import KVCacheManager, PrefixHit
 from engine.runner import _host_ints, _packed, _table_rows
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+
+pytestmark = pytest.mark.unit
 
 
 def test_tables_of_any_length_become_one_padded_int32_matrix():

@@ -7,8 +7,9 @@ import json
 import jinja2
 import pytest
 
-from engine.models.builtin import CHAT_TEMPLATE, tokenizer_files, train_tokenizer, write_checkpoint
+from engine.models.builtin import CHAT_TEMPLATE
 from engine.models.builtin_corpus import corpus
+from engine.models.writer import tokenizer_files, train_tokenizer, write_checkpoint
 from engine.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer, TokenizerError
 
 pytestmark = pytest.mark.unit

@@ -14,6 +14,8 @@ from engine.tokenizer import Tokenizer
 from router.errors import ApiError
 from router.tools import PARSERS, ToolDef, ToolStream, chat_template_text, plan_tools
 
+pytestmark = pytest.mark.unit
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},

@@ -64,7 +64,7 @@ def test_the_search_varies_one_knob_at_a_time_around_the_best(monkeypatch, tmp_p
     assert doc["profile"]["goodput_req_s"] == 3.0 and doc["profile"]["defaults_goodput_req_s"] == 1.0
     check_reference(doc["workload"])
     # and `tandem serve --config` takes it as it is
-    from router.cli import apply_config_file, build_parser
+    from cli.main import apply_config_file, build_parser
 
     parser = build_parser()
     args = parser.parse_args(["serve", "--config", str(out)])

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.unit
 
 SCRIPT = r"""
 import json, logging, sys
-from router.serve import quiet_ray
-from worker_runtime.host import LOG_FORMAT
+from cli.serve import quiet_ray
+from worker_runtime.config import LOG_FORMAT
 
 quiet_ray()
 from ray._private.ray_logging import stdout_deduplicator as dedup  # the driver's own

@@ -1,0 +1,105 @@
+"""Where one decode step's time goes: torch.profiler over steady-state decode steps.
+
+    python -m bench.lab.profile [--batch 200] [--prompt-len 256] [--steps 20] [--dtype float32]
+
+Fills the engine with `batch` requests of random prompts (greedy, ignore_eos), runs
+steps until every prompt is prefilled, then profiles `steps` pure decode steps and
+prints the step time and the operators by self CPU time per step, grouped into
+matmuls, attention, sampling and the rest. The same engine `tandem generate` and the
+decode worker run; built-in model unless --model is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from bench.lab.decode import _vocab, random_prompts
+from bench.lab.engine import DTYPE_ALIASES, default_threads, format_table, set_threads, warn_if_busy
+
+GROUPS = (  # first match wins; names as torch.profiler reports them
+    ("matmul", ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm",
+                "mkldnn::_linear_pointwise", "small_batch_linear", "tile_linear")),
+    # index_copy_ (torch) and store_kv (the cpu kernels): the KV write
+    ("attention", ("paged_decode_attention", "index_copy_", "store_kv", "scaled_dot_product")),
+    ("sampling", ("aten::argmax", "aten::topk", "aten::sort", "aten::softmax", "aten::exponential")),
+)
+
+
+def group_of(name: str) -> str:
+    for group, keys in GROUPS:
+        if any(k in name for k in keys):
+            return group
+    return "other"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.lab.profile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the built-in model)")
+    p.add_argument("--dtype", choices=sorted(DTYPE_ALIASES), default="float32")
+    p.add_argument("--batch", type=int, default=200)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--top", type=int, default=12, help="operators listed")
+    p.add_argument("--threads", type=int, default=None)
+    a = p.parse_args(argv)
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from decode_worker.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    threads = set_threads(a.threads or default_threads())
+    warn_if_busy()
+    llm = LLM(a.model, dtype=DTYPE_ALIASES[a.dtype], max_num_seqs=a.batch, num_threads=threads,
+              max_model_len=a.prompt_len + 2 * a.steps + 64, seed=0)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=2 * a.steps + 32, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(a.batch, a.prompt_len, _vocab(a.model), seed=0)):
+        engine.add_request(f"p{i}", prompt, params)
+    for _ in range(10_000):  # prefill everything (bounded)
+        sched = engine.scheduler
+        if not sched.num_waiting and all(s.num_to_compute == 1 for s in sched.running):
+            break
+        engine.step()
+    if len(engine.scheduler.running) != a.batch:
+        print(f"only {len(engine.scheduler.running)} of {a.batch} requests fit the cache", file=sys.stderr)
+        return 1
+    for _ in range(3):  # warm-up decode steps
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        engine.step()
+    plain_ms = (time.perf_counter() - t0) / a.steps * 1e3
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            engine.step()
+        wall = time.perf_counter() - t0
+    step_ms = wall / a.steps * 1e3
+    ops = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total_us = sum(e.self_cpu_time_total for e in ops)
+    groups: dict[str, float] = {}
+    for e in ops:
+        groups[group_of(e.key)] = groups.get(group_of(e.key), 0.0) + e.self_cpu_time_total
+    print(f"decode step at batch {a.batch}, context ~{a.prompt_len}, {DTYPE_ALIASES[a.dtype]}, {threads} threads, "
+          f"attention {engine.runner.backend.name}: {plain_ms:.2f} ms/step ({a.batch / plain_ms * 1e3:.0f} tok/s); "
+          f"{step_ms:.2f} ms/step under the profiler, {a.steps} steps each")
+    print("\nby group (self CPU time per step; the rest of the step is Python outside torch ops):")
+    print(format_table(["group", "ms/step", "share of step"],
+                       [[g, us / 1e3 / a.steps, f"{us / 1e3 / a.steps / step_ms:.0%}"]
+                        for g, us in sorted(groups.items(), key=lambda kv: -kv[1])]
+                       + [["python + untracked", step_ms - total_us / 1e3 / a.steps,
+                           f"{1 - total_us / 1e3 / a.steps / step_ms:.0%}"]]))
+    print(f"\ntop {a.top} operators:")
+    top = sorted(ops, key=lambda e: -e.self_cpu_time_total)[: a.top]
+    print(format_table(["operator", "group", "calls/step", "ms/step"],
+                       [[e.key[:60], group_of(e.key), e.count / a.steps, e.self_cpu_time_total / 1e3 / a.steps]
+                        for e in top]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,384 @@
+"""PoolManager: the prefill and decode pools as Ray actors, inside the controller.
+
+It creates worker actors (resources from config), keeps the registry, watches each
+worker (gRPC health; stats for `tandem status`, drains and the autoscaler), replaces a
+worker that dies, and resizes a pool on command. Scaling down drains first: the
+worker stops taking new requests, its running requests finish (bounded by
+`drain_timeout_s`, read from the worker's own stats), then it is stopped and removed.
+The states are worker_runtime/membership.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import importlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from controller.autoscale import AutoscaleConfig, WorkerLoad
+from engine import envs
+from engine.cores import create_core_table
+from worker_runtime.client import RPC_ERRORS, WorkerClient, wait_ready
+from worker_runtime.config import Role, WorkerConfig
+from worker_runtime.membership import ROLES, Member, Membership, WorkerState
+from worker_runtime.rpc import epoch_str
+from worker_runtime.stats import WorkerStats
+
+log = logging.getLogger(__name__)
+
+# The worker actors' classes, by path: the controller creates them but runs none of
+# their code (their services import torch in the workers' own processes).
+WORKER_ACTORS = {Role.PREFILL: "prefill_worker.actor:PrefillWorkerActor",
+                 Role.DECODE: "decode_worker.actor:DecodeWorkerActor"}
+
+
+# Local CPU runs: a worker step of at most this much work (tokens x weight parameters) uses
+# one torch thread, leaving the other cores to the router and clients. About 4 tokens of
+# an 8M-parameter model; never one token of a 100M+ one, whose step is bandwidth-bound
+# and gains from every core (measured: docs/performance.md).
+LOCAL_SERIAL_STEP_WORK = 32_000_000
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    template: WorkerConfig  # worker_id / role are filled in per worker
+    sizes: dict[Role, int] = field(default_factory=lambda: {Role.PREFILL: 1, Role.DECODE: 1})
+    resources: dict[Role, dict] = field(
+        default_factory=lambda: {Role.PREFILL: {"num_cpus": 1}, Role.DECODE: {"num_cpus": 1}}
+    )
+    cores: tuple[int, ...] | None = None  # pin workers round-robin to these cores (CPU hosts)
+    health_interval_s: float = 1.0
+    health_failures: int = 3  # consecutive failed checks before a worker is replaced
+    stats_interval_s: float = 0.25
+    start_timeout_s: float = 600.0
+    join_timeout_s: float = 60.0  # joining a running Ray cluster (--address)
+    drain_timeout_s: float = 120.0
+    max_workers: int = 64
+    autoscale: AutoscaleConfig | None = None  # the controller's autoscaler (router/autoscale.py); None: off
+
+    def __post_init__(self) -> None:  # accept role names as keys; hold Role members
+        object.__setattr__(self, "sizes", {Role(r): n for r, n in self.sizes.items()})
+        object.__setattr__(self, "resources", {Role(r): v for r, v in self.resources.items()})
+
+
+@dataclass
+class PoolWorker:
+    """The controller's record of one worker actor it owns."""
+
+    worker_id: str
+    role: Role
+    actor: object
+    client: WorkerClient | None = None
+    state: WorkerState = WorkerState.STARTING
+    epoch: int = 0
+    metrics_address: str = ""
+    pid: int = 0
+    stats: WorkerStats | None = None  # the worker's own account, read every stats_interval_s
+    failures: int = 0  # consecutive failed health checks
+
+    def member(self) -> Member:
+        return Member(self.worker_id, self.role, self.state, self.client.address if self.client else "",
+                      self.epoch, self.metrics_address, self.pid)
+
+    def as_dict(self) -> dict:
+        s = self.stats
+        d = {
+            "worker_id": self.worker_id,
+            "role": self.role.value,
+            "state": self.state.value,
+            "address": self.client.address if self.client else "",
+            "epoch": epoch_str(self.epoch),
+            "metrics": self.metrics_address,
+            "pid": self.pid,
+        }
+        if s is not None:
+            d |= {
+                "running": s.num_running,
+                "waiting": s.num_waiting,
+                "awaiting_kv": s.num_awaiting_kv,
+                "kv_usage": round(s.kv_usage, 4),
+                "queued_prefill_tokens": s.queued_prefill_tokens,
+                "transport": s.transport,
+            }
+        return d
+
+
+class PoolManager:
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        self.targets = dict(config.sizes)
+        self.workers: dict[str, PoolWorker] = {}
+        self.version = 0  # bumped on every change of membership or state (routers follow it)
+        self.polls_waiting = 0  # routers inside a membership long poll now
+        self._changed = asyncio.Event()
+        self._counter = {r: 0 for r in ROLES}
+        self._remote_cls: dict[str, object] = {}
+        self._bg: list[asyncio.Task] = []
+        self._reconcile_lock = asyncio.Lock()
+        self.events: list[tuple[float, str]] = []  # (time, what happened), for status and tests
+        self.replaced = 0
+        # workers pinned to shares of `cores` lend each other their idle ones (engine/cores.py)
+        lend = bool(config.cores) and len(config.cores) > 1 and config.template.engine.device.device == "cpu"
+        self.core_table = create_core_table() if lend and envs.cpu_lend_cores() else None
+
+    # ---- lifecycle -----------------------------------------------------------------
+    async def start(self) -> None:
+        """Inside the controller actor (controller/actor.py): Ray is up."""
+        import ray
+
+        self._remote_cls = {role: ray.remote(_resolve(WORKER_ACTORS[role])) for role in ROLES}
+        await self.reconcile()
+        missing = [r.value for r in ROLES if len(self.ready(r)) < self.targets[r]]
+        if missing:
+            raise RuntimeError(f"pools did not come up: {missing}; see the worker logs")
+        self._bg = [asyncio.create_task(self._health_loop()), asyncio.create_task(self._stats_loop())]
+
+    async def stop(self) -> None:
+        for t in self._bg:
+            t.cancel()
+        await asyncio.gather(
+            *(self._remove(w, drain=False) for w in list(self.workers.values())), return_exceptions=True
+        )
+        if self.core_table is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.core_table)
+
+    # ---- queries -------------------------------------------------------------------
+    def ready(self, role: Role) -> list[PoolWorker]:
+        return [w for w in self.workers.values() if w.role == role and w.state == WorkerState.READY and w.client]
+
+    def get(self, worker_id: str) -> PoolWorker | None:
+        return self.workers.get(worker_id)
+
+    async def get_pools(self) -> dict:
+        pools = {}
+        for role in ROLES:
+            ws = [w for w in self.workers.values() if w.role == role]
+            pools[role.value] = {
+                "target": self.targets[role],
+                "ready": sum(w.state is WorkerState.READY for w in ws),
+                "workers": [w.as_dict() for w in sorted(ws, key=lambda w: w.worker_id)],
+            }
+        return {"pools": pools, "replaced": self.replaced}
+
+    async def set_pools(self, prefill: int | None, decode: int | None) -> dict:
+        for role, n in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
+            if n is None:
+                continue
+            if not 0 <= n <= self.config.max_workers:
+                raise ValueError(f"{role.value} pool size must be between 0 and {self.config.max_workers}, got {n}")
+            if role is Role.DECODE and n == 0:
+                raise ValueError("the decode pool cannot be empty: it serves every request")
+        self.targets.update({r: n for r, n in ((Role.PREFILL, prefill), (Role.DECODE, decode)) if n is not None})
+        self._bg.append(asyncio.create_task(self.reconcile()))
+        return await self.get_pools()
+
+    # ---- reconciling sizes -------------------------------------------------------------
+    async def reconcile(self) -> None:
+        """Start or drain workers until every pool matches its target."""
+        async with self._reconcile_lock:
+            steps = []  # both pools at once: a worker's start is mostly waiting (process, imports, weights)
+            for role in ROLES:
+                live = [
+                    w
+                    for w in self.workers.values()
+                    if w.role == role and w.state in (WorkerState.STARTING, WorkerState.READY)
+                ]
+                diff = self.targets[role] - len(live)
+                if diff > 0:
+                    steps += [self._add(role) for _ in range(diff)]
+                elif diff < 0:
+                    victims = sorted(live, key=_victim_order)[:-diff]
+                    steps += [self._remove(w, drain=True) for w in victims]
+            await asyncio.gather(*steps, return_exceptions=True)
+
+    def _worker_config(self, role: Role, worker_id: str, slot: int) -> WorkerConfig:
+        t = self.config.template
+        device = t.engine.device
+        if self.config.cores and device.device == "cpu":
+            cores = share_cores(self.config.cores, sum(self.targets.values()), slot)
+            # the router and local clients run on these cores too: small steps on one thread
+            serial = device.serial_step_work if device.serial_step_work is not None else LOCAL_SERIAL_STEP_WORK
+            device = dataclasses.replace(device, cpu_affinity=cores, num_threads=device.num_threads or len(cores),
+                                         serial_step_work=serial, core_table=self.core_table,
+                                         shared_cores=self.config.cores if self.core_table else None)
+        return dataclasses.replace(
+            t, role=role, worker_id=worker_id, engine=dataclasses.replace(t.engine, device=device)
+        )
+
+    async def _add(self, role: Role) -> None:
+        n = self._counter[role]
+        self._counter[role] += 1
+        worker_id = f"{role.value}-{n}"
+        slot = len(self.workers)
+        actor = (
+            self._remote_cls[role]
+            .options(**self.config.resources[role], max_restarts=0, name=f"tandem-{worker_id}-{int(time.time())}")
+            .remote(self._worker_config(role, worker_id, slot))
+        )
+        w = PoolWorker(worker_id, role, actor)
+        self.workers[worker_id] = w
+        t0 = time.monotonic()
+        log.info("%s starting", worker_id)
+        try:
+            address = await asyncio.wait_for(actor.start.remote(), self.config.start_timeout_s)
+            w.client = WorkerClient(worker_id, role, address, self.config.template.cluster_token)
+            health = await wait_ready(w.client, timeout=60)
+            w.epoch, w.metrics_address = health.epoch, health.metrics_address
+            w.pid = (await asyncio.wait_for(actor.info.remote(), 30))["pid"]
+            w.stats = await w.client.stats()
+        except Exception as e:
+            log.error("%s failed to start: %s", worker_id, e)
+            self._note(f"{worker_id} failed to start: {e}")
+            await self._remove(w, drain=False)
+            raise
+        w.state = WorkerState.READY
+        self._note(f"{worker_id} ready at {address}")
+        log.info("%s ready at %s (started in %.1f s)", worker_id, address, time.monotonic() - t0)
+
+    async def _remove(self, w: PoolWorker, drain: bool) -> None:
+        if drain and w.client is not None and w.state == WorkerState.READY:
+            w.state = WorkerState.DRAINING
+            self._note(f"{w.worker_id} draining")
+            try:
+                await w.client.drain(True)
+                await self._wait_idle(w)
+            except (*RPC_ERRORS, asyncio.TimeoutError) as e:
+                log.warning("%s: drain incomplete (%s); stopping it anyway", w.worker_id, e)
+        w.state = WorkerState.STOPPED if w.state != WorkerState.DEAD else WorkerState.DEAD
+        self._bump()
+        try:
+            await asyncio.wait_for(w.actor.stop.remote(), 15)
+        except Exception:
+            pass
+        import ray
+
+        try:
+            ray.kill(w.actor, no_restart=True)
+        except Exception:
+            pass
+        if w.client is not None:
+            await w.client.close()
+        self.workers.pop(w.worker_id, None)
+        self._note(f"{w.worker_id} removed ({w.state})")
+
+    async def _wait_idle(self, w: PoolWorker) -> None:
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while time.monotonic() < deadline:
+            s = await w.client.stats()
+            if s.idle:  # quarantined blocks are not requests: they do not hold a drain
+                return
+            await asyncio.sleep(0.1)
+        raise asyncio.TimeoutError(f"still busy after {self.config.drain_timeout_s}s")
+
+    # ---- watching ------------------------------------------------------------------------
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            await asyncio.gather(*(self.check(w) for w in list(self.workers.values()) if w.state == WorkerState.READY))
+            if any(
+                len(
+                    [
+                        w
+                        for w in self.workers.values()
+                        if w.role == r and w.state in (WorkerState.STARTING, WorkerState.READY)
+                    ]
+                )
+                < self.targets[r]
+                for r in ROLES
+            ):
+                asyncio.create_task(self.reconcile())
+
+    async def check(self, w: PoolWorker) -> bool:
+        """One health check; a worker failing `health_failures` in a row is replaced."""
+        try:
+            reply = await w.client.health(timeout=2.0)
+            ok = reply.healthy and reply.epoch == w.epoch
+        except RPC_ERRORS:
+            ok = False
+        w.failures = 0 if ok else w.failures + 1
+        if not ok and w.failures >= self.config.health_failures and w.state == WorkerState.READY:
+            w.state = WorkerState.DEAD
+            self.replaced += 1
+            self._note(f"{w.worker_id} failed health checks; replacing it")
+            log.warning("%s is dead; replacing it", w.worker_id)
+            asyncio.create_task(self._remove(w, drain=False))
+        return ok
+
+    def suspect(self, worker_id: str) -> None:
+        """A request saw this worker fail: check it now rather than at the next tick."""
+        w = self.workers.get(worker_id)
+        if w is not None and w.state == WorkerState.READY:
+            asyncio.create_task(self.check(w))
+
+    async def _stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.stats_interval_s)
+            for w in list(self.workers.values()):
+                if w.state in (WorkerState.READY, WorkerState.DRAINING):
+                    try:
+                        w.stats = await w.client.stats(timeout=1.0)
+                    except RPC_ERRORS:
+                        pass
+
+    def _note(self, what: str) -> None:
+        """Something changed (a worker came, changed state or went): noted, and the
+        routers waiting in `membership` wake up."""
+        self.events.append((time.time(), what))
+        del self.events[:-200]
+        self._bump()
+
+    def _bump(self) -> None:
+        self.version += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def loads(self) -> tuple[dict[Role, list[WorkerLoad]], dict[Role, int]]:
+        """What the autoscaler reads: each ready worker's load, and the workers starting."""
+        loads: dict[Role, list[WorkerLoad]] = {r: [] for r in ROLES}
+        starting = {r: 0 for r in ROLES}
+        for w in self.workers.values():
+            if w.state is WorkerState.STARTING:
+                starting[w.role] += 1
+            elif w.state is WorkerState.READY and w.stats is not None:
+                s = w.stats
+                loads[w.role].append(WorkerLoad(s.kv_usage, s.num_running, s.num_waiting,
+                                                s.max_num_seqs, s.queued_prefill_tokens))
+        return loads, starting
+
+    async def membership(self, since: int, wait_s: float, autoscaler: dict | None = None) -> Membership:
+        """The members and targets once `version` has moved past `since`, or after
+        `wait_s` (a long poll: routers learn of a change at once)."""
+        if self.version <= since:
+            self.polls_waiting += 1
+            try:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), wait_s)
+            finally:
+                self.polls_waiting -= 1
+        return Membership(self.version, dict(self.targets), tuple(w.member() for w in self.workers.values()),
+                          autoscaler)
+
+
+def _resolve(path: str) -> type:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _victim_order(w: PoolWorker) -> tuple:
+    """Which workers a shrinking pool drains first: those not yet ready, then the ready
+    ones with the fewest requests by their own stats (running and queued)."""
+    busy = (w.stats.num_running + w.stats.num_waiting) if w.stats else 0
+    return (w.state == WorkerState.READY, busy, w.worker_id)
+
+
+def share_cores(cores: tuple[int, ...], num_workers: int, slot: int) -> tuple[int, ...]:
+    """The cores of worker `slot` when `num_workers` share `cores`: an equal contiguous
+    share when they fit (1 worker on 8 cores gets all 8), else one core, round-robin."""
+    per = max(1, len(cores) // max(num_workers, 1))
+    start = (slot * per) % len(cores)
+    return tuple(cores[(start + i) % len(cores)] for i in range(per))

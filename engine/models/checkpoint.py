@@ -1,0 +1,171 @@
+"""Read a Hugging Face checkpoint directory: config.json, *.safetensors, tokenizer.json.
+
+`load_checkpoint` reads configs and safetensors headers only and validates every
+tensor's name and shape before any weight is read, so a wrong checkpoint fails in
+milliseconds with an error naming the file and tensor. It imports no torch (the
+command line and the routers check checkpoints with it); engine/models/loader.py
+then streams the tensors into a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from safetensors import SafetensorError, safe_open
+
+from engine.config import ConfigError, ModelConfig
+from engine.models.shapes import expected_shapes
+from engine.tokenizer import Tokenizer, TokenizerError, merged_eos_ids
+
+INDEX_FILE = "model.safetensors.index.json"
+# Tensors some checkpoints carry that the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is missing a file or holds something tandem cannot load."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A validated checkpoint; its weights are read by engine/models/loader.py `iter_tensors`."""
+
+    path: Path
+    config: ModelConfig
+    hf_config: dict[str, Any]
+    generation_config: dict[str, Any]
+    tokenizer: Tokenizer
+    # tensor name -> shard file (absolute path), grouped by shard
+    tensor_files: dict[str, Path]
+
+
+def load_checkpoint(path: str | Path, dtype: str | None = None) -> Checkpoint:
+    """Read and validate the checkpoint at `path`; `dtype` overrides config.json's.
+
+    Raises CheckpointError naming what is wrong and where.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"model path {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(
+            f"model path {path} is not a directory (expected a Hugging Face checkpoint dir)"
+        )
+    hf_config = _read_json(path, "config.json", required=True)
+    generation_config = _read_json(path, "generation_config.json", required=False)
+    config = _model_config(path, hf_config, generation_config, dtype)
+    if not (path / "tokenizer.json").is_file():
+        raise CheckpointError(
+            f"{path}: missing tokenizer.json (tandem needs a fast-tokenizer file)"
+        )
+    try:
+        tokenizer = Tokenizer.from_dir(path)
+    except (TokenizerError, ValueError, OSError) as e:
+        raise CheckpointError(f"{path}: cannot load the tokenizer: {e}") from e
+    tensor_files, shapes = _tensor_files(path)
+    _check_shapes(path, config, tensor_files, shapes)
+    return Checkpoint(path, config, hf_config, generation_config, tokenizer, tensor_files)
+
+
+def _read_json(path: Path, name: str, required: bool) -> dict[str, Any]:
+    file = path / name
+    if not file.is_file():
+        if required:
+            raise CheckpointError(
+                f"{path}: missing {name} (is this a Hugging Face checkpoint directory?)"
+            )
+        return {}
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON: {e}") from e
+
+
+def _model_config(
+    path: Path, hf_config: dict, generation_config: dict, dtype: str | None
+) -> ModelConfig:
+    try:
+        config = ModelConfig.from_hf(hf_config, dtype)
+    except ConfigError as e:
+        raise CheckpointError(f"{path / 'config.json'}: {e}") from e
+    eos = tuple(sorted(merged_eos_ids(hf_config, generation_config)))
+    bos = (
+        config.bos_token_id
+        if config.bos_token_id is not None
+        else generation_config.get("bos_token_id")
+    )
+    return dataclasses.replace(config, eos_token_ids=eos, bos_token_id=bos)
+
+
+def _tensor_files(path: Path) -> tuple[dict[str, Path], dict[str, tuple[int, ...]]]:
+    """Map every tensor name to its shard (from the index when there is one) and shape."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = _read_json(path, INDEX_FILE, required=True).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: no weight_map")
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names shard(s) not in {path}: {', '.join(missing)}")
+    else:
+        shards = sorted(p.name for p in path.glob("*.safetensors"))
+        if not shards:
+            bins = sorted(p.name for p in path.glob("*.bin"))
+            hint = f" (found {', '.join(bins)}: convert them to safetensors)" if bins else ""
+            raise CheckpointError(f"{path}: no *.safetensors weight files{hint}")
+    files: dict[str, Path] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for shard in shards:
+        for name, shape in _shard_shapes(path / shard).items():
+            files[name], shapes[name] = path / shard, shape
+    if index.is_file():
+        absent = sorted(n for n, s in weight_map.items() if files.get(n) != path / s)
+        if absent:
+            raise CheckpointError(
+                f"{index}: tensor(s) not found in the shard it names: {_some(absent)}"
+            )
+    return files, shapes
+
+
+def _shard_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    try:
+        with safe_open(str(file), framework="numpy") as f:  # headers only: no torch needed
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file: {e}") from e
+
+
+def _check_shapes(
+    path: Path, config: ModelConfig, files: dict[str, Path], shapes: dict[str, tuple[int, ...]]
+) -> None:
+    """Every expected tensor present with its expected shape, nothing unexpected."""
+    expected = expected_shapes(config)
+    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    unexpected = sorted(
+        n
+        for n in shapes
+        if n not in expected and n not in optional and not n.endswith(_IGNORED_SUFFIXES)
+    )
+    if unexpected:
+        raise CheckpointError(
+            f"{path}: unexpected tensor(s) for a {config.architecture} model: {_some(unexpected)}"
+        )
+    missing = sorted(set(expected) - set(shapes))
+    if missing:
+        raise CheckpointError(f"{path}: missing tensor(s): {_some(missing)}")
+    for name, want in expected.items():
+        if shapes[name] != want:
+            raise CheckpointError(
+                f"{files[name]}: tensor {name!r} has shape {shapes[name]}, "
+                f"expected {want} from config.json"
+            )
+
+
+def _some(names: list[str], limit: int = 5) -> str:
+    more = f" (and {len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more

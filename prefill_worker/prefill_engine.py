@@ -1,0 +1,329 @@
+"""PrefillEngine: batched, chunked prefill that pushes each prompt's KV into a decode
+worker's reserved blocks. Runs on an EngineLoop thread; every method here is called
+on that thread.
+
+One step: poll in-flight writes -> schedule a token budget of prompt chunks ->
+forward (with layer-wise push: as layer i of a finishing prompt lands in the cache,
+its blocks are written; the last layer goes after sampling, carrying the KVLanded
+notification with the first token) -> start the writes of prompts that finished.
+
+Each handoff is a ledger entry (RESERVED -> WRITING -> READY -> DONE | FAILED |
+EXPIRED) keyed to the decode worker's incarnation; freeing the entry ends the
+sequence's handoff, which releases its blocks into the prefix cache.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from engine import envs
+from engine.events import TokenLogprobs
+from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import FinishReason, Sequence
+from engine.structured import StructuredOutputs, attach_grammar
+from kv_transfer.base import PeerId, TransferError, TransferHandle, Transport, XferState
+from kv_transfer.ledger import Entry, Ledger
+from protos import tandem_pb2 as pb
+from worker_runtime.convert import logprobs_to_pb
+from worker_runtime.stats import RateMeter
+
+log = logging.getLogger(__name__)
+
+
+class PrefillFailed(RuntimeError):
+    """The prefill or its KV transfer failed; the message says which and why."""
+
+
+@dataclass
+class PrefillResult:
+    first_token: int
+    logprobs: TokenLogprobs | None
+    num_cached_tokens: int
+    num_blocks: int
+    num_bytes: int
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+
+
+@dataclass
+class PrefillJob:
+    seq: Sequence
+    peer: PeerId
+    target_blocks: list[int]
+    skip_blocks: int  # leading blocks the decode worker already has cached
+    future: cf.Future
+    arrival: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None
+    computed_at: float | None = None
+    handles: list[TransferHandle] = field(default_factory=list)
+    final: TransferHandle | None = None
+    logprobs: TokenLogprobs | None = None
+    refused: str | None = None  # why the transport refused one of its writes (the request fails)
+
+
+ENDED_KEPT = 4096  # ended jobs' ids kept: an abort arrives within moments of its job's end
+
+
+def gave_up_message(request_id: str, reason: str) -> bytes:
+    """KVLanded for a prefill that ended before it posted any write: the decode worker
+    gives the reservation's blocks back at once (quarantined or not)."""
+    return pb.KVLanded(request_id=request_id, failed=True, error=reason).SerializeToString()
+
+
+def landed_message(request_id: str, first_token: int, logprobs: TokenLogprobs | None) -> bytes:
+    msg = pb.KVLanded(request_id=request_id, first_token=first_token)
+    if logprobs is not None:
+        msg.logprobs.CopyFrom(logprobs_to_pb(logprobs))
+    return msg.SerializeToString()
+
+
+class PrefillEngine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        transport: Transport,
+        eos_ids: frozenset[int],
+        layerwise: bool = True,
+        transfer_timeout_s: float = 15.0,
+        structured: StructuredOutputs | None = None,
+    ) -> None:
+        self.runner = runner
+        self.structured = structured
+        self.scheduler = scheduler
+        self.transport = transport
+        self.eos_ids = eos_ids
+        self.layerwise = layerwise
+        self.num_layers = runner.model_config.num_layers
+        self.block_bytes = runner.kv_cache.layout.block_bytes
+        self.jobs: dict[str, PrefillJob] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()  # ids of the last ENDED_KEPT jobs that ended
+        # a handoff's lease in WRITING is the transfer timeout (worker_runtime/config.py)
+        self.ledger = Ledger(self._on_free, default_lease_s=transfer_timeout_s, exclusive_blocks=False)
+        self.metrics = None  # optional worker_runtime.metrics.WorkerMetrics
+        self.faults = envs.faults()
+        self.rate = RateMeter()  # prompt tokens per second of forward time (WorkerStats)
+
+    # ---- requests (engine thread) ---------------------------------------------------
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        peer: PeerId,
+        target_blocks: list[int],
+        num_cached_tokens: int,
+    ) -> cf.Future:
+        if request_id in self.jobs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        bs = self.scheduler.bs
+        n_blocks = math.ceil(len(prompt_ids) / bs)
+        if len(target_blocks) != n_blocks:
+            raise ValueError(
+                f"target has {len(target_blocks)} blocks; a {len(prompt_ids)}-token prompt needs {n_blocks}"
+            )
+        if num_cached_tokens % bs or not 0 <= num_cached_tokens < len(prompt_ids):
+            raise ValueError(f"num_cached_tokens={num_cached_tokens} must be a multiple of {bs} below the prompt's "
+                             f"{len(prompt_ids)} tokens (at least one block is written)")
+        # original params: the first token is sampled exactly as a single process would
+        # (seed index 0, EOS banned under min_tokens); the scheduler (hand_off) ends it after one token
+        seq = Sequence(request_id, list(prompt_ids), params, self.eos_ids, priority)
+        attach_grammar(self.structured, seq)  # the first token is masked as the decode side would
+        self.scheduler.add(seq)
+        job = PrefillJob(seq, peer, list(target_blocks), num_cached_tokens // bs, cf.Future())
+        self.jobs[request_id] = job
+        return job.future
+
+    def abort(self, request_id: str, reason: str = "aborted", peer: PeerId | None = None) -> bool:
+        """End `request_id`'s job. `peer`: the decode worker its RPC named; when no job of
+        that id was ever submitted here (the handler was cancelled while its submit waited
+        for the engine thread, which then skipped it), that worker is told nothing comes."""
+        job = self.jobs.get(request_id)
+        if job is None:
+            if peer is not None and request_id not in self._ended:
+                self._tell_nothing_comes(peer, request_id, reason)
+            return False
+        if request_id in self.ledger:
+            self.ledger.fail(request_id, reason)  # frees via _on_free
+        else:
+            self.scheduler.abort(request_id)
+            self._resolve(job, PrefillFailed(reason))
+            if not job.handles and job.final is None:
+                self._tell_nothing_comes(job.peer, request_id, reason)
+        return True
+
+    def _tell_nothing_comes(self, peer: PeerId, request_id: str, reason: str) -> None:
+        """A prefill that ends before posting any write tells its decode worker so: the
+        reservation there, quarantined once the router cancels it, would otherwise hold
+        its blocks until the quarantine ends (30 s by default), since the decode worker
+        cannot know that no late write will land. Never for a job that posted a write: its
+        bytes may still land after it is released (Transport.release), and then the
+        quarantine is what keeps those blocks from being reused."""
+        try:
+            self.transport.notify(peer, gave_up_message(request_id, reason))
+        except TransferError as e:  # e.g. the transport is closing: the quarantine still ends it
+            log.info("prefill of %s: could not tell the decode worker it was dropped: %s", request_id, e)
+
+    def drop_peer(self, peer: PeerId, reason: str) -> None:
+        """A decode worker went away (or restarted): fail every handoff to it."""
+        self.ledger.drop_peer(peer, reason)
+        for job in [j for j in self.jobs.values() if j.peer == peer]:
+            self.abort(job.seq.seq_id, reason)
+
+    def measure_rate(self, max_model_len: int, num_tokens: int = 512) -> None:
+        """Engine thread, at start: time a prefill step of one `num_tokens` prompt on a
+        scratch cache, twice (the first warms the kernels), and seed `rate` with the second.
+        Both on the worker's own cores: at start the other workers of a shared host are
+        idle, and a step that borrowed their cores read up to twice the rate the worker has
+        once they are busy, so the router's spill and lease rules sent it prompts it could
+        not finish within the lease (docs/performance.md, twenty-fourth round)."""
+        n = max(1, min(num_tokens, self.scheduler.config.max_num_batched_tokens, max_model_len))
+        with self.runner.own_cores_only():
+            self.runner.profile_run(n, 1, n)
+            t0 = time.perf_counter()
+            self.runner.profile_run(n, 1, n)
+            self.rate.add(n, time.perf_counter() - t0)
+
+    # ---- one iteration (engine thread) ----------------------------------------------
+    def step(self) -> list:
+        self._poll_transfers()
+        out = self.scheduler.schedule()
+        if not out.plan:
+            return []
+        if self.faults.prefill_step_delay_s:
+            time.sleep(self.faults.prefill_step_delay_s)
+        now = time.monotonic()
+        finishing = [self.jobs[w.seq_id] for w in out.plan.works() if w.sample is not None]
+        for seq, _ in out.scheduled:
+            job = self.jobs[seq.seq_id]
+            job.scheduled_at = job.scheduled_at or now
+        hook = self._layer_hook(finishing) if self.layerwise and finishing else None
+        result = self.runner.execute(out.plan, on_layer_done=hook)
+        self.rate.add(result.num_tokens, result.forward_s)
+        if self.metrics is not None:
+            self.metrics.on_step(result.num_tokens, result.forward_s)
+        self.scheduler.update(out, result.token_ids)
+        for job in finishing:
+            job.logprobs = result.logprobs.get(job.seq.seq_id)
+            self._start_final_write(job)
+        return []
+
+    def _layer_hook(self, jobs: list[PrefillJob]):
+        def on_layer_done(layer: int) -> None:
+            if layer == self.num_layers - 1:
+                return  # the last layer goes with the notification, after sampling
+            ready = self.runner.compute_marker()  # the layer's kernels may still be queued (CUDA)
+            for job in jobs:
+                local, remote = self._block_pairs(job)
+                if local:
+                    handle = self._write(job, local, remote, layers=range(layer, layer + 1), ready=ready)
+                    if handle is not None:
+                        job.handles.append(handle)
+
+        return on_layer_done
+
+    def _block_pairs(self, job: PrefillJob) -> tuple[list[int], list[int]]:
+        n = len(job.target_blocks)
+        table = self.scheduler.cache.block_table(job.seq.seq_id)
+        return table[job.skip_blocks : n].tolist(), job.target_blocks[job.skip_blocks :]
+
+    def _start_final_write(self, job: PrefillJob) -> None:
+        seq = job.seq
+        job.computed_at = time.monotonic()
+        first = seq.output_ids[0]
+        local, remote = self._block_pairs(job)
+        self.ledger.reserve(seq.seq_id, self.scheduler.cache.block_table(seq.seq_id), peer=job.peer)
+        self.ledger.start_writing(seq.seq_id)
+        layers = range(self.num_layers - 1, self.num_layers) if self.layerwise and job.handles else None
+        job.final = self._write(job, local, remote, layers=layers, after=job.handles,
+                                notify=landed_message(seq.seq_id, first, job.logprobs),
+                                ready=self.runner.compute_marker())
+        if job.refused is not None:  # a bad target (the transport checks it): this request fails, not the engine
+            log.warning("prefill of %s: the KV write was refused: %s", seq.seq_id, job.refused)
+            self.ledger.fail(seq.seq_id, f"the KV write to the decode worker was refused: {job.refused}")
+
+    def _write(self, job: PrefillJob, local: list[int], remote: list[int], **kw) -> TransferHandle | None:
+        """One of `job`'s KV writes; None once the transport has refused one (`job.refused`
+        says why: the request fails when computed, the step goes on)."""
+        if job.refused is not None:
+            return None
+        try:
+            return self.transport.write_blocks(job.peer, local, remote, **kw)
+        except TransferError as e:
+            job.refused = str(e)
+            return None
+
+    def _poll_transfers(self) -> None:
+        self.ledger.sweep()
+        for rid, job in list(self.jobs.items()):
+            if job.final is None:
+                continue
+            status = self.transport.poll(job.final)
+            if not status.finished:
+                continue
+            if status.state is XferState.DONE:
+                self.ledger.mark_ready(rid)
+                self.ledger.finish(rid)
+            else:
+                self.ledger.fail(rid, f"KV transfer to the decode worker failed: {status.reason}")
+
+    # ---- endings ------------------------------------------------------------------
+    def _on_free(self, entry: Entry) -> None:
+        job = self.jobs.get(entry.request_id)
+        self.scheduler.end_handoff(entry.request_id, FinishReason.LENGTH if entry.reason == "" else FinishReason.ERROR)
+        if job is None:
+            return
+        for h in [*job.handles, *([job.final] if job.final else [])]:
+            self.transport.release(h)
+        if entry.state.name == "DONE":
+            self._resolve(job, self._result(job))
+        else:
+            self._resolve(job, PrefillFailed(entry.reason or entry.state.name.lower()))
+
+    def _result(self, job: PrefillJob) -> PrefillResult:
+        now = time.monotonic()
+        n_blocks = len(job.target_blocks) - job.skip_blocks
+        scheduled = job.scheduled_at or job.arrival
+        computed = job.computed_at or now
+        return PrefillResult(
+            job.seq.output_ids[0],
+            job.logprobs,
+            job.seq.num_cached_tokens,
+            n_blocks,
+            n_blocks * self.block_bytes,
+            scheduled - job.arrival,
+            computed - scheduled,
+            now - computed,
+        )
+
+    def _resolve(self, job: PrefillJob, outcome) -> None:
+        self.jobs.pop(job.seq.seq_id, None)
+        self._ended[job.seq.seq_id] = None  # an abort that comes later must not say "nothing comes"
+        while len(self._ended) > ENDED_KEPT:
+            self._ended.popitem(last=False)
+        if job.future.done():
+            return
+        m = self.metrics
+        if isinstance(outcome, Exception):
+            if m is not None:
+                m.transfer_failures.inc()
+            job.future.set_exception(outcome)
+        else:
+            if m is not None:
+                m.transfer_seconds.observe(outcome.transfer_s)
+                m.transfer_bytes.inc(outcome.num_bytes)
+            job.future.set_result(outcome)
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+        self.ledger.check_integrity()
+        assert set(self.jobs) >= {e.request_id for e in self.ledger.live()}, "ledger entry without a job"

@@ -1,0 +1,101 @@
+"""Engine options as command-line flags, shared by `tandem serve`, `tandem generate`
+and the worker entry points: one definition, one conversion to EngineConfig."""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    default_block_size,
+)
+
+
+def parse_cores(text: str | None) -> tuple[int, ...] | None:
+    """'0-3,6' -> (0, 1, 2, 3, 6)."""
+    if not text:
+        return None
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return tuple(out)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="local Hugging Face checkpoint dir (default: the built-in model)")
+    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
+    g.add_argument("--cpu-affinity", default=None, help="cores this worker may use, e.g. 0-3,6")
+    g.add_argument("--serial-step-work", type=float, default=None, metavar="N",
+                   help="CPU: a step whose tokens x weight parameters are at most N runs on one torch thread "
+                   "(0: never; default: 32e6 when `tandem serve` runs workers on the router's own cores, else 0)")
+    g.add_argument("--attention-backend", default="auto")
+    graphs = g.add_mutually_exclusive_group()
+    graphs.add_argument("--cuda-graphs", action="store_const", const=True, default=None,
+                        help="CUDA: require decode steps replayed from graphs captured per batch size at start "
+                        "(the default wherever they can run: a CUDA device with the triton attention backend)")
+    graphs.add_argument("--enforce-eager", dest="cuda_graphs", action="store_const", const=False,
+                        help="CUDA: run every step eagerly, no decode graphs (less start-up time and memory)")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block, the same on every worker (default: 64 on CPU, 16 on CUDA)")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory-gb)")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                   help="KV cache size per worker (default: 1 on CPU; on CUDA sized by --gpu-memory-utilization)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
+                   help="CUDA: the share of the device's memory this worker may fill (weights, peak activations "
+                   "of the largest step, KV cache), when the cache size is not given (vLLM's meaning)")
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=2048)
+    g.add_argument("--expected-context-len", type=int, default=None, metavar="TOKENS",
+                   help="prompt + output tokens a sequence of your traffic reaches: a worker warns at start "
+                   "when --max-num-seqs such sequences cannot fit in its KV cache")
+    g.add_argument("--no-chunked-prefill", action="store_true")
+    ahead = g.add_mutually_exclusive_group()
+    ahead.add_argument("--async-scheduling", action="store_const", const=True, default=None,
+                       help="plan and launch each decode step while the device runs the one before (the default on "
+                       "CUDA without speculative decoding; steps with penalties or grammars wait as before)")
+    ahead.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const", const=False,
+                       help="plan each step after the previous one's tokens are back")
+    g.add_argument("--scheduler", default="continuous", choices=("continuous", "static"))
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--speculative-method", default=None, choices=("ngram", "suffix", "draft"),
+                   help="speculative decoding on decode workers: ngram (prompt lookup), suffix (suffix decoding "
+                   "over the request and recent outputs) or draft (a small model: --speculative-model)")
+    g.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="most tokens proposed per sequence a step")
+    g.add_argument("--speculative-model", default=None, metavar="DIR",
+                   help="the draft model's checkpoint, same tokenizer as --model (default with --speculative-method "
+                   "draft: the built-in draft, when the built-in model is served)")
+    g.add_argument("--no-adaptive-speculation", action="store_true",
+                   help="always propose K tokens (default: speculate where it measured faster at the current batch "
+                   "size, each request as deep as its acceptance warrants)")
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=a.model,
+        dtype=None if a.dtype == "auto" else a.dtype,
+        cache=CacheConfig(block_size=a.block_size or default_block_size(a.device), num_blocks=a.num_blocks,
+                          kv_cache_memory_gb=a.kv_cache_memory_gb,
+                          gpu_memory_utilization=a.gpu_memory_utilization,
+                          enable_prefix_caching=not a.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                                  max_model_len=a.max_model_len, enable_chunked_prefill=not a.no_chunked_prefill,
+                                  policy=a.scheduler, expected_context_len=a.expected_context_len,
+                                  async_scheduling=a.async_scheduling),
+        device=DeviceConfig(device=a.device, num_threads=a.num_threads, cpu_affinity=parse_cores(a.cpu_affinity),
+                            attention_backend=a.attention_backend, cuda_graphs=a.cuda_graphs,
+                            serial_step_work=None if a.serial_step_work is None else int(a.serial_step_work)),
+        seed=a.seed,
+        speculative=SpeculativeConfig(method=a.speculative_method, num_speculative_tokens=a.num_speculative_tokens,
+                                      model=a.speculative_model, adaptive=not a.no_adaptive_speculation),
+    )
