@@ -145,5 +145,5 @@ class AsyncEngine:
                 q.put_nowait(ev)
 
     def _fail_all(self, msg: str) -> None:
-        self.loop.deliver([TokenEvent(sid, None, finished=True, finish_reason=FinishReason.ERROR, error=msg)
-                           for sid in list(self._subs)])
+        self.loop.deliver([TokenEvent(seq_id=sid, token_id=None, finished=True, finish_reason=FinishReason.ERROR,
+                                      error=msg) for sid in list(self._subs)])

@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 
 from engine.events import TokenEvent
 from protos import tandem_pb2 as pb
-from worker_runtime.convert import can_join, fill_tokens
+from protos.tokens import can_join, fill_tokens
 from worker_runtime.frames import frame, read_frame
 
 log = logging.getLogger(__name__)

@@ -136,7 +136,8 @@ class LLM:
 
     def _on_event(self, req: _Pending, ev: TokenEvent) -> str | None:
         """Apply one token event; return the finish reason when the request is over."""
-        req.cached = ev.num_cached_tokens
+        if ev.usage is not None:
+            req.cached = ev.usage.cached_tokens
         if ev.token_id is not None:
             req.token_ids.append(ev.token_id)
             if ev.logprobs is not None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from engine.build import build_parts
 from engine.config import ConfigError, EngineConfig
-from engine.events import TokenEvent, TokenLogprobs
+from engine.events import TokenEvent, TokenLogprobs, Usage
 from engine.plan import DEAD_END
 from engine.runner import Launched, ModelRunner
 from engine.sampler import Sampler
@@ -236,11 +236,14 @@ class LLMEngine:
         n = num_out if num_output is None else num_output
         last = n == num_out
         first = n == 1 and token is not None and seq.params.prompt_logprobs is not None
-        return TokenEvent(
-            seq.seq_id, token, logprobs, last and seq.status is Status.FINISHED, seq.finish_reason if last else None,
-            None, len(seq.prompt_ids), seq.num_cached_tokens, n,
-            list(seq.prompt_logprobs) if first else None, seq.num_drafted, seq.num_accepted,
-        )
+        ev = TokenEvent(seq_id=seq.seq_id, token_id=token, completion_tokens=n, logprobs=logprobs)
+        if last and seq.status is Status.FINISHED:
+            ev.finished, ev.finish_reason = True, seq.finish_reason
+            ev.usage = Usage(prompt_tokens=len(seq.prompt_ids), cached_tokens=seq.num_cached_tokens,
+                             completion_tokens=n, draft_tokens=seq.num_drafted, accepted_tokens=seq.num_accepted)
+        if first:
+            ev.prompt_logprobs = list(seq.prompt_logprobs)
+        return ev
 
     def _forget_if_done(self, seq: Sequence) -> None:
         if seq.is_finished:

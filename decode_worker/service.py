@@ -35,9 +35,11 @@ from engine.sequence import FinishReason
 from kv_transfer.ledger import Entry, HandoffState, Ledger
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc as pb_grpc
+from protos.handoff import reservation_event
+from protos.sampling import params_from_pb
+from protos.tokens import can_join, logprobs_from_pb, token_events_to_pb
 from worker_runtime.addresses import resolve as resolve_host
 from worker_runtime.config import Role, WorkerConfig
-from worker_runtime.convert import can_join, logprobs_from_pb, params_from_pb, token_events_to_pb
 from worker_runtime.kv_events import KVEventHub
 from worker_runtime.rpc import epoch_str, new_epoch, start_server
 from worker_runtime.service import WorkerRpcs, make_transport, process_age_s
@@ -194,7 +196,7 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
 
     @staticmethod
     def _error_event(rid: str, msg: str) -> TokenEvent:
-        return TokenEvent(rid, None, finished=True, finish_reason=FinishReason.ERROR, error=msg)
+        return TokenEvent(seq_id=rid, token_id=None, finished=True, finish_reason=FinishReason.ERROR, error=msg)
 
     def check_integrity(self) -> None:
         """Engine thread: blocks match live sequences; ledger consistent."""
@@ -229,9 +231,8 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
                 lease = request.lease_s or self.config.handoff.reservation_lease_s
                 res = await self.aengine.call(self._reserve, rid, prompt, params, prio, lease)
                 offered = True
-                yield pb.DecodeEvent(reservation=pb.Reservation(
-                    block_ids=res.block_ids, num_cached_tokens=res.num_cached_tokens, lease_s=lease,
-                    worker_id=self.config.worker_id, epoch=self.epoch))
+                yield reservation_event(block_ids=res.block_ids, num_cached_tokens=res.num_cached_tokens,
+                                        lease_s=lease, worker_id=self.config.worker_id, epoch=self.epoch)
             else:
                 await self.aengine.call(self.engine.add_request, rid, prompt, params, prio, None,
                                         list(request.output_ids))
@@ -307,8 +308,8 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         if rid not in self.engine.seqs:  # unknown, finished, or quarantined (no longer a request)
             return False
         self._abort(rid)
-        self.aengine.loop.deliver([TokenEvent(rid, None, finished=True, finish_reason=FinishReason.ABORT,
-                                              error="aborted by an Abort request")])
+        self.aengine.loop.deliver([TokenEvent(seq_id=rid, token_id=None, finished=True,
+                                              finish_reason=FinishReason.ABORT, error="aborted by an Abort request")])
         return True
 
     async def Handshake(self, request, context):

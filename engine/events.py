@@ -1,5 +1,5 @@
 """What an engine hands out per token: plain data, no torch, so the router and the
-wire conversion (worker_runtime/convert.py) use it without the model runtime."""
+wire conversion (protos/tokens.py) use it without the model runtime."""
 
 from __future__ import annotations
 
@@ -20,18 +20,28 @@ class TokenLogprobs:
 
 
 @dataclass
+class Usage:
+    """A request's token counts, by the names the wire (protos/tokens.py), the router
+    and the OpenAI API use."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    completion_tokens: int = 0
+    draft_tokens: int = 0  # speculative decoding: tokens proposed for the request
+    accepted_tokens: int = 0  # ... and kept
+
+
+@dataclass
 class TokenEvent:
-    """A request's progress after one step: a new token and/or its end."""
+    """A request's progress after one step: a new token and/or its end. Built by
+    keyword; most carry a token and its place alone, the last one its usage."""
 
     seq_id: str
     token_id: int | None
+    completion_tokens: int = 0  # the token's place in the output (1 for the first)
     logprobs: TokenLogprobs | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
+    usage: Usage | None = None  # on the event that finishes the request
     prompt_logprobs: list[TokenLogprobs] | None = None  # on a request's first token, when asked for
-    num_draft_tokens: int = 0  # speculative decoding, so far: tokens proposed for the request
-    num_accepted_tokens: int = 0  # ... and kept

@@ -1,6 +1,6 @@
 """Making a NIXL agent that behaves on this machine, and its descriptor tables.
 
-Pitfalls handled here (measured in /work/shared/NIXL.md): the python wrapper sets
+Pitfalls handled here (measured by the team on a CPU-only machine, 2026): the python wrapper sets
 the progress thread's delay to 0, so every agent busy-spins a core; NIXL logs
 INFO lines to stdout; UCX advertises every network device unless told otherwise.
 """

@@ -30,8 +30,7 @@ from engine.sequence import FinishReason, Sequence
 from engine.structured import StructuredOutputs, attach_grammar
 from kv_transfer.base import PeerId, TransferError, TransferHandle, Transport, XferState
 from kv_transfer.ledger import Entry, Ledger
-from protos import tandem_pb2 as pb
-from worker_runtime.convert import logprobs_to_pb
+from protos.handoff import gave_up_message, landed_message
 from worker_runtime.stats import RateMeter
 
 log = logging.getLogger(__name__)
@@ -70,19 +69,6 @@ class PrefillJob:
 
 
 ENDED_KEPT = 4096  # ended jobs' ids kept: an abort arrives within moments of its job's end
-
-
-def gave_up_message(request_id: str, reason: str) -> bytes:
-    """KVLanded for a prefill that ended before it posted any write: the decode worker
-    gives the reservation's blocks back at once (quarantined or not)."""
-    return pb.KVLanded(request_id=request_id, failed=True, error=reason).SerializeToString()
-
-
-def landed_message(request_id: str, first_token: int, logprobs: TokenLogprobs | None) -> bytes:
-    msg = pb.KVLanded(request_id=request_id, first_token=first_token)
-    if logprobs is not None:
-        msg.logprobs.CopyFrom(logprobs_to_pb(logprobs))
-    return msg.SerializeToString()
 
 
 class PrefillEngine:

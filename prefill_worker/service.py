@@ -23,9 +23,10 @@ from kv_transfer.base import PeerId
 from prefill_worker.prefill_engine import PrefillEngine, PrefillFailed, PrefillResult
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc as pb_grpc
+from protos.handoff import prefill_reply
+from protos.sampling import params_from_pb
 from worker_runtime.addresses import resolve as resolve_host
 from worker_runtime.config import Role, WorkerConfig
-from worker_runtime.convert import logprobs_to_pb, params_from_pb
 from worker_runtime.kv_events import KVEventHub
 from worker_runtime.loop import EngineLoop
 from worker_runtime.rpc import call_metadata, channel, epoch_str, new_epoch, start_server
@@ -231,16 +232,9 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
 
     @staticmethod
     def _reply(r: PrefillResult) -> pb.PrefillReply:
-        reply = pb.PrefillReply(
-            first_token=r.first_token,
-            num_cached_tokens=r.num_cached_tokens,
-            num_transferred_blocks=r.num_blocks,
-            num_transferred_bytes=r.num_bytes,
-            timings=pb.Timings(queue_s=r.queue_s, prefill_s=r.prefill_s, transfer_s=r.transfer_s),
-        )
-        if r.logprobs is not None:
-            reply.logprobs.CopyFrom(logprobs_to_pb(r.logprobs))
-        return reply
+        return prefill_reply(first_token=r.first_token, logprobs=r.logprobs, num_cached_tokens=r.num_cached_tokens,
+                             num_blocks=r.num_blocks, num_bytes=r.num_bytes, queue_s=r.queue_s, prefill_s=r.prefill_s,
+                             transfer_s=r.transfer_s)
 
     async def Abort(self, request, context):
         found = await self.loop.call(self.engine.abort, request.request_id, "aborted by the router")

@@ -13,8 +13,8 @@ import abc
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from engine.events import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from protos.tokens import TokenBatch
 
 
 class BackendError(RuntimeError):
@@ -26,25 +26,6 @@ class BackendError(RuntimeError):
         self.status = status
         self.retry_after = retry_after
         self.full = full  # a worker refused it for room (RESOURCE_EXHAUSTED): nothing failed
-
-
-@dataclass
-class TokenBatch:
-    """New tokens of one request, in order. `first_index` is the output index of
-    token_ids[0]; the last batch has finished=True (and usage)."""
-
-    first_index: int
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort | error
-    error: str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    prompt_logprobs: list[TokenLogprobs] | None = None  # with the first token, when asked for
-    draft_tokens: int = 0  # speculative decoding (on the last batch): tokens proposed, and kept
-    accepted_tokens: int = 0
 
 
 @dataclass

@@ -17,7 +17,8 @@ from typing import AsyncIterator, Awaitable, Iterable, TypeVar
 
 from engine.events import TokenLogprobs
 from engine.output import TextStream
-from router.backend import Backend, BackendError, GenerateRequest, TokenBatch
+from protos.tokens import TokenBatch
+from router.backend import Backend, BackendError, GenerateRequest
 from router.metrics import ChoiceTimer
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,8 @@ import time
 from typing import AsyncIterator
 
 from engine.block_pool import block_hashes
-from router.backend import Backend, BackendError, GenerateRequest, TokenBatch
+from protos.tokens import TokenBatch
+from router.backend import Backend, BackendError, GenerateRequest
 from router.cluster_metrics import ClusterMetrics
 from router.policy import RoutingConfig, WorkerView, choose_decode, plan
 from router.view import ClusterView

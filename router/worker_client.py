@@ -24,10 +24,11 @@ from dataclasses import dataclass
 import grpc
 
 from protos import tandem_pb2 as pb
+from protos.handoff import decode_request, prefill_request
+from protos.tokens import TokenBatch, batch_from_pb, logprobs_from_pb
 from router import token_feed
-from router.backend import BackendError, GenerateRequest, TokenBatch
+from router.backend import BackendError, GenerateRequest
 from worker_runtime.client import RPC_ERRORS, WorkerClient
-from worker_runtime.convert import logprobs_from_pb, params_to_pb
 
 log = logging.getLogger(__name__)
 
@@ -40,28 +41,10 @@ class PrefillOutcome:
     error: str | None = None
 
 
-def _batch(t: pb.Tokens) -> TokenBatch:
-    """A Tokens message as a TokenBatch. Most are one token and nothing else, one per
-    stream per step: the fields that only some messages carry (logprobs, the first
-    one's prompt logprobs, the last one's end and usage) are read only when present."""
-    b = TokenBatch(t.first_index, list(t.token_ids))
-    if t.logprobs:
-        b.logprobs = [logprobs_from_pb(x) for x in t.logprobs]
-    if t.prompt_logprobs:
-        b.prompt_logprobs = [logprobs_from_pb(x) for x in t.prompt_logprobs]
-    if t.finished or t.finish_reason or t.error:
-        b.finished, b.finish_reason, b.error = t.finished, t.finish_reason or None, t.error or None
-    if t.HasField("usage"):  # the worker sends it with the last message
-        u = t.usage
-        b.prompt_tokens, b.cached_tokens, b.completion_tokens = u.prompt_tokens, u.cached_tokens, u.completion_tokens
-        b.draft_tokens, b.accepted_tokens = u.draft_tokens, u.accepted_tokens
-    return b
-
-
 def _decode_request(req: GenerateRequest, mode: int, lease_s: float, feed_id: str = "") -> pb.DecodeRequest:
-    return pb.DecodeRequest(request_id=req.request_id, prompt_ids=req.prompt_ids, params=params_to_pb(req.params),
-                            priority=req.priority, mode=mode, lease_s=lease_s, output_ids=req.output_ids,
-                            feed_id=feed_id)
+    return decode_request(request_id=req.request_id, prompt_ids=req.prompt_ids, params=req.params,
+                          priority=req.priority, mode=mode, lease_s=lease_s, output_ids=req.output_ids,
+                          feed_id=feed_id)
 
 
 def rpc_error(e: grpc.aio.AioRpcError | grpc.aio.UsageError, who: str) -> BackendError:
@@ -127,7 +110,7 @@ class _DecodeCall:
             elif isinstance(item, BaseException):
                 raise rpc_error(item, f"decode worker {self.decode.worker_id}")
             else:
-                yield _batch(item)
+                yield batch_from_pb(item)
                 if item.finished:
                     return
 
@@ -161,10 +144,8 @@ async def local_stream(decode: WorkerClient, req: GenerateRequest) -> AsyncItera
 
 async def run_prefill(prefill: WorkerClient, decode: WorkerClient, req: GenerateRequest, res: pb.Reservation,
                       timeout: float) -> PrefillOutcome:
-    target = pb.DecodeTarget(worker_id=res.worker_id, epoch=res.epoch, address=decode.address,
-                             block_ids=res.block_ids, num_cached_tokens=res.num_cached_tokens)
-    preq = pb.PrefillRequest(request_id=req.request_id, prompt_ids=req.prompt_ids, params=params_to_pb(req.params),
-                             priority=req.priority, target=target)
+    preq = prefill_request(request_id=req.request_id, prompt_ids=req.prompt_ids, params=req.params,
+                           priority=req.priority, reservation=res, decode_address=decode.address)
     try:
         return PrefillOutcome(await prefill.stub.Prefill(preq, timeout=timeout, metadata=prefill.metadata))
     except grpc.aio.AioRpcError as e:
@@ -225,6 +206,6 @@ async def _decode_tokens(call, decode: WorkerClient) -> AsyncIterator[TokenBatch
         if ev is grpc.aio.EOF:
             raise BackendError(f"decode worker {decode.worker_id} ended the stream early", 500)
         if ev.WhichOneof("kind") == "tokens":
-            yield _batch(ev.tokens)
+            yield batch_from_pb(ev.tokens)
             if ev.tokens.finished:
                 return

@@ -25,7 +25,7 @@ interference  ITL of running decode streams while long prompts arrive. --streams
 
 vllm          Offline generation throughput, tandem vs vLLM's CPU build, on the same
               checkpoint: --num-prompts random prompts of --input-len token ids,
-              --output-len tokens each, greedy, ignore_eos (the shared/PEERS.md
+              --output-len tokens each, greedy, ignore_eos (the side by side's
               workload). tandem runs `LLM.generate` in this process; vLLM runs
               `LLM.generate` in a subprocess of --venv's python with the tuned CPU
               settings of bench/lab/peers.py. Only generate() is timed, after a short
@@ -77,6 +77,7 @@ from bench.lab.engine import (
     warn_if_busy,
     write_json,
 )
+from bench.lab.peers import DEFAULT_VENV
 
 SECTIONS = ("batching", "interference", "vllm")
 Log = Callable[..., None]
@@ -388,7 +389,7 @@ class VllmArgs:
     input_len: int = 256
     output_len: int = 128
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
-    venv: str = "/work/venvs/vllm"
+    venv: str = DEFAULT_VENV
     max_model_len: int = 2048
     kv_cache_gib: int = 4
     timeout_s: float = 900.0
@@ -699,7 +700,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     v.add_argument("--input-len", type=int)
     v.add_argument("--output-len", type=int)
     v.add_argument("--dtypes", help="comma-separated, e.g. float32,bfloat16")
-    v.add_argument("--venv", help="vLLM's virtual environment (default /work/venvs/vllm)")
+    v.add_argument("--venv", help=f"vLLM's virtual environment (default {DEFAULT_VENV})")
     v.add_argument("--vllm-timeout", type=float, dest="timeout_s", help="seconds per vLLM run, start-up included")
     v.add_argument("--enforce-eager", action="store_true", default=None, help="vLLM without compilation")
     v.add_argument("--repeats", type=int, help="timed generate() calls per engine and dtype (median reported)")

@@ -89,7 +89,7 @@ def run(engine, prompts: list[list[int]], concurrency: int, max_tokens: int) -> 
                 tokens += 1
                 first.setdefault(ev.seq_id, now)
             if ev.finished:
-                n = ev.num_output_tokens
+                n = ev.completion_tokens
                 if n > 1:
                     per_token_ms.append((now - first[ev.seq_id]) * 1e3 / (n - 1))
     wall = time.perf_counter() - t0

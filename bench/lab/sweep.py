@@ -40,6 +40,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from bench.lab.peers import DEFAULT_VENV, LlamaServer, VllmConfig, VllmServer
 from bench.report import _f, rate_json
 from bench.servers import ManagedServer, TandemServer, free_port
 
@@ -127,57 +128,6 @@ class SweepTandem(TandemServer):
                         out["decode_only_s"] += sums[names[0]]
                         out["decode_only_n"] += sums[names[1]]
         return out
-
-
-class VllmSweepServer(ManagedServer):
-    """vLLM's CPU build with bench.lab.peers' tuned settings (shared/PEERS.md)."""
-
-    ready_path = "/health"
-    metrics_prefix = "vllm:"
-
-    def __init__(self, port: int, log_path: Path, model: str, venv: str, dtype: str,
-                 max_model_len: int = MAX_MODEL_LEN) -> None:
-        super().__init__(port, log_path)
-        from bench.lab.peers import VllmConfig, VllmServer
-
-        self.name = "vllm"
-        self.peer = VllmServer(VllmConfig(model=model, port=port, venv=venv, dtype=dtype,
-                                          max_model_len=max_model_len))
-
-    def command(self) -> list[str]:
-        return self.peer.command()
-
-    def env_overrides(self) -> dict[str, str]:
-        env = self.peer.env()
-        return {k: env[k] for k in ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_HOST_IP",
-                                    "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD", "PATH")
-                if k in env and (k != "PATH" or env[k] != os.environ.get("PATH"))}
-
-    def display_command(self) -> str:
-        env = {k: v for k, v in self.env_overrides().items() if k != "PATH"}
-        return " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + \
-            shlex.join(self.command())
-
-
-class LlamaCppServer(ManagedServer):
-    """llama.cpp's C++ `llama-server` with continuous batching (shared/PEERS.md): a GGUF
-    of the same weights; `tokenizer.ggml.pre` forced to gpt-2 (byte-level BPE)."""
-
-    ready_path = "/health"
-
-    def __init__(self, port: int, log_path: Path, binary: str, gguf: str, parallel: int,
-                 threads: int, max_model_len: int = MAX_MODEL_LEN) -> None:
-        super().__init__(port, log_path)
-        self.name = "llamacpp"
-        self.binary, self.gguf = binary, gguf
-        self.parallel, self.threads, self.max_model_len = parallel, threads, max_model_len
-
-    def command(self) -> list[str]:
-        # -c is the total context, split evenly among the -np slots.
-        return [self.binary, "-m", self.gguf, "--host", "127.0.0.1", "--port", str(self.port),
-                "-np", str(self.parallel), "-cb", "-t", str(self.threads),
-                "-c", str(self.parallel * self.max_model_len),
-                "--override-kv", "tokenizer.ggml.pre=str:gpt-2"]
 
 
 # ---- server-side counters ------------------------------------------------------------
@@ -449,21 +399,22 @@ class Sweep:
         model = a.model or str(builtin_model_path())
         if name.startswith("tandem"):
             extra = (["--model", a.model] if a.model else []) + (["--dtype", a.tandem_dtype] if a.tandem_dtype else [])
-            return TandemServer(port, log_path, colocated=name == "tandem-colocated",
+            return SweepTandem(port, log_path, colocated=name == "tandem-colocated",
                                 extra_args=(*extra, *shlex.split(a.tandem_args or "")))
         if name == "vllm":
             if not (Path(a.vllm_venv) / "bin" / "vllm").is_file():
                 return f"no vLLM in {a.vllm_venv} (install: docs/bench.md)"
-            return VllmSweepServer(port, log_path, model, a.vllm_venv, a.vllm_dtype)
+            return VllmServer(VllmConfig(model=model, port=port, venv=a.vllm_venv, dtype=a.vllm_dtype,
+                                         max_model_len=MAX_MODEL_LEN), log_path)
         binary = a.llama_server or shutil.which("llama-server")
         if not binary:
             return ("llama-server not found on PATH (give --llama-server PATH; build notes "
-                    "in shared/PEERS.md)")
+                    "in docs/bench.md; python -m bench.lab.peers setup builds it)")
         gguf = a.gguf or _convert_gguf(model, self.out / "model.gguf", a.llama_convert)
         if isinstance(gguf, str) and not Path(gguf).is_file():
             return gguf
-        return LlamaCppServer(port, log_path, binary, str(gguf), a.llama_parallel,
-                              a.llama_threads)
+        return LlamaServer(port, log_path, binary, str(gguf), a.llama_parallel, a.llama_threads,
+                           max_model_len=MAX_MODEL_LEN, name="llamacpp")
 
     def run(self) -> int:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -578,14 +529,14 @@ def _convert_gguf(model: str, out: Path, script: str | None) -> str:
     script = script or shutil.which("convert_hf_to_gguf.py")
     if not script:
         return ("no GGUF: give --gguf FILE, or --llama-convert path/to/convert_hf_to_gguf.py "
-                "(GGUF notes in shared/PEERS.md)")
+                "(python -m bench.lab.peer_models writes GGUF files of its models)")
     if out.is_file():
         return str(out)
     proc = subprocess.run([sys.executable, script, model, "--outfile", str(out),
                            "--outtype", "f32"], capture_output=True, text=True, timeout=600)
     if proc.returncode != 0 or not out.is_file():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
-        return f"GGUF conversion failed ({tail[0][:200]}); see shared/PEERS.md"
+        return f"GGUF conversion failed ({tail[0][:200]}); see docs/bench.md"
     return str(out)
 
 
@@ -1061,7 +1012,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--render-only", metavar="DIR",
                    help="rewrite DIR/report.md and the PNGs from DIR/sweep.json")
     p.add_argument("--preset", choices=["peers"],
-                   help="peers: the side-by-side of shared/PEERS.md in one run: vLLM-CPU, llama-server, "
+                   help="peers: the side by side in one run: vLLM-CPU, llama-server, "
                    "tandem colocated and disaggregated; random 256/128 at rate inf (200 prompts) and a "
                    "single stream (20 prompts); bf16; the memory-bandwidth floor (pass --model and --gguf)")
     p.add_argument("--model", help="HF checkpoint directory every server serves (default: the built-in model)")
@@ -1069,7 +1020,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per workload, also N requests one at a time (--max-concurrency 1)")
     p.add_argument("--tandem-dtype", default=None, help="tandem serve --dtype (default: the model's)")
     p.add_argument("--tandem-args", default="", help="extra `tandem serve` options, quoted")
-    p.add_argument("--vllm-venv", default="/work/venvs/vllm")
+    p.add_argument("--vllm-venv", default=DEFAULT_VENV)
     p.add_argument("--vllm-dtype", default="bfloat16",
                    help="vLLM's --dtype (bench.lab.peers' tuned default: bfloat16)")
     p.add_argument("--llama-server", help="llama.cpp's llama-server binary (default: PATH)")

@@ -7,24 +7,27 @@ from typing import AsyncIterator
 
 from decode_worker.async_engine import AsyncEngine
 from decode_worker.llm_engine import EngineConfig, LLMEngine
+from engine.events import Usage
 from engine.scheduler import AdmissionError
-from router.backend import Backend, BackendError, GenerateRequest, TokenBatch
+from protos.tokens import TokenBatch
+from router.backend import Backend, BackendError, GenerateRequest
 
 
 def _batch(ev) -> TokenBatch:
+    u = ev.usage or Usage()
     return TokenBatch(
-        first_index=ev.num_output_tokens - (ev.token_id is not None),
+        first_index=ev.completion_tokens - (ev.token_id is not None),
         token_ids=[] if ev.token_id is None else [ev.token_id],
         logprobs=[] if ev.logprobs is None else [ev.logprobs],
         finished=ev.finished,
         finish_reason=ev.finish_reason.value if ev.finish_reason else None,
         error=ev.error,
-        prompt_tokens=ev.num_prompt_tokens,
-        cached_tokens=ev.num_cached_tokens,
-        completion_tokens=ev.num_output_tokens,
+        prompt_tokens=u.prompt_tokens,
+        cached_tokens=u.cached_tokens,
+        completion_tokens=u.completion_tokens,
         prompt_logprobs=ev.prompt_logprobs,
-        draft_tokens=ev.num_draft_tokens,
-        accepted_tokens=ev.num_accepted_tokens,
+        draft_tokens=u.draft_tokens,
+        accepted_tokens=u.accepted_tokens,
     )
 
 

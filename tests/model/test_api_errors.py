@@ -14,9 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from decode_worker.llm_engine import EngineConfig
 from engine.config import CacheConfig, DeviceConfig, SchedulerConfig
 from engine.tokenizer import Tokenizer
+from protos.tokens import TokenBatch
 from router.admin import AdminInterface
 from router.app import RouterSettings, create_app
-from router.backend import Backend, BackendError, TokenBatch
+from router.backend import Backend, BackendError
 from tests.harness.engine_backend import EngineBackend
 from tests.harness.server_thread import ServerThread
 

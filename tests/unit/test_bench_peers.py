@@ -1,6 +1,8 @@
 """bench.lab.peers without starting vLLM: config checks, command line and environment."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from bench.lab.peers import VllmConfig, VllmServer
@@ -108,3 +110,51 @@ def test_side_by_side_reports_engine_time_at_rate_inf():
     for p in pts:
         p["engine_s"] = None
     assert "Engine time at rate inf" not in "\n".join(_side_by_side(meta, pts))
+
+
+def test_side_by_side_table_takes_ratios_within_the_run(tmp_path):
+    from bench.lab.peers import table
+
+    runs = {"vllm": (100.0, 20.0), "llama": (200.0, 10.0), "tandem-disagg": (50.0, 12.0)}
+    for name, (duration, tpot) in runs.items():
+        (tmp_path / f"{name}-inf.json").write_text(json.dumps(
+            {"completed": 200, "duration": duration, "median_ttft_ms": 900.0, "failed": 0}))
+        (tmp_path / f"{name}-1stream.json").write_text(json.dumps({"median_tpot_ms": tpot, "failed": 1}))
+    rows = table(tmp_path, ("vllm", "llama", "llama-q8", "tandem-disagg"))
+    assert len(rows) == 2 + 3  # header, rule, and the three servers that ran (llama-q8 did not)
+    assert rows[2].startswith("| vllm | 256 |  | 900.0 | 20.00 |  | 2.00x | 0+1 |")
+    assert rows[4] == "| tandem-disagg | 512 | 2.00x | 900.0 | 12.00 | 0.60x | 1.20x | 0+1 |"
+
+
+def test_gguf_rotary_order_rotates_as_hugging_face_does():
+    """q/k rows reordered for GGML (pairs) give the same rotated vectors as Hugging Face's
+    rotate-half layout does with the original rows."""
+    import torch
+
+    from bench.lab.peer_models import _interleave_rotary
+
+    heads, d, hidden, pos = 2, 8, 16, 5
+    w = torch.randn(heads * d, hidden, dtype=torch.float64)
+    x = torch.randn(hidden, dtype=torch.float64)
+    theta = pos * 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # [d/2]
+    cos, sin = torch.cos(theta), torch.sin(theta)
+    hf = (w @ x).view(heads, d)
+    first, second = hf[:, : d // 2], hf[:, d // 2:]
+    hf_rot = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+    gg = (torch.from_numpy(_interleave_rotary(w.numpy(), heads)) @ x).view(heads, d // 2, 2)
+    even, odd = gg[..., 0], gg[..., 1]
+    gg_rot = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).view(heads, d)
+    # the same rotated features, each pair (i, i + d/2) of HF's now adjacent in GGML's
+    assert torch.allclose(gg_rot.view(heads, d // 2, 2).transpose(1, 2).reshape(heads, d), hf_rot)
+
+
+def test_safetensors_read_without_torch_matches_the_library(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from bench.lab.peer_models import read_safetensors
+
+    tensors = {"a": torch.randn(3, 4).to(torch.bfloat16), "b": torch.randn(5), "c": torch.randn(2, 2).half()}
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    got = read_safetensors(tmp_path / "m.safetensors")
+    assert all(torch.equal(torch.from_numpy(got[k].copy()), t.float()) for k, t in tensors.items())

@@ -28,23 +28,25 @@ def test_stubs_import_and_round_trip():
 def test_queued_token_events_coalesce_into_one_message():
     """A Decode stream that fell behind sends what queued as one Tokens message, with
     consecutive ids, parallel logprobs and the last event's end and usage."""
-    from engine.events import TokenEvent, TokenLogprobs
+    from engine.events import TokenEvent, TokenLogprobs, Usage
     from engine.sequence import FinishReason
-    from worker_runtime.convert import can_join, token_events_to_pb
+    from protos.tokens import can_join, token_events_to_pb
 
     lp = TokenLogprobs(7, -0.5, [(7, -0.5)])
-    evs = [TokenEvent("r", 7 + i, lp, num_prompt_tokens=4, num_output_tokens=3 + i) for i in range(3)]
+    evs = [TokenEvent(seq_id="r", token_id=7 + i, completion_tokens=3 + i, logprobs=lp) for i in range(3)]
     evs[-1].finished, evs[-1].finish_reason = True, FinishReason.LENGTH
+    evs[-1].usage = Usage(prompt_tokens=4, completion_tokens=5)
     assert all(can_join(a, b) for a, b in zip(evs, evs[1:]))
     t = token_events_to_pb(evs).tokens
     assert (t.first_index, list(t.token_ids), len(t.logprobs)) == (2, [7, 8, 9], 3)
     assert t.finished and t.finish_reason == "length" and t.usage.completion_tokens == 5
     # a gap in the ids, a change in logprobs presence, or anything after the end does not join
-    assert not can_join(evs[0], TokenEvent("r", 9, lp, num_output_tokens=5))
-    assert not can_join(evs[0], TokenEvent("r", 8, None, num_output_tokens=4))
-    assert not can_join(evs[-1], TokenEvent("r", 10, lp, num_output_tokens=6))
+    assert not can_join(evs[0], TokenEvent(seq_id="r", token_id=9, completion_tokens=5, logprobs=lp))
+    assert not can_join(evs[0], TokenEvent(seq_id="r", token_id=8, completion_tokens=4))
+    assert not can_join(evs[-1], TokenEvent(seq_id="r", token_id=10, completion_tokens=6, logprobs=lp))
     # an error event (no token) may close a message
-    err = TokenEvent("r", None, finished=True, finish_reason=FinishReason.ERROR, error="boom", num_output_tokens=4)
+    err = TokenEvent(seq_id="r", token_id=None, completion_tokens=4, finished=True, finish_reason=FinishReason.ERROR,
+                     error="boom")
     assert can_join(evs[0], err)
     t = token_events_to_pb([evs[0], err]).tokens
     assert list(t.token_ids) == [7] and t.finish_reason == "error" and t.error == "boom"
@@ -54,29 +56,29 @@ def _tokens_the_plain_way(evs):
     """The Tokens message of `evs` built from constructors (the way convert.py did before
     it wrote in place): the reference for `fill_tokens`."""
     from protos import tandem_pb2 as pb
-    from worker_runtime.convert import logprobs_to_pb
+    from protos.tokens import logprobs_to_pb
 
     last = evs[-1]
     t = pb.Tokens(finished=last.finished, finish_reason=last.finish_reason.value if last.finish_reason else "",
                   error=last.error or "")
     toks = [e for e in evs if e.token_id is not None]
     if toks:
-        t.first_index = toks[0].num_output_tokens - 1
+        t.first_index = toks[0].completion_tokens - 1
         t.token_ids.extend(e.token_id for e in toks)
         t.logprobs.extend(logprobs_to_pb(e.logprobs) for e in toks if e.logprobs is not None)
     for e in evs:
         if e.prompt_logprobs:
             t.prompt_logprobs.extend(logprobs_to_pb(lp) for lp in e.prompt_logprobs)
     if last.finished:
-        t.usage.CopyFrom(pb.Usage(prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens,
-                                  cached_tokens=last.num_cached_tokens, draft_tokens=last.num_draft_tokens,
-                                  accepted_tokens=last.num_accepted_tokens))
+        u = last.usage
+        t.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                                  cached_tokens=u.cached_tokens, draft_tokens=u.draft_tokens,
+                                  accepted_tokens=u.accepted_tokens) if u else pb.Usage())
     return pb.DecodeEvent(tokens=t)
 
 
 def _batch_reading_every_field(t):
-    from router.backend import TokenBatch
-    from worker_runtime.convert import logprobs_from_pb
+    from protos.tokens import TokenBatch, logprobs_from_pb
 
     return TokenBatch(
         first_index=t.first_index, token_ids=list(t.token_ids), logprobs=[logprobs_from_pb(x) for x in t.logprobs],
@@ -92,11 +94,10 @@ def test_token_messages_written_in_place_equal_the_plain_way_byte_for_byte():
     import random
 
     from decode_worker.feed import TokenFeed
-    from engine.events import TokenEvent, TokenLogprobs
+    from engine.events import TokenEvent, TokenLogprobs, Usage
     from engine.sequence import FinishReason
     from protos import tandem_pb2 as pb
-    from router import worker_client
-    from worker_runtime.convert import can_join, token_events_to_pb
+    from protos.tokens import batch_from_pb, can_join, token_events_to_pb
 
     rng = random.Random(0)
     for _ in range(300):
@@ -106,11 +107,15 @@ def test_token_messages_written_in_place_equal_the_plain_way_byte_for_byte():
             end = rng.random() < 0.2
             token = None if end and rng.random() < 0.5 else rng.randrange(50_000)
             lp = TokenLogprobs(token or 0, -rng.random(), [(5, -0.1), (9, -2.0)], rank=rng.choice([None, 1, 3]))
+            usage = Usage(prompt_tokens=rng.randint(1, 900), cached_tokens=rng.randint(0, 64),
+                          completion_tokens=n + k, draft_tokens=rng.randint(0, 9), accepted_tokens=rng.randint(0, 9))
             ev = TokenEvent(
-                rid, token, lp if with_lp and token is not None else None, end,
-                rng.choice(list(FinishReason)) if end else None, "boom" if end and rng.random() < 0.3 else None,
-                rng.randint(1, 900), rng.randint(0, 64), n + k, [lp, lp] if n + k == 1 and rng.random() < 0.5 else None,
-                rng.randint(0, 9), rng.randint(0, 9),
+                seq_id=rid, token_id=token, completion_tokens=n + k,
+                logprobs=lp if with_lp and token is not None else None, finished=end,
+                finish_reason=rng.choice(list(FinishReason)) if end else None,
+                error="boom" if end and rng.random() < 0.3 else None,
+                usage=usage if end and rng.random() < 0.8 else None,
+                prompt_logprobs=[lp, lp] if n + k == 1 and rng.random() < 0.5 else None,
             )
             if run and not can_join(run[-1], ev):
                 break
@@ -120,12 +125,12 @@ def test_token_messages_written_in_place_equal_the_plain_way_byte_for_byte():
         assert token_events_to_pb(run).SerializeToString() == _tokens_the_plain_way(run).SerializeToString()
         # the router reads it back as it did when it read every field of every message
         t = pb.Tokens.FromString(token_events_to_pb(run).tokens.SerializeToString())
-        assert worker_client._batch(t) == _batch_reading_every_field(t)
+        assert batch_from_pb(t) == _batch_reading_every_field(t)
         batch, _ = TokenFeed._batch(run)
         want = pb.FeedBatch(items=[pb.FeedItem(request_id=rid, tokens=_tokens_the_plain_way(run).tokens)])
         assert batch.SerializeToString() == want.SerializeToString()
     # a run that carries nothing still names its Tokens message
-    bare = [TokenEvent("r", None)]
+    bare = [TokenEvent(seq_id="r", token_id=None)]
     assert token_events_to_pb(bare).WhichOneof("kind") == "tokens"
 
 
@@ -135,7 +140,7 @@ def test_sampling_params_cross_the_wire_whole_and_a_huge_top_k_keeps_every_token
     vocabulary just the same."""
     from engine.sampling_params import GuidedSpec, SamplingParams
     from protos import tandem_pb2 as pb
-    from worker_runtime.convert import params_from_pb, params_to_pb
+    from protos.sampling import params_from_pb, params_to_pb
 
     p = SamplingParams(max_tokens=9, temperature=0.75, top_p=0.875, top_k=40, min_p=0.0625, seed=2**62,
                        repetition_penalty=1.25, presence_penalty=0.5, frequency_penalty=-0.5, logprobs=3,

@@ -9,15 +9,16 @@ import contextlib
 import pytest
 
 from decode_worker.feed import FeedClosed, TokenFeed
-from engine.events import TokenEvent
+from engine.events import TokenEvent, Usage
 from engine.sequence import FinishReason
 
 pytestmark = pytest.mark.unit
 
 
 def ev(rid, tok, n, finished=False):
-    return TokenEvent(rid, tok, finished=finished, finish_reason=FinishReason.LENGTH if finished else None,
-                      num_prompt_tokens=3, num_output_tokens=n)
+    return TokenEvent(seq_id=rid, token_id=tok, completion_tokens=n, finished=finished,
+                      finish_reason=FinishReason.LENGTH if finished else None,
+                      usage=Usage(prompt_tokens=3, completion_tokens=n) if finished else None)
 
 
 async def test_one_batch_per_wake_with_each_requests_tokens_in_order():
@@ -49,7 +50,8 @@ async def test_events_that_cannot_join_go_as_separate_items_in_order():
     batches = feed.batches()
     s.put_nowait(ev("a", 10, 1))
     s.put_nowait(ev("a", 12, 3))  # not consecutive (a speculative step's rows are, this is not)
-    s.put_nowait(TokenEvent("a", None, finished=True, finish_reason=FinishReason.ABORT, error="x", num_output_tokens=3))
+    s.put_nowait(TokenEvent(seq_id="a", token_id=None, completion_tokens=3, finished=True,
+                            finish_reason=FinishReason.ABORT, error="x"))
     batch = await asyncio.wait_for(batches.__anext__(), 5)
     toks = [(list(i.tokens.token_ids), i.tokens.finished) for i in batch.items]
     assert toks == [([10], False), ([12], True)]
