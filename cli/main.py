@@ -26,8 +26,8 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from cli.checks import CommandError
-from engine import envs
 from router.admission import ORDERS
+from worker_runtime import envs
 from worker_runtime.args import add_worker_args
 from worker_runtime.engine_args import add_engine_args
 
@@ -401,7 +401,7 @@ def _drift_line(d: dict | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    envs.use_huge_pages()  # before anything imports torch (engine/envs.py)
+    envs.use_huge_pages()  # before anything imports torch (worker_runtime/envs.py)
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -13,9 +13,8 @@ import socket
 import sys
 
 from cli.checks import CommandError, check_model
-from engine import envs
 from router.access import use_log_format
-from worker_runtime import eventloop
+from worker_runtime import envs, eventloop
 from worker_runtime.args import worker_config_from_args
 from worker_runtime.config import LOG_FORMAT, Role
 from worker_runtime.engine_args import engine_config_from_args, parse_cores

@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 
 from controller.autoscale import AutoscaleConfig, WorkerLoad
-from engine import envs
 from engine.cores import create_core_table
+from worker_runtime import envs
 from worker_runtime.client import RPC_ERRORS, WorkerClient, wait_ready
 from worker_runtime.config import Role, WorkerConfig
 from worker_runtime.membership import ROLES, Member, Membership, WorkerState

@@ -27,7 +27,6 @@ import grpc
 from decode_worker.async_engine import AsyncEngine
 from decode_worker.feed import ATTACH_S, FeedSocket, TokenFeed
 from decode_worker.llm_engine import LLMEngine
-from engine import envs
 from engine.events import TokenEvent
 from engine.sampling_params import SamplingParamsError
 from engine.scheduler import AdmissionError, NoCapacity
@@ -38,6 +37,7 @@ from protos import tandem_pb2_grpc as pb_grpc
 from protos.handoff import reservation_event
 from protos.sampling import params_from_pb
 from protos.tokens import can_join, logprobs_from_pb, token_events_to_pb
+from worker_runtime import envs
 from worker_runtime.addresses import resolve as resolve_host
 from worker_runtime.config import Role, WorkerConfig
 from worker_runtime.kv_events import KVEventHub

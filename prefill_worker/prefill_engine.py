@@ -21,7 +21,6 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from engine import envs
 from engine.events import TokenLogprobs
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -31,6 +30,7 @@ from engine.structured import StructuredOutputs, attach_grammar
 from kv_transfer.base import PeerId, TransferError, TransferHandle, Transport, XferState
 from kv_transfer.ledger import Entry, Ledger
 from protos.handoff import gave_up_message, landed_message
+from worker_runtime import envs
 from worker_runtime.stats import RateMeter
 
 log = logging.getLogger(__name__)

@@ -27,8 +27,8 @@ import weakref
 
 import grpc
 
-from engine import envs
 from protos import tandem_pb2 as pb
+from router import envs
 from worker_runtime.client import RPC_ERRORS, WorkerClient
 from worker_runtime.frames import frame, read_frame
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from engine import envs
+from worker_runtime import envs
 
 log = logging.getLogger(__name__)
 

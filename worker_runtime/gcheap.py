@@ -23,7 +23,7 @@ import gc
 import logging
 import time
 
-from engine import envs
+from worker_runtime import envs
 
 log = logging.getLogger(__name__)
 

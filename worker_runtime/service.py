@@ -6,10 +6,10 @@ from __future__ import annotations
 import abc
 import time
 
-from engine import envs
 from kv_transfer.base import Transport, TransportConfig
 from kv_transfer.registry import create_transport
 from protos import tandem_pb2 as pb
+from worker_runtime import envs
 from worker_runtime.addresses import Endpoint
 from worker_runtime.config import WorkerConfig
 from worker_runtime.metrics import WorkerMetrics

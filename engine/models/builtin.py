@@ -2,7 +2,7 @@
 
 `tandem-tiny-v2`, the model `tandem serve` runs when no model is named, and its draft
 `tandem-tiny-v2-draft` are trained on the Python standard library's source by
-lab/train_builtin.py and ship as package data (engine/models/data/), each with a
+bench/lab/train_builtin.py and ship as package data (engine/models/data/), each with a
 manifest.json naming the SHA-256 of every file (`verify_manifest`). Finding them
 imports no torch: every router and command line does it.
 

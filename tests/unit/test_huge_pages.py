@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import envs
+from worker_runtime import envs
 
 pytestmark = pytest.mark.unit
 

@@ -53,3 +53,25 @@ async def test_with_no_change_the_poll_returns_at_its_timeout_with_the_same_vers
     await polls_waiting(pool, 1)
     pool._note("y")
     assert (await asyncio.wait_for(c, 2.0)).version == v + 2
+
+
+def test_a_shrinking_pool_drains_by_the_workers_own_counts():
+    """The controller holds no router's counters (they live in the routers' processes):
+    it picks whom to drain from each worker's own stats, starting ones first."""
+    from controller.pools import PoolWorker, _victim_order
+    from worker_runtime.membership import WorkerState
+    from worker_runtime.stats import WorkerStats
+
+    def worker(wid, state, running=0, waiting=0):
+        w = PoolWorker(wid, Role.DECODE, actor=None, state=state)
+        if state is WorkerState.READY:
+            w.stats = WorkerStats(wid, 1, Role.DECODE, num_running=running, num_waiting=waiting)
+        return w
+
+    busy, idle, queued, starting = (worker("busy", WorkerState.READY, running=9),
+                                    worker("idle", WorkerState.READY),
+                                    worker("queued", WorkerState.READY, waiting=3),
+                                    worker("starting", WorkerState.STARTING))
+    order = sorted([busy, idle, queued, starting], key=_victim_order)
+    assert [w.worker_id for w in order] == ["starting", "idle", "queued", "busy"]
+    assert "in_flight" not in busy.as_dict()  # no always-zero field in the controller's answer
