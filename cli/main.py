@@ -29,7 +29,7 @@ from cli.checks import CommandError
 from router.admission import ORDERS
 from worker_runtime import envs
 from worker_runtime.args import add_worker_args
-from worker_runtime.engine_args import add_engine_args
+from worker_runtime.engine_args import add_engine_args, add_grammar_arg
 
 # Subcommands from packages above the router (`tandem bench`) are found through this
 # entry-point group (pyproject.toml), so the router never imports them.
@@ -71,6 +71,7 @@ def _router_parser(sub) -> argparse.ArgumentParser:
                    help="the checkpoint dir for the tokenizer (default: the controller's path, same on every host)")
     c.add_argument("--controller-wait-s", type=float, default=60.0,
                    help="how long to wait for the controller to appear")
+    add_grammar_arg(c)
     _routing_args(c)
     p.set_defaults(func=lambda a: _run_serve(a, p, attach=True))
     return p
@@ -130,6 +131,9 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-request-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get 413"
     )
+    g.add_argument("--grammar-compile-timeout-s", type=float, default=10.0,
+                   help="a structured-output spec that takes longer to compile (on a thread of its own, off the "
+                        "event loop) gets 400")
     g.add_argument(
         "--shutdown-grace-s",
         type=float,

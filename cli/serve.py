@@ -132,6 +132,8 @@ def build_app(args: argparse.Namespace, backend):
         manage_backend=False,  # serve() starts and stops it around the HTTP server
         max_request_body_bytes=args.max_request_body_bytes,
         tool_call_parser=args.tool_call_parser,
+        max_grammar_bytes=args.max_grammar_bytes,
+        grammar_compile_timeout_s=args.grammar_compile_timeout_s,
     )
     tokenizer = Tokenizer.from_dir(model_path)
     if args.chat_template:

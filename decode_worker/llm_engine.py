@@ -75,32 +75,36 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------
     def new_sequence(self, seq_id: str, prompt_ids: list[int], params: SamplingParams,
-                     priority: int = INTERACTIVE, arrival: float | None = None, output_ids=()) -> Sequence:
+                     priority: int = INTERACTIVE, arrival: float | None = None, output_ids=(),
+                     grammar=None) -> Sequence:
+        """`grammar`: the matcher of params' structured-output spec, compiled off this
+        thread already (compiled here when not given)."""
         if seq_id in self.seqs:
             raise ValueError(f"request id {seq_id!r} is already in use")
         if len(output_ids) >= params.max_tokens:
             raise ValueError(f"{len(output_ids)} tokens already generated; max_tokens is {params.max_tokens}")
         seq = Sequence(seq_id, list(prompt_ids), params, self.eos_ids, priority,
                        time.monotonic() if arrival is None else arrival, output_ids=list(output_ids))
-        attach_grammar(self.structured, seq)
+        attach_grammar(self.structured, seq, grammar)
         return seq
 
     def add_request(self, seq_id: str, prompt_ids: list[int], params: SamplingParams,
-                    priority: int = INTERACTIVE, arrival: float | None = None, output_ids=()) -> Sequence:
+                    priority: int = INTERACTIVE, arrival: float | None = None, output_ids=(),
+                    grammar=None) -> Sequence:
         """Queue a request for a local (colocated) prefill and decode. `output_ids`: tokens
         generated for it elsewhere (a migrated request), prefilled with the prompt."""
-        seq = self.new_sequence(seq_id, prompt_ids, params, priority, arrival, output_ids)
+        seq = self.new_sequence(seq_id, prompt_ids, params, priority, arrival, output_ids, grammar)
         self.scheduler.add(seq)
         self.seqs[seq_id] = seq
         return seq
 
     def reserve(self, seq_id: str, prompt_ids: list[int], params: SamplingParams,
-                priority: int = INTERACTIVE) -> Reservation:
+                priority: int = INTERACTIVE, grammar=None) -> Reservation:
         """Hold blocks for a prompt whose KV a prefill worker will write (its deadline
         is the caller's handoff ledger's)."""
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs need every prompt position computed here: prefill it locally")
-        seq = self.new_sequence(seq_id, prompt_ids, params, priority)
+        seq = self.new_sequence(seq_id, prompt_ids, params, priority, grammar=grammar)
         if self._inflight is not None:
             # a sequence that ended since the step on the device was launched gave back its
             # blocks, and that step still writes one more token's KV into one of them: it

@@ -40,6 +40,7 @@ from protos.tokens import can_join, logprobs_from_pb, token_events_to_pb
 from worker_runtime import envs
 from worker_runtime.addresses import resolve as resolve_host
 from worker_runtime.config import Role, WorkerConfig
+from worker_runtime.grammar import matcher_for
 from worker_runtime.kv_events import KVEventHub
 from worker_runtime.rpc import epoch_str, new_epoch, start_server
 from worker_runtime.service import WorkerRpcs, make_transport, process_age_s
@@ -126,10 +127,10 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
             transport=self.transport.name)
 
     # ---- engine thread -------------------------------------------------------------------
-    def _reserve(self, rid, prompt_ids, params, priority, lease_s):
+    def _reserve(self, rid, prompt_ids, params, priority, lease_s, grammar=None):
         if self.reserve_delay_s:
             time.sleep(self.reserve_delay_s)
-        res = self.engine.reserve(rid, prompt_ids, params, priority)
+        res = self.engine.reserve(rid, prompt_ids, params, priority, grammar)
         self.ledger.reserve(rid, res.block_ids, lease_s=lease_s)
         return res
 
@@ -218,6 +219,7 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "injected fault: no room")
         try:
             params = params_from_pb(request.params)
+            grammar = await matcher_for(self.engine.structured, params)
         except SamplingParamsError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.param}: {e}")
         prompt, prio = list(request.prompt_ids), int(request.priority)
@@ -229,13 +231,13 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         try:  # any exit before the request finished (cancelled anywhere, even mid-yield) aborts it
             if request.mode == pb.REMOTE_PREFILL:
                 lease = request.lease_s or self.config.handoff.reservation_lease_s
-                res = await self.aengine.call(self._reserve, rid, prompt, params, prio, lease)
+                res = await self.aengine.call(self._reserve, rid, prompt, params, prio, lease, grammar)
                 offered = True
                 yield reservation_event(block_ids=res.block_ids, num_cached_tokens=res.num_cached_tokens,
                                         lease_s=lease, worker_id=self.config.worker_id, epoch=self.epoch)
             else:
                 await self.aengine.call(self.engine.add_request, rid, prompt, params, prio, None,
-                                        list(request.output_ids))
+                                        list(request.output_ids), grammar)
             if sink is not None:  # the tokens go on the feed; this stream ends with the request
                 if not await sink.done:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"token feed {feed.feed_id} closed")

@@ -70,7 +70,7 @@ def build_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
         log.info("KV budget: %s", budget)
     eos = frozenset(ckpt.config.eos_token_ids)
     return EngineParts(ckpt, runner, pool, sched, eos,
-                       StructuredOutputs.for_checkpoint(ckpt.path, eos))
+                       StructuredOutputs.for_checkpoint(ckpt.path, eos, config.grammar))
 
 
 def auto_dtype(checkpoint_dtype: str, device: torch.device) -> str:

@@ -322,6 +322,17 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class GrammarLimits:
+    """What one request's structured-output spec may cost to compile."""
+
+    max_spec_bytes: int = 256 * 1024  # its text: a JSON schema, a regex, a choice list or a grammar
+
+    def __post_init__(self) -> None:
+        if self.max_spec_bytes < 1:
+            raise ValueError(f"max_spec_bytes must be positive, got {self.max_spec_bytes}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine needs; each part goes to its own component."""
 
@@ -332,4 +343,5 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     seed: int | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    grammar: GrammarLimits = field(default_factory=GrammarLimits)
 

@@ -108,6 +108,7 @@ class PrefillEngine:
         peer: PeerId,
         target_blocks: list[int],
         num_cached_tokens: int,
+        grammar=None,
     ) -> cf.Future:
         if request_id in self.jobs:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -123,7 +124,7 @@ class PrefillEngine:
         # original params: the first token is sampled exactly as a single process would
         # (seed index 0, EOS banned under min_tokens); the scheduler (hand_off) ends it after one token
         seq = Sequence(request_id, list(prompt_ids), params, self.eos_ids, priority)
-        attach_grammar(self.structured, seq)  # the first token is masked as the decode side would
+        attach_grammar(self.structured, seq, grammar)  # the first token is masked as the decode side would
         self.scheduler.add(seq)
         job = PrefillJob(seq, peer, list(target_blocks), num_cached_tokens // bs, cf.Future())
         self.jobs[request_id] = job

@@ -27,6 +27,7 @@ from protos.handoff import prefill_reply
 from protos.sampling import params_from_pb
 from worker_runtime.addresses import resolve as resolve_host
 from worker_runtime.config import Role, WorkerConfig
+from worker_runtime.grammar import matcher_for
 from worker_runtime.kv_events import KVEventHub
 from worker_runtime.loop import EngineLoop
 from worker_runtime.rpc import call_metadata, channel, epoch_str, new_epoch, start_server
@@ -181,6 +182,7 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
         rid, prompt = request.request_id, list(request.prompt_ids)
         try:
             params = params_from_pb(request.params)
+            grammar = await matcher_for(self.engine.structured, params)
             if not prompt or len(prompt) >= self.max_model_len:
                 raise AdmissionError(
                     f"prompt has {len(prompt)} tokens; this worker allows 1 to {self.max_model_len - 1}"
@@ -206,6 +208,7 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
                 peer,
                 list(t.block_ids),
                 t.num_cached_tokens,
+                grammar,
             )
             result: PrefillResult = await asyncio.wait_for(asyncio.wrap_future(fut), self._deadline_s(context))
             done = True

@@ -25,6 +25,7 @@ TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.
                          0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+GRAMMAR_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 FINISH_REASONS = ("stop", "length", "abort")
 CLASSES = ("interactive", "batch")  # traffic classes, indexed by engine lane (0, 1)
 PRESET_STATUSES = ("400", "401", "404", "429", "500", "503")
@@ -87,6 +88,12 @@ class RouterMetrics:
                               buckets=TOKEN_LATENCY_BUCKETS, registry=reg)
         self.e2e = Histogram("tandem:e2e_request_latency_seconds", "Arrival to last token.", mc,
                              buckets=E2E_BUCKETS, registry=reg)
+        self.grammar_compile = Histogram("tandem:grammar_compile_seconds", "Compiling a request's structured-output "
+                                         "spec (off the event loop), those that compiled and those refused.", m,
+                                         buckets=GRAMMAR_BUCKETS, registry=reg)
+        self.grammar_failures = Counter("tandem:grammar_compile_failures", "Structured-output specs refused, by "
+                                        "reason: too_large (over --max-grammar-bytes), timeout, invalid.",
+                                        ["model_name", "reason"], registry=reg)
         # the SLO targets themselves, so one alert rule serves every deployment's SLOs
         # (deploy/monitoring: p99 TTFT / TPOT per class compared with these)
         for name, i, what in (("tandem:slo_ttft_seconds", 0, "TTFT"), ("tandem:slo_tpot_seconds", 1, "TPOT")):
@@ -98,6 +105,8 @@ class RouterMetrics:
             self.success.labels(model_name, reason)
         for status in PRESET_STATUSES:
             self.errors.labels(model_name, status)
+        for reason in ("too_large", "timeout", "invalid"):
+            self.grammar_failures.labels(model_name, reason)
         for cls in CLASSES:
             for met in ("true", "false"):
                 self.slo.labels(model_name, cls, met)

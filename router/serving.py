@@ -10,16 +10,18 @@ refusal (BackendError: 400 / 429 / 503). Responses are built in router/responses
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
+import time
 
 import jinja2
 from starlette.requests import Request
 from starlette.responses import Response
 
 from engine.output import TextStream
-from engine.sampling_params import GrammarError, SamplingParams
+from engine.sampling_params import GrammarError, GuidedSpec, SamplingParams
 from engine.sequence import BATCH, INTERACTIVE
-from engine.structured import StructuredOutputs
+from engine.structured import GrammarLimits, StructuredOutputs
 from engine.tokenizer import Tokenizer, TokenizerError
 from router.access import access_record
 from router.admission import Admission
@@ -60,6 +62,9 @@ class OpenAIServing:
         self.metrics = metrics
         self.admission = admission
         self.structured: StructuredOutputs | None = None  # made at the first constrained request
+        # one thread compiles grammars, off the event loop: a spec that compiles slowly holds
+        # up only other specs (bounded by the timeout), never streams or /health
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.responder = Responder(TokenStrings(tokenizer), settings.served_model_name, metrics)
 
     # ---- endpoints -------------------------------------------------------------
@@ -67,7 +72,7 @@ class OpenAIServing:
         self._check_common(req)
         prompts = await self._completion_prompts(req)
         self._check_counts(req, len(prompts))
-        extra = self._constraints(req)
+        extra = await self._constraints(req)
         params = [self._params(req, p, self.settings.default_completion_max_tokens, "prompt", extra) for p in prompts]
         if req.echo:
             for p in prompts:
@@ -80,7 +85,7 @@ class OpenAIServing:
         req._tool_plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.settings.tool_call_parser)
         prompts = [await self._chat_prompt(req, req._tool_plan.template_tools())]
         self._check_counts(req, 1)
-        params = [self._params(req, prompts[0], None, "messages", self._constraints(req))]
+        params = [self._params(req, prompts[0], None, "messages", await self._constraints(req))]
         rid = access_record(request.scope).response_id("chatcmpl")
         return await self._serve(request, req, prompts, params, arrival, rid)
 
@@ -209,7 +214,7 @@ class OpenAIServing:
             raise ApiError.invalid("the messages render to an empty prompt", "messages")
         return PromptInput(list(ids), None)
 
-    def _constraints(self, req: AnyRequest) -> dict:
+    async def _constraints(self, req: AnyRequest) -> dict:
         """The structured-output spec (checked by the grammar engine: a spec it cannot
         compile is a 400 with its message), logit_bias and stop_token_ids (checked
         against the vocabulary), as SamplingParams fields."""
@@ -221,16 +226,37 @@ class OpenAIServing:
                                        "output constraint", "tool_choice")
             guided, param = tool_spec, "tools"
         if guided is not None:
-            if self.structured is None:
-                self.structured = StructuredOutputs(self.tokenizer.backend.to_str(), self.tokenizer.eos_token_ids)
-            try:
-                self.structured.check(guided)
-            except GrammarError as e:
-                what = "the tools' parameters schemas do not" if param == "tools" else "the output spec does not"
-                raise ApiError.invalid(f"{what} compile: {e}", param) from None
+            await self._check_grammar(guided, param)
         vocab = self.tokenizer.vocab_size
         return {"guided": guided, "logit_bias": req.logit_bias_pairs(vocab),
                 "stop_token_ids": req.stop_token_ids_in(vocab)}
+
+    async def _check_grammar(self, guided: GuidedSpec, param: str) -> None:
+        """Compile `guided` once, on the grammar thread, bounded in size and time; a 400
+        naming the limit or the engine's one-line message when it does not compile."""
+        s = self.settings
+        if self.structured is None:
+            self.structured = StructuredOutputs(self.tokenizer.backend.to_str(), self.tokenizer.eos_token_ids,
+                                                GrammarLimits(max_spec_bytes=s.max_grammar_bytes))
+        what = "the tools' parameters schemas do not" if param == "tools" else "the output spec does not"
+        size = len(guided.value.encode())
+        if size > s.max_grammar_bytes:  # refused without a compile, or a trip to the thread
+            self.metrics.grammar_failures.labels(self.metrics.model, "too_large").inc()
+            raise ApiError.invalid(f"{what} compile: the spec is {size} bytes, over this server's limit of "
+                                   f"{s.max_grammar_bytes} (--max-grammar-bytes)", param)
+        t0 = time.perf_counter()
+        job = asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.structured.check, guided)
+        try:
+            await asyncio.wait_for(job, s.grammar_compile_timeout_s)
+        except asyncio.TimeoutError:
+            self.metrics.grammar_failures.labels(self.metrics.model, "timeout").inc()
+            raise ApiError.invalid(f"{what} compile within {s.grammar_compile_timeout_s:g} s "
+                                   "(--grammar-compile-timeout-s): simplify it", param) from None
+        except GrammarError as e:
+            self.metrics.grammar_failures.labels(self.metrics.model, "invalid").inc()
+            raise ApiError.invalid(f"{what} compile: {e}", param) from None
+        finally:
+            self.metrics.grammar_compile.labels(self.metrics.model).observe(time.perf_counter() - t0)
 
     def _params(self, req: AnyRequest, prompt: PromptInput, default_max: int | None,
                 prompt_param: str, extra: dict) -> SamplingParams:

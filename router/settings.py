@@ -49,6 +49,10 @@ class RouterSettings:
     # Chat tool calling under tool_choice "auto": the format the model writes calls in
     # (router/tools.py PARSERS: hermes, llama3_json, mistral); None: "auto" is refused.
     tool_call_parser: str | None = None
+    # Structured outputs: the largest spec a request may carry (400 beyond, before any
+    # compile), and how long its compile may take off the event loop (400 beyond).
+    max_grammar_bytes: int = 256 * 1024
+    grammar_compile_timeout_s: float = 10.0
     # Largest n, and largest prompts x n of one request.
     max_n: int = 16
     max_choices_per_request: int = 256

@@ -9,6 +9,7 @@ from engine.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    GrammarLimits,
     SchedulerConfig,
     SpeculativeConfig,
     default_block_size,
@@ -24,6 +25,13 @@ def parse_cores(text: str | None) -> tuple[int, ...] | None:
         lo, _, hi = part.partition("-")
         out.extend(range(int(lo), int(hi or lo) + 1))
     return tuple(out)
+
+
+def add_grammar_arg(g) -> None:
+    """--max-grammar-bytes: the engine's limit, and the router's (`tandem router` takes it alone)."""
+    g.add_argument("--max-grammar-bytes", type=int, default=GrammarLimits.max_spec_bytes,
+                   help="the largest structured-output spec (JSON schema, regex, choice list, grammar) a request "
+                        "may carry: the router answers 400 before anything compiles a larger one; workers refuse it")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -67,6 +75,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                        help="plan each step after the previous one's tokens are back")
     g.add_argument("--scheduler", default="continuous", choices=("continuous", "static"))
     g.add_argument("--seed", type=int, default=None)
+    add_grammar_arg(g)
     g.add_argument("--speculative-method", default=None, choices=("ngram", "suffix", "draft"),
                    help="speculative decoding on decode workers: ngram (prompt lookup), suffix (suffix decoding "
                    "over the request and recent outputs) or draft (a small model: --speculative-model)")
@@ -98,4 +107,5 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         seed=a.seed,
         speculative=SpeculativeConfig(method=a.speculative_method, num_speculative_tokens=a.num_speculative_tokens,
                                       model=a.speculative_model, adaptive=not a.no_adaptive_speculation),
+        grammar=GrammarLimits(max_spec_bytes=a.max_grammar_bytes),
     )

@@ -14,18 +14,36 @@ log = logging.getLogger(__name__)
 
 TOKEN_HEADER = "x-tandem-token"
 MAX_MESSAGE_BYTES = 64 << 20
+# Keepalive, one setting for both ends of every channel: clients (routers, the
+# controller, workers handshaking) ping every KEEPALIVE_MS, idle or not, to notice a
+# dead peer; servers accept pings that often (by default gRPC servers refuse pings more
+# often than every 5 minutes without data: two strikes and they send GOAWAY
+# too_many_pings, which cut streams once a minute) and ping their own clients as often.
+KEEPALIVE_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
 _OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
 ]
-_CLIENT_OPTIONS = _OPTIONS + [
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.enable_retries", 0),
-]
+
+
+def _keepalive() -> list[tuple[str, int]]:
+    return [("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+
+
+def server_options() -> list[tuple[str, int]]:
+    return _OPTIONS + _keepalive() + [
+        # a client pinging every KEEPALIVE_MS is within bounds, with slack for timer jitter
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+        ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+        ("grpc.http2.max_ping_strikes", 2),
+    ]
+
+
+def client_options() -> list[tuple[str, int]]:
+    return _OPTIONS + _keepalive() + [("grpc.enable_retries", 0)]
 
 
 class _TokenCheck(grpc.aio.ServerInterceptor):
@@ -64,7 +82,7 @@ async def start_server(add_servicers, host: str, port: int, token: str | None) -
     """Start an asyncio gRPC server on host:port (0 = any free port); returns it and
     the bound port. `add_servicers(server)` registers the services."""
     interceptors = [_TokenCheck(token)] if token else []
-    server = grpc.aio.server(interceptors=interceptors, options=_OPTIONS)
+    server = grpc.aio.server(interceptors=interceptors, options=server_options())
     add_servicers(server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
@@ -84,7 +102,7 @@ def epoch_str(epoch: int) -> str:
 
 
 def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=_CLIENT_OPTIONS)
+    return grpc.aio.insecure_channel(address, options=client_options())
 
 
 def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

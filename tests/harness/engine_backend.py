@@ -8,6 +8,7 @@ from typing import AsyncIterator
 from decode_worker.async_engine import AsyncEngine
 from decode_worker.llm_engine import EngineConfig, LLMEngine
 from engine.events import Usage
+from engine.sampling_params import SamplingParamsError
 from engine.scheduler import AdmissionError
 from protos.tokens import TokenBatch
 from router.backend import Backend, BackendError, GenerateRequest
@@ -68,3 +69,5 @@ class EngineBackend(Backend):
                     yield _batch(ev)
         except AdmissionError as e:
             raise BackendError(str(e), 400) from e
+        except SamplingParamsError as e:  # as a decode worker answers it: INVALID_ARGUMENT, a 400
+            raise BackendError(f"{e.param}: {e}", 400) from e

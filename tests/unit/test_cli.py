@@ -172,3 +172,13 @@ def test_a_config_file_turns_decode_graphs_off(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("cuda-graphs: false\n")
     assert engine_config_from_args(parse(["serve", "--config", str(cfg)])).device.cuda_graphs is False
+
+
+@pytest.mark.parametrize("argv", [["serve"], ["router", "--address", "auto"]])
+def test_every_router_command_knows_the_grammar_limit(argv):
+    """`tandem router` builds the same app as `tandem serve` and reads the same limits
+    (it once lacked --max-grammar-bytes and failed at start)."""
+    args = build_parser().parse_args(argv)
+    assert args.max_grammar_bytes == 256 * 1024 and args.grammar_compile_timeout_s == 10.0
+    args = build_parser().parse_args([*argv, "--max-grammar-bytes", "1024"])
+    assert args.max_grammar_bytes == 1024

@@ -124,3 +124,31 @@ def test_invalid_params_name_the_field(kw, param):
     with pytest.raises(SamplingParamsError) as e:
         SamplingParams(**kw)
     assert e.value.param == param
+
+
+def test_grammar_engine_failures_are_one_line_errors_and_size_is_bounded():
+    """A panic inside the grammar engine (pyo3's PanicException, a BaseException) or any
+    of its errors becomes a GrammarError of one line; a spec over the limit is refused
+    before the compile runs."""
+    from engine.config import GrammarLimits
+    from engine.sampling_params import GrammarError, GuidedSpec
+    from engine.structured import bounded
+
+    class PanicException(BaseException):  # the name pyo3 gives a Rust panic
+        pass
+
+    def panics():
+        raise PanicException("thread '<unnamed>' panicked at src/lib.rs:1:1:\nstack backtrace:\n  0: ...")
+
+    spec, limits = GuidedSpec("regex", "a+"), GrammarLimits(max_spec_bytes=16)
+    with pytest.raises(GrammarError, match=r"^the grammar engine failed on this spec") as e:
+        bounded(spec, limits, panics)
+    assert "\n" not in str(e.value) and "backtrace" not in str(e.value)
+    with pytest.raises(GrammarError, match=r"^bad regex$"):
+        bounded(spec, limits, lambda: (_ for _ in ()).throw(ValueError("bad regex\n  at char 3")))
+    ran = []
+    with pytest.raises(GrammarError, match=r"the spec is 20 bytes, over this server's limit of 16 \(--max-grammar"):
+        bounded(GuidedSpec("regex", "a" * 20), limits, lambda: ran.append(1))
+    assert ran == []
+    with pytest.raises(KeyboardInterrupt):  # other BaseExceptions pass through
+        bounded(spec, limits, lambda: (_ for _ in ()).throw(KeyboardInterrupt()))
