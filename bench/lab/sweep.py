@@ -40,6 +40,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from bench.arrivals import parse_rates
 from bench.lab.peers import DEFAULT_VENV, LlamaServer, VllmConfig, VllmServer
 from bench.report import _f, rate_json
 from bench.servers import ManagedServer, TandemServer, free_port
@@ -205,8 +206,9 @@ class Point:
     engine_s: dict[str, float] | None = None
 
 
-def parse_rates(text: str) -> tuple[list[float], tuple[float, ...] | None]:
-    """'3,6,inf' -> ([3, 6, inf], None); 'auto' / 'auto:0.4,0.8' -> ([], fractions)."""
+def parse_sweep_rates(text: str) -> tuple[list[float], tuple[float, ...] | None]:
+    """'3,6,inf' -> ([3, 6, inf], None), the numbers as `tandem bench --sweep` reads them
+    (bench/arrivals.py); 'auto' / 'auto:0.4,0.8' -> ([], fractions of saturation)."""
     text = text.strip()
     if text.startswith("auto"):
         _, _, fr = text.partition(":")
@@ -214,10 +216,10 @@ def parse_rates(text: str) -> tuple[list[float], tuple[float, ...] | None]:
         if not fractions or any(not 0 < f < 10 for f in fractions):
             raise ValueError(f"bad --rates {text!r}: auto:F1,F2 with fractions of saturation")
         return [], fractions
-    rates = [math.inf if x.strip().lower() == "inf" else float(x) for x in text.split(",")]
-    if not rates or any(r <= 0 for r in rates):
-        raise ValueError(f"bad --rates {text!r}: positive numbers or inf")
-    return sorted(rates), None
+    try:
+        return sorted(parse_rates(text)), None
+    except ValueError as e:
+        raise ValueError(f"bad --rates {text!r}: {e}") from None
 
 
 def rate_name(rate: float | str) -> str:
@@ -254,7 +256,7 @@ class Sweep:
         self.out = Path(args.out)
         self.num_requests = args.num_requests or DEFAULT_REQUESTS[self.mode]
         self.warmup = DEFAULT_WARMUP[self.mode] if args.warmup is None else args.warmup
-        self.rates, self.fractions = parse_rates(args.rates or DEFAULT_RATES[self.mode])
+        self.rates, self.fractions = parse_sweep_rates(args.rates or DEFAULT_RATES[self.mode])
         self.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
         for w in self.workloads:
             if w not in ALL_WORKLOADS:

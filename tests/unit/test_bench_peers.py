@@ -158,3 +158,12 @@ def test_safetensors_read_without_torch_matches_the_library(tmp_path):
     save_file(tensors, str(tmp_path / "m.safetensors"))
     got = read_safetensors(tmp_path / "m.safetensors")
     assert all(torch.equal(torch.from_numpy(got[k].copy()), t.float()) for k, t in tensors.items())
+
+
+def test_the_sweep_reads_rates_as_tandem_bench_does():
+    from bench.lab.sweep import parse_sweep_rates
+
+    assert parse_sweep_rates("6,3,inf") == ([3.0, 6.0, float("inf")], None)
+    assert parse_sweep_rates("auto:0.4,0.8") == ([], (0.4, 0.8))
+    with pytest.raises(ValueError, match="request rate must be > 0 or inf"):  # bench/arrivals.py's words
+        parse_sweep_rates("3,-1")
