@@ -8,7 +8,10 @@ log line about a request names it, and it ends the request's access-log line.
 
 One access-log line per request (logger `tandem.access`), written when the response
 has been sent in full (for a stream: after its last event), with the method, path,
-status, prompt and output tokens, time to first token, duration and request id.
+status, prompt and output tokens, time to first token, duration and request id; a
+request whose client went away before its answer ended (a stream cut, a request
+abandoned) ends its line with `client_closed` (`"client_closed": true` in JSON), so a
+cut stream's 200 is not read as a complete answer.
 `--log-format json` makes every log line of the router one JSON object, these with
 their fields as keys. Health probes and metric scrapes (/health, /ready, /metrics) are
 logged at DEBUG only: they come every few seconds and say nothing per request.
@@ -40,6 +43,7 @@ class AccessRecord:
     request_id: str
     client_gave_id: bool
     job: object = None  # router.job.Job, once the engines took the request
+    client_closed: bool = False  # the client went away before the answer ended
 
     def response_id(self, prefix: str) -> str:
         """`<prefix>-<request id>`, with a random tail when the id is the client's:
@@ -62,6 +66,13 @@ class AccessRecord:
 def access_record(scope: Scope) -> AccessRecord:
     """The record AccessLogMiddleware (installed by create_app) put in the scope."""
     return scope["state"]["access"]
+
+
+def note_client_closed(scope: Scope) -> None:
+    """The client went away before the answer ended (when the access log runs)."""
+    record = scope.get("state", {}).get("access")
+    if record is not None:
+        record.client_closed = True
 
 
 class AccessLogMiddleware:
@@ -121,6 +132,9 @@ class AccessLogMiddleware:
         text = (f'{fields["client"]} "{fields["method"]} {path}" {status} prompt={_dash(prompt)} '
                 f'output={_dash(output)} ttft={_dash(fields["ttft_ms"], "ms")} '
                 f'duration={fields["duration_ms"]}ms id={record.request_id}')
+        if record.client_closed:
+            fields["client_closed"] = True
+            text += " client_closed"
         log.log(level, text, extra={"access": fields})
 
 

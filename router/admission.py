@@ -16,11 +16,16 @@ after it: batch work is never starved, however much interactive work keeps comin
 `fifo` order is arrival order across classes. The queue head is served whole or not
 at all (no smaller request overtakes it), so a large request cannot starve either.
 
-Both overload answers carry Retry-After: an estimate of when the slots would be free,
-from how fast slots were given back over the last minute (the queue ahead plus this
-request, over that rate), never less than `retry_after_s`; the queue timeout when none
-were given back lately (nothing to go on). Invariant: `running` and `waiting` equal the
-weights of admitted and queued requests; `release` is called once per admission.
+Both overload answers carry Retry-After, from the measured drain rate: slots given back
+over the last minute per second of it that anything ran (so a router idle until a burst
+judges the burst by its own releases, not by the quiet minute before it). A 429 (the
+queue is full) says when the queue will have room for this request: its weight over the
+rate; a 503 (it waited out `timeout_s`) says when it would have been admitted: the
+queue ahead plus its weight, over the rate. Never less than `retry_after_s`; the queue
+timeout when nothing was given back lately (nothing to go on).
+
+Invariant: `running` and `waiting` equal the weights of admitted and queued requests;
+`release` is called once per admission.
 """
 
 from __future__ import annotations
@@ -66,22 +71,43 @@ class Admission:
         self.waiting_by_class = [0, 0]
         self._queues: tuple[deque[_Waiter], deque[_Waiter]] = (deque(), deque())
         self._clock = clock
-        self._born = clock()
         self._freed: deque[tuple[float, int]] = deque()  # (when, weight) of recent releases
         self._freed_weight = 0
+        self._busy: deque[tuple[float, float]] = deque()  # recent (start, end) spans with something running
+        self._busy_since: float | None = None  # the current span's start
 
-    def retry_after(self, weight: int) -> float:
-        """Seconds until `weight` slots behind everyone queued now would likely be free."""
+    def drain_rate(self) -> float:
+        """Slots given back over the last minute, per second of it that anything ran (0
+        when none were given back)."""
         now = self._clock()
         self._forget(now)
         if not self._freed_weight:
+            return 0.0
+        since = now - self.RATE_WINDOW_S
+        busy = sum(end - max(start, since) for start, end in self._busy)
+        if self._busy_since is not None:
+            busy += now - max(self._busy_since, since)
+        return self._freed_weight / max(1.0, busy)
+
+    def retry_after(self, weight: int, behind_queue: bool = True) -> float:
+        """Seconds until `weight` slots would likely be free: behind everyone queued now
+        (a 503's wait), or only the next `weight` of the queue's drain (a 429's room)."""
+        rate = self.drain_rate()
+        if not rate:
             return max(self.retry_after_s, self.timeout_s)
-        rate = self._freed_weight / max(1.0, min(self.RATE_WINDOW_S, now - self._born))
-        return min(self.MAX_RETRY_AFTER_S, max(self.retry_after_s, (self.waiting + weight) / rate))
+        need = (self.waiting + weight) if behind_queue else weight
+        return min(self.MAX_RETRY_AFTER_S, max(self.retry_after_s, need / rate))
 
     def _forget(self, now: float) -> None:
         while self._freed and self._freed[0][0] < now - self.RATE_WINDOW_S:
             self._freed_weight -= self._freed.popleft()[1]
+        while self._busy and self._busy[0][1] < now - self.RATE_WINDOW_S:
+            self._busy.popleft()
+
+    def _take(self, weight: int) -> None:
+        if self.running == 0 and self._busy_since is None:
+            self._busy_since = self._clock()
+        self.running += weight
 
     def _place(self, cls: int, now: float) -> float:
         return now + self.aging_s if cls == BATCH and self.order == "priority" else now
@@ -105,10 +131,11 @@ class Admission:
         place = self._place(cls, now)
         head = self._head()
         if (head is None or (place, now) < (head.place, head.arrival)) and self.running + weight <= self.max_running:
-            self.running += weight
+            self._take(weight)
             return weight
         if self.waiting + weight > self.max_waiting:
-            raise ApiError.overloaded(429, "the server is busy: too many requests queued", self.retry_after(weight))
+            raise ApiError.overloaded(429, "the server is busy: too many requests queued",
+                                      self.retry_after(weight, behind_queue=False))
         entry = _Waiter(weight, cls, place, now, asyncio.get_running_loop().create_future())
         self._queues[cls].append(entry)
         self._count(entry, +1)
@@ -130,6 +157,9 @@ class Admission:
         self._freed_weight += weight
         self._forget(now)
         self._wake()
+        if self.running == 0 and self._busy_since is not None:  # nothing runs: the busy span ends
+            self._busy.append((self._busy_since, now))
+            self._busy_since = None
 
     def _count(self, w: _Waiter, sign: int) -> None:
         self.waiting += sign * w.weight
@@ -154,5 +184,5 @@ class Admission:
                 return
             self._queues[head.cls].popleft()
             self._count(head, -1)
-            self.running += head.weight
+            self._take(head.weight)
             head.fut.set_result(None)

@@ -19,6 +19,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from router.access import note_client_closed
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -51,6 +53,7 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     and raise ClientDisconnected."""
     task = await _race_disconnect(work, request.receive)
     if task.cancelled():
+        note_client_closed(request.scope)
         raise ClientDisconnected()
     return task.result()
 
@@ -84,9 +87,13 @@ class SSEResponse(Response):
                 await self.body_iter.aclose()
             finally:
                 await self.on_close()
-        if pump.done() and not pump.cancelled() and pump.exception() is not None:
+        if pump.cancelled():  # the client's disconnect won the race
+            note_client_closed(scope)
+        elif pump.exception() is not None:
             exc = pump.exception()
-            if not isinstance(exc, OSError):  # OSError: the client went away mid-send
+            if isinstance(exc, OSError):  # the client went away mid-send
+                note_client_closed(scope)
+            else:
                 log.error("SSE stream failed", exc_info=exc)
 
     async def _pump(self, send: Send) -> None:

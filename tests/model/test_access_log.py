@@ -136,3 +136,26 @@ def test_a_client_gone_before_its_body_arrived_is_a_499_not_an_error(server, cap
     [rec] = wait_for_line(caplog, 1)
     assert TEXT_LINE.match(rec.getMessage())["status"] == "499", rec.getMessage()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
+def test_a_stream_the_client_cut_says_so(server, caplog):
+    """Its status is the 200 that started the stream, so the line says the client closed
+    it: a cut stream is not read as a complete answer."""
+    caplog.set_level(logging.INFO, logger="tandem.access")
+    with httpx.stream("POST", server.url + "/v1/completions", headers={"X-Request-Id": "cut-1"}, timeout=60,
+                      json={"model": MODEL, "prompt": "Once", "max_tokens": 400, "ignore_eos": True,
+                            "stream": True}) as s:
+        lines = s.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # the first token came
+    [rec] = wait_for_line(caplog, 1)
+    msg = rec.getMessage()
+    assert msg.endswith(" client_closed") and TEXT_LINE.match(msg.removesuffix(" client_closed"))["status"] == "200"
+    assert json.loads(JsonFormatter().format(rec))["client_closed"] is True
+    # a complete stream's line has no such mark
+    caplog.clear()
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": "Once", "max_tokens": 3, "stream": True}) as s:
+        assert [line for line in s.iter_lines() if line.startswith("data: ")][-1] == "data: [DONE]"
+    [rec] = wait_for_line(caplog, 1)
+    assert TEXT_LINE.match(rec.getMessage()) and "client_closed" not in json.loads(JsonFormatter().format(rec))
+

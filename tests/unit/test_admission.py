@@ -38,9 +38,10 @@ async def test_retry_after_follows_the_rate_slots_are_freed():
     assert adm.waiting == 2
     with pytest.raises(ApiError) as full:
         await adm.acquire(1)
-    # 2 queued ahead + this one, at 2 slots freed over the 20 s since start: 30 s
-    assert full.value.status == 429 and full.value.headers["Retry-After"] == "30"
-    clock.t += 5  # 2 slots over 25 s: 37.5 s
+    # the queue is full: room for this one comes with the next slot given back, at 2 slots
+    # over the 20 s something ran: 10 s (not the 30 s the whole queue ahead would take)
+    assert full.value.status == 429 and full.value.headers["Retry-After"] == "10"
+    clock.t += 5  # behind the 2 queued, at 2 slots over 25 s: 37.5 s
     assert adm.retry_after(1) == pytest.approx(37.5)
     for _ in range(3):  # a burst of releases: the estimate drops, never under retry_after_s
         adm.release(1)
@@ -49,6 +50,30 @@ async def test_retry_after_follows_the_rate_slots_are_freed():
     clock.t += 61  # the window forgets old releases
     assert adm.retry_after(1) == 30
     await asyncio.gather(*waiters)
+
+
+async def test_a_burst_after_a_quiet_minute_is_judged_by_its_own_drain_rate():
+    """An idle router does not dilute a burst's rate with the minutes nothing ran."""
+    clock = Clock()
+    adm = Admission(max_running=4, max_waiting=4, timeout_s=30, retry_after_s=1, clock=clock)
+    clock.t += 600  # ten quiet minutes
+    held = [await adm.acquire(1) for _ in range(4)]
+    waiters = [asyncio.ensure_future(adm.acquire(1)) for _ in range(4)]
+    await asyncio.sleep(0)
+    for _ in range(4):  # 2 slots a second: one every 0.5 s
+        clock.t += 0.5
+        adm.release(1)
+        await asyncio.sleep(0)
+    assert adm.drain_rate() == pytest.approx(2.0)
+    more = [asyncio.ensure_future(adm.acquire(1)) for _ in range(4)]
+    await asyncio.sleep(0)
+    with pytest.raises(ApiError) as full:
+        await adm.acquire(1)
+    assert full.value.status == 429 and full.value.headers["Retry-After"] == "1"  # 0.5 s, at least 1
+    for _ in range(8):
+        adm.release(1)
+    await asyncio.gather(*waiters, *more)
+    assert held == [1, 1, 1, 1]
 
 
 async def test_503_after_the_queue_timeout_carries_the_estimate():
