@@ -34,7 +34,7 @@ SPECS = {
     "small-llama": dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4,
                         intermediate_size=2816, vocab_size=32000, dtype="bfloat16", seed=5678),
 }
-TOKENIZER_CHARS = 4_000_000  # of stdlib source: plenty for a 32k byte-level BPE
+TOKENIZER_CHARS = {"tiny-llama": 4_000_000, "small-llama": 40_000_000}  # of stdlib source, at most
 
 
 def hf_config(spec: dict) -> dict:
@@ -66,7 +66,7 @@ def make_model(name: str, out: Path) -> Path:
     spec = SPECS[name]
     docs, size = [], 0
     for _, text, _ in stdlib_files():
-        if size >= TOKENIZER_CHARS:
+        if size >= TOKENIZER_CHARS[name]:
             break
         docs.append(text)
         size += len(text)
