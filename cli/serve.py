@@ -170,6 +170,7 @@ def serve(args: argparse.Namespace, attach: bool = False) -> int:
     SIGTERM/SIGINT, then drain (router/shutdown.py) and exit 0."""
     import uvicorn
 
+    from router.header_timeout import with_header_timeout
     from router.shutdown import SignalDrain
 
     _logging(args)
@@ -205,8 +206,8 @@ def serve(args: argparse.Namespace, attach: bool = False) -> int:
             await _quietly(backend.stop())
             return 1
         signals = SignalDrain(app.state.drain, exit_server, lambda: exit_server(force=True))
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", http="httptools", ws="none",
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", ws="none", timeout_graceful_shutdown=5,
+                                http=with_header_timeout(args.header_timeout_s))
         server = uvicorn.Server(config)
         try:
             serving = asyncio.create_task(server.serve(sockets=[sock]))
