@@ -189,6 +189,9 @@ def _pool_args(p: argparse.ArgumentParser, c) -> None:
     c.add_argument("--prefill", type=int, default=1, help="prefill workers")
     c.add_argument("--decode", type=int, default=1, help="decode workers")
     c.add_argument("--colocated", action="store_true", help="no prefill pool: decode workers prefill locally")
+    c.add_argument("--worker-dead-after-s", type=float, default=30.0,
+                   help="a worker whose connection stands but which answers no health check for this long is "
+                        "replaced (one that refuses connections or says it is unhealthy goes after 3 checks)")
     c.add_argument("--autoscale", action="store_true",
                    help="the controller sizes both pools by their load and SLOs, within the bounds below "
                    "(router/autoscale.py)")

@@ -80,7 +80,8 @@ def pool_config(args: argparse.Namespace, model_path: str):
     elif args.pin_cores not in ("auto", "none"):
         cores = parse_cores(args.pin_cores)
     sizes = {"prefill": 0 if args.colocated else args.prefill, "decode": args.decode}
-    return PoolConfig(template, sizes=sizes, resources=resources, cores=cores, autoscale=autoscale_config(args))
+    return PoolConfig(template, sizes=sizes, resources=resources, cores=cores, autoscale=autoscale_config(args),
+                      dead_after_s=args.worker_dead_after_s)
 
 
 def autoscale_config(args: argparse.Namespace):

@@ -19,6 +19,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import grpc
+
 from controller.autoscale import AutoscaleConfig, WorkerLoad
 from engine.cores import create_core_table
 from worker_runtime import envs
@@ -52,7 +54,10 @@ class PoolConfig:
     )
     cores: tuple[int, ...] | None = None  # pin workers round-robin to these cores (CPU hosts)
     health_interval_s: float = 1.0
-    health_failures: int = 3  # consecutive failed checks before a worker is replaced
+    health_failures: int = 3  # consecutive failed checks before a worker may be declared dead
+    # a worker whose connection stands but which answers nothing (paused, or stalled in a
+    # step) is dead only after this long without an answer: a busy worker answers late
+    dead_after_s: float = 30.0
     stats_interval_s: float = 0.25
     start_timeout_s: float = 600.0
     join_timeout_s: float = 60.0  # joining a running Ray cluster (--address)
@@ -79,6 +84,8 @@ class PoolWorker:
     pid: int = 0
     stats: WorkerStats | None = None  # the worker's own account, read every stats_interval_s
     failures: int = 0  # consecutive failed health checks
+    last_answer: float = field(default_factory=time.monotonic)  # when it last answered a check
+    slowest_answer_s: float = 0.0  # the slowest of its recent answers (the health check's deadline follows it)
 
     def member(self) -> Member:
         return Member(self.worker_id, self.role, self.state, self.client.address if self.client else "",
@@ -294,20 +301,44 @@ class PoolManager:
                 asyncio.create_task(self.reconcile())
 
     async def check(self, w: PoolWorker) -> bool:
-        """One health check; a worker failing `health_failures` in a row is replaced."""
+        """One health check, with a deadline that follows the worker's recent answers.
+        A worker is declared dead, and replaced, after `health_failures` failed checks in
+        a row when it says so (unhealthy, or another process: a new epoch) or refuses
+        connections (its process is gone); a worker whose connection stands but which
+        answers nothing (paused, stalled in a long step) only once it has not answered
+        for `dead_after_s`. The decision is logged with its evidence."""
+        t0 = time.monotonic()
+        deadline = min(max(2.0, 4 * w.slowest_answer_s), self.config.dead_after_s / 3)
         try:
-            reply = await w.client.health(timeout=2.0)
-            ok = reply.healthy and reply.epoch == w.epoch
-        except RPC_ERRORS:
-            ok = False
-        w.failures = 0 if ok else w.failures + 1
-        if not ok and w.failures >= self.config.health_failures and w.state == WorkerState.READY:
+            reply = await w.client.health(timeout=deadline)
+        except RPC_ERRORS as e:
+            if isinstance(e, grpc.aio.AioRpcError):  # refused: nothing listens there any more
+                gone = e.code() == grpc.StatusCode.UNAVAILABLE and "refused" in (e.details() or "").lower()
+                why = f"{e.code().name} ({deadline:.1f} s deadline): {(e.details() or '')[:120]}"
+            else:  # UsageError: its channel was closed (the worker is being removed)
+                gone, why = True, "its channel is closed"
+        else:
+            now = time.monotonic()
+            w.slowest_answer_s = max(0.9 * w.slowest_answer_s, now - t0)
+            w.last_answer = now
+            if reply.healthy and reply.epoch == w.epoch:
+                w.failures = 0
+                return True
+            gone, why = True, (f"unhealthy: {reply.error}" if not reply.healthy else "answered with a new epoch")
+        w.failures += 1
+        silent_s = time.monotonic() - w.last_answer
+        dead = w.failures >= self.config.health_failures and (gone or silent_s >= self.config.dead_after_s)
+        if dead and w.state == WorkerState.READY:
             w.state = WorkerState.DEAD
             self.replaced += 1
-            self._note(f"{w.worker_id} failed health checks; replacing it")
-            log.warning("%s is dead; replacing it", w.worker_id)
+            evidence = f"{w.failures} failed checks in a row, the last {why}; last answer {silent_s:.1f} s ago"
+            self._note(f"{w.worker_id} is dead ({evidence}); replacing it")
+            log.warning("%s is dead (%s); replacing it", w.worker_id, evidence)
             asyncio.create_task(self._remove(w, drain=False))
-        return ok
+        elif w.failures == self.config.health_failures:
+            log.warning("%s: %d health checks failed (the last %s) but its connection stands: kept until it has "
+                        "not answered for %.0f s", w.worker_id, w.failures, why, self.config.dead_after_s)
+        return False
 
     def suspect(self, worker_id: str) -> None:
         """A request saw this worker fail: check it now rather than at the next tick."""
