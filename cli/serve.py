@@ -207,8 +207,9 @@ def serve(args: argparse.Namespace, attach: bool = False) -> int:
             await _quietly(backend.stop())
             return 1
         signals = SignalDrain(app.state.drain, exit_server, lambda: exit_server(force=True))
+        http = with_header_timeout(args.header_timeout_s) if args.header_timeout_s else "httptools"
         config = uvicorn.Config(app, log_level="warning", lifespan="on", ws="none", timeout_graceful_shutdown=5,
-                                http=with_header_timeout(args.header_timeout_s))
+                                http=http)
         server = uvicorn.Server(config)
         try:
             serving = asyncio.create_task(server.serve(sockets=[sock]))
