@@ -141,11 +141,14 @@ class ManagedServer(abc.ABC):
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env_overrides().items())
         return (env + " " if env else "") + shlex.join(self.command())
 
+    def env(self) -> dict[str, str]:
+        """The whole environment it runs in."""
+        return {**os.environ, **self.env_overrides()}
+
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
-        env = {**os.environ, **self.env_overrides()}
-        self.proc = subprocess.Popen(self.command(), env=env, stdout=self._log,
+        self.proc = subprocess.Popen(self.command(), env=self.env(), stdout=self._log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True, cwd=str(REPO))
 

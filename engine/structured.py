@@ -46,13 +46,18 @@ _JSON_DEFAULTS = {"whitespace_flexible": False}
 T = TypeVar("T")
 
 
-def bounded(spec: GuidedSpec, limits: GrammarLimits, fn: Callable[[], T]) -> T:
-    """fn() (a compile of `spec`) once `spec` is within `limits`; any failure of the
-    grammar engine, a panic included, as a GrammarError of one line."""
+def check_size(spec: GuidedSpec, limits: GrammarLimits) -> None:
+    """GrammarError naming the limit when `spec` is too large to compile at all."""
     size = len(spec.value.encode())
     if size > limits.max_spec_bytes:
         raise GrammarError(f"the spec is {size} bytes, over this server's limit of {limits.max_spec_bytes} "
                            "(--max-grammar-bytes)")
+
+
+def bounded(spec: GuidedSpec, limits: GrammarLimits, fn: Callable[[], T]) -> T:
+    """fn() (a compile of `spec`) once `spec` is within `limits`; any failure of the
+    grammar engine, a panic included, as a GrammarError of one line."""
+    check_size(spec, limits)
     try:
         return fn()
     except GrammarError:

@@ -21,7 +21,7 @@ from starlette.responses import Response
 from engine.output import TextStream
 from engine.sampling_params import GrammarError, GuidedSpec, SamplingParams
 from engine.sequence import BATCH, INTERACTIVE
-from engine.structured import GrammarLimits, StructuredOutputs
+from engine.structured import GrammarLimits, StructuredOutputs, check_size
 from engine.tokenizer import Tokenizer, TokenizerError
 from router.access import access_record
 from router.admission import Admission
@@ -239,11 +239,11 @@ class OpenAIServing:
             self.structured = StructuredOutputs(self.tokenizer.backend.to_str(), self.tokenizer.eos_token_ids,
                                                 GrammarLimits(max_spec_bytes=s.max_grammar_bytes))
         what = "the tools' parameters schemas do not" if param == "tools" else "the output spec does not"
-        size = len(guided.value.encode())
-        if size > s.max_grammar_bytes:  # refused without a compile, or a trip to the thread
+        try:  # refused without a compile, or a trip to the thread
+            check_size(guided, self.structured.limits)
+        except GrammarError as e:
             self.metrics.grammar_failures.labels(self.metrics.model, "too_large").inc()
-            raise ApiError.invalid(f"{what} compile: the spec is {size} bytes, over this server's limit of "
-                                   f"{s.max_grammar_bytes} (--max-grammar-bytes)", param)
+            raise ApiError.invalid(f"{what} compile: {e}", param) from None
         t0 = time.perf_counter()
         job = asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.structured.check, guided)
         try:

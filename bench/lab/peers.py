@@ -110,12 +110,6 @@ class VllmServer(ManagedServer):
         env.pop("VIRTUAL_ENV", None)
         return env
 
-    def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.command(), env=self.env(), stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(REPO))
-
     def __enter__(self) -> VllmServer:
         self.start()
         try:
