@@ -4,6 +4,10 @@ worker_runtime/envs.py, the router's in router/envs.py; nothing else reads os.en
 
     TANDEM_CACHE_DIR   where the built-in model and compiled kernels live
                        (default ~/.cache/tandem)
+    TANDEM_CPU_KERNELS which build of tandem's CPU kernels to load: auto (the default) the
+                       best this CPU runs, or a name (amx, avx512_bf16, avx512, avx2,
+                       generic) to force one, e.g. the AVX2 path on an AVX-512 machine
+                       (engine/cpu_kernels/build.py)
     TANDEM_CPU_PACKED_WEIGHTS  0 turns off oneDNN pre-packed bf16 linear layers on
                        CPU (engine/models/packed.py; default on where supported)
     TANDEM_CPU_PREFILL_KERNEL  0 sends bf16 prefill attention on CPU to torch's SDPA
@@ -137,6 +141,11 @@ def cpu_tile_linear() -> str:
 def cpu_amx_prefill_sdpa() -> str:
     """"auto", "on" or "off" (TANDEM_CPU_AMX_PREFILL_SDPA)."""
     return _mode("TANDEM_CPU_AMX_PREFILL_SDPA")
+
+
+def cpu_kernels() -> str:
+    """TANDEM_CPU_KERNELS, lower-cased: "auto" or the name of a build of the CPU kernels."""
+    return (os.environ.get("TANDEM_CPU_KERNELS") or "auto").strip().lower()
 
 
 def physical_memory_bytes() -> int:

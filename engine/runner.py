@@ -30,7 +30,7 @@ from engine.events import TokenLogprobs
 from engine.graphs import DecodeGraphs, cuda_capture
 from engine.kv_cache import KVCache, layout_for
 from engine.memory import CudaMemory, KVSizing, MemorySnapshot, profile_plan, reuse_freed_memory
-from engine.models.packed import can_pack, pack_linears
+from engine.models.packed import can_pack, pack_linears, plain_kernel_ops, plain_linears
 from engine.plan import PENDING, SampleRow, SeqWork, StepPlan  # noqa: F401 (re-exported)
 from engine.sampler import DeviceSample, Sampler, SamplerOutput
 
@@ -112,6 +112,8 @@ class ModelRunner:
         if can_pack(model, self.device):
             pack_linears(model, model.embed_tokens.weight if model.lm_head is None else None,
                          small_batch=device_config.small_batch_linear)
+        elif device_config.small_batch_linear and (plain_ops := plain_kernel_ops(model, self.device)) is not None:
+            plain_linears(model, plain_ops, model.embed_tokens.weight if model.lm_head is None else None)
         if self.device.type == "cpu" and hasattr(model, "cpu_ops"):
             model.cpu_ops = fused_cpu_ops()
         self.model_config = model_config

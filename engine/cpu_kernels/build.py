@@ -1,15 +1,26 @@
-"""Just-in-time build of tandem's CPU kernels: every .cpp file shipped in this folder
-(paged_attention.cpp: paged decode attention; linear.cpp: the small-batch bf16 linear
-layer), built into one extension whose ops are `torch.ops.<name>.*`.
+"""tandem's CPU kernels: every .cpp file in this folder (paged_attention.cpp: paged decode
+and prefill attention; linear.cpp: the decode steps' bf16 linear layers; fused.cpp,
+decode_layers.cpp, argmax.cpp, threads.cpp), built into one extension per instruction
+set, whose ops are `torch.ops.<name>.*`.
 
-`load()` compiles them with torch.utils.cpp_extension.load (needs ninja and a C++
-compiler) the first time on a machine, then loads the cached binary (well under a
-second). The extension's name carries a fingerprint of the torch version, the flags
-and the CPU's instruction set, so an upgraded torch, or a cache directory shared by
-different machines, never loads a stale or illegal binary.
+Builds (VARIANTS, best first): `amx` (AVX-512 with BF16 dot products and AMX tiles),
+`avx512_bf16`, `avx512` (F, BW, VL, DQ, CD), `avx2` (AVX2 with FMA and F16C) on x86-64,
+and `generic` (whatever the compiler makes of the portable code) everywhere. Each is
+compiled with explicit instruction-set flags, never -march=native, so a build made on
+one machine runs on any CPU that has its flags: an image is not tied to the CPU it was
+built on. A process loads the best build that this CPU runs (its /proc/cpuinfo flags);
+TANDEM_CPU_KERNELS names another (the AVX2 path on an AVX-512 machine, for tests and
+benchmarks). One log line says which, and why.
 
-Where: $TANDEM_CACHE_DIR/torch_extensions/<name> when that variable is set, else
-torch's own extension cache ($TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions).
+When: `tandem kernels build` (engine/cpu_kernels/cli.py) compiles them once, as a step of
+the install (the README's, the images', CI's), into `_prebuilt/` beside these sources
+(or the cache directory when the package folder is read-only): a first `tandem serve`
+then loads a binary (well under a second) instead of compiling. A build missing there is
+compiled at first use into the cache directory, with a warning that says how to avoid
+that ($TANDEM_CACHE_DIR/torch_extensions, else ~/.cache/tandem/torch_extensions).
+
+A build's name carries a fingerprint of the torch version, its flags and the sources, so
+an upgraded torch or an edited source never loads a stale binary.
 
 Compiler: the one torch's loader would use ($CXX, else `c++`), checked once per machine
 for how it links the C++ runtime. An extension that carries a private, static copy of
@@ -30,6 +41,7 @@ and is removed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -49,34 +61,97 @@ log = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # part of the fingerprint, not compiled alone
+PREBUILT_DIR = Path(__file__).parent / "_prebuilt"  # where `tandem kernels build` puts them
 TURN_WAIT_S = 1800.0  # a first compile takes about a minute on 2 cores
 # -ffp-contract=off: no multiply-add fused into one rounding unless the source asks for it
 # (fused.cpp rounds where torch does)
-BASE_CFLAGS = ["-O3", "-fopenmp", "-DNDEBUG", "-ffp-contract=off"]
-LDFLAGS = ["-fopenmp"]
+BASE_CFLAGS = ("-O3", "-fopenmp", "-DNDEBUG", "-ffp-contract=off")
+LDFLAGS = ("-fopenmp",)  # tuples: torch's loader appends to the lists it is given
 SYSTEM_CXX = ("/usr/bin/g++", "/usr/bin/c++")  # tried, in this order, when the configured compiler fails the check
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One build of the kernels: the compiler flags that select its code paths and the
+    CPU flags (as /proc/cpuinfo names them) a CPU needs to run it."""
+
+    name: str
+    cflags: tuple[str, ...]
+    needs: frozenset[str]
+    describe: str
+
+    def runs_on(self, cpu_flags: frozenset[str]) -> bool:
+        return self.needs <= cpu_flags
+
+
+# x86-64-v3 (Haswell, Zen 1 and later) and x86-64-v4 (Skylake-SP, Zen 4), spelt out
+# flag by flag so that any GCC or Clang of the last years takes them
+_V3 = ("-mavx", "-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt", "-mmovbe")
+_V3_NEEDS = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"})
+_V4 = _V3 + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512cd")
+_V4_NEEDS = _V3_NEEDS | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+_BF16 = ("-mavx512bf16", "-mavx512vnni")
+_BF16_NEEDS = frozenset({"avx512_bf16", "avx512_vnni"})
+
+X86_VARIANTS = (
+    Variant("amx", _V4 + _BF16 + ("-mamx-tile", "-mamx-bf16", "-mamx-int8"),
+            _V4_NEEDS | _BF16_NEEDS | {"amx_tile", "amx_bf16", "amx_int8"}, "AVX-512 with BF16 and AMX tiles"),
+    Variant("avx512_bf16", _V4 + _BF16, _V4_NEEDS | _BF16_NEEDS, "AVX-512 with BF16 dot products"),
+    Variant("avx512", _V4, _V4_NEEDS, "AVX-512 F/BW/VL/DQ/CD"),
+    Variant("avx2", _V3, _V3_NEEDS, "AVX2 with FMA and F16C"),
+)
+GENERIC = Variant("generic", (), frozenset(), "portable C++, vectorised by the compiler for the base ISA")
+VARIANTS = (*X86_VARIANTS, GENERIC) if platform.machine() in ("x86_64", "AMD64") else (GENERIC,)
+INSTALLED = tuple(v for v in VARIANTS if v is not GENERIC) or (GENERIC,)  # what `tandem kernels build` makes
 
 
 class KernelBuildError(RuntimeError):
     """The CPU kernel could not be compiled or loaded; the message says why."""
 
 
-def load() -> Any:
-    """The kernel's ops, `torch.ops.<name>` (built on first use per machine).
+def variant(name: str) -> Variant:
+    for v in VARIANTS:
+        if v.name == name:
+            return v
+    raise KernelBuildError(f"no cpu kernel build named {name!r} here: choose from "
+                           f"{', '.join(v.name for v in VARIANTS)}")
+
+
+def runnable(cpu_flags: frozenset[str] | None = None) -> list[Variant]:
+    """The builds this CPU runs, best first (generic always last)."""
+    flags = cpu_flags if cpu_flags is not None else cpu_flag_set()
+    return [v for v in VARIANTS if v.runs_on(flags)]
+
+
+def chosen() -> tuple[Variant, str]:
+    """The build this process loads and why: TANDEM_CPU_KERNELS, else the best this CPU
+    runs. KernelBuildError when the named one does not exist or this CPU cannot run it."""
+    want = envs.cpu_kernels()
+    if want == "auto":
+        return runnable()[0], "the best this CPU runs"
+    v = variant(want)
+    missing = sorted(v.needs - cpu_flag_set())
+    if missing:
+        raise KernelBuildError(f"TANDEM_CPU_KERNELS={want}: this CPU lacks {', '.join(missing)}")
+    return v, "TANDEM_CPU_KERNELS"
+
+
+def load(name: str | None = None) -> Any:
+    """The ops of build `name` (default: `chosen()`), `torch.ops.<extension name>`.
 
     Raises KernelBuildError when the build or the load fails; a failure is
-    remembered, so a process tries (and logs) at most once.
+    remembered, so a process tries (and logs) at most once per build.
     """
-    ops, error = _load_once()
+    ops, error = _load_once(name)
     if error is not None:
         raise error
     return ops
 
 
 def load_or_none() -> Any:
-    """`load()`, or None (one warning per process) where the kernels cannot be built:
-    for callers that fall back to torch operators."""
-    ops, error = _load_once()
+    """`load()`, or None (one warning per process) where the kernels cannot be built or
+    loaded: for callers that fall back to torch operators."""
+    ops, error = _load_once(None)
     if error is not None and not getattr(error, "logged", False):
         error.logged = True
         log.warning("cpu kernels unavailable (%s): falling back to torch operators", error)
@@ -84,58 +159,84 @@ def load_or_none() -> Any:
 
 
 @functools.lru_cache(maxsize=None)
-def _load_once() -> tuple[Any, KernelBuildError | None]:
+def _load_once(name: str | None) -> tuple[Any, KernelBuildError | None]:
     try:
-        return _build_and_load(), None
+        if name is None:
+            v, why = chosen()
+            ops, where = _load_variant(v)
+            others = [o.name for o in runnable() if o is not v]
+            log.info("cpu kernels: %s (%s; %s) from %s%s", v.name, v.describe, why, where,
+                     f"; this CPU also runs {', '.join(others)}" if others else "")
+            return ops, None
+        return _load_variant(variant(name))[0], None
     except KernelBuildError as e:
         return None, e
 
 
-def _build_and_load() -> Any:
+def prebuilt_roots() -> list[Path]:
+    """Where built kernels are looked for, in order: the package's `_prebuilt/` (filled at
+    install), then the cache directory (builds made at first use)."""
+    return [PREBUILT_DIR, envs.cache_dir() / "torch_extensions"]
+
+
+def _load_variant(v: Variant) -> tuple[Any, Path]:
+    """(ops, binary) of build `v`: a built binary when there is one, else compiled now."""
+    name = extension_name(v)
+    for root in prebuilt_roots():
+        binary = root / name / f"{name}.so"
+        if binary.exists():
+            try:
+                return _load_binary(binary, name), binary
+            except Exception as e:  # e.g. a binary cut short by a build killed while linking
+                log.warning("the built cpu kernels at %s did not load (%s)", binary, _reason(e))
+    log.warning("cpu kernels: the %s build was not made at install (`tandem kernels build`); compiling it now, "
+                "once per machine", v.name)
+    binary = compile_variant(v, envs.cache_dir() / "torch_extensions")
+    return _load_binary(binary, name), binary
+
+
+def _load_binary(binary: Path, name: str) -> Any:
+    torch.ops.load_library(str(binary))
+    ops = getattr(torch.ops, name)
+    ops.simd_lanes()
+    return ops
+
+
+def compile_variant(v: Variant, root: Path) -> Path:
+    """Compile build `v` into `root/<extension name>/` (taking turns with other builders)
+    and return its binary; one already there is kept. KernelBuildError on failure."""
     from torch.utils import cpp_extension
 
     if shutil.which("ninja") is None:
         raise KernelBuildError("ninja is not installed (`pip install ninja`)")
     cxx = choose_compiler()
-    cflags = BASE_CFLAGS + march_flags(cxx)
-    name = extension_name(cflags + LDFLAGS + [compiler_identity(cxx)])
-    build_dir = build_directory(name)
-    build_dir.mkdir(parents=True, exist_ok=True)
+    name = extension_name(v)
+    build_dir = root / name
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KernelBuildError(f"cannot write {build_dir}: {e}") from e
+    binary = build_dir / f"{name}.so"
     with _turn(build_dir / "tandem.lock"):
         _remove_stale_lock(build_dir / "lock")
-        binary = build_dir / f"{name}.so"
-        cached = binary.exists()
-        if cached:
-            # The name already fingerprints the sources, flags, torch and CPU, so a built
-            # binary is loaded as it is. Through cpp_extension.load, ninja would rebuild it
-            # whenever its build file changed, and that file names the sources by path: two
-            # checkouts of the same code (a CI clone next to a working tree) would rebuild
-            # each other's kernels, 70 s a time on 2 cores.
-            try:
-                torch.ops.load_library(str(binary))
-                ops = getattr(torch.ops, name)
-                ops.simd_lanes()
-                return ops
-            except Exception as e:  # e.g. a binary cut short by a build killed while linking
-                log.warning("the cached cpu kernels at %s did not load (%s): building them again", binary,
-                            _reason(e))
-                cached = False
-        if not cached:
-            log.info("compiling the cpu kernels into %s (once per machine)", build_dir)
+        if binary.exists():  # another process built it while this one waited
+            return binary
+        log.info("compiling the %s cpu kernels into %s", v.name, build_dir)
         t0 = time.perf_counter()
         try:
+            # The binary is loaded by path afterwards (never through cpp_extension.load's
+            # ninja check, which names the sources by path: two checkouts of the same code
+            # would rebuild each other's kernels, 40-70 s a time on 2 cores).
             with _cxx_env(cxx):
-                cpp_extension.load(  # registers the ops with torch (TORCH_LIBRARY)
-                    name=name, sources=[str(p) for p in SOURCES], extra_cflags=cflags, extra_ldflags=LDFLAGS,
-                    build_directory=str(build_dir), verbose=False, is_python_module=False,
+                cpp_extension.load(  # compiles, links and registers the ops with torch (TORCH_LIBRARY)
+                    name=name, sources=[str(p) for p in SOURCES], extra_cflags=[*BASE_CFLAGS, *v.cflags],
+                    extra_ldflags=list(LDFLAGS), build_directory=str(build_dir), verbose=False, is_python_module=False,
                 )
-            ops = getattr(torch.ops, name)
-            ops.simd_lanes()
         except Exception as e:  # compiler errors arrive as RuntimeError with the log
-            raise KernelBuildError(f"building the cpu kernels failed: {_reason(e)}") from e
-    if not cached:
-        log.info("cpu kernels ready in %.1fs", time.perf_counter() - t0)
-    return ops
+            binary.unlink(missing_ok=True)
+            raise KernelBuildError(f"building the {v.name} cpu kernels failed: {_reason(e)}") from e
+        log.info("%s cpu kernels built in %.1fs", v.name, time.perf_counter() - t0)
+    return binary
 
 
 def configured_compiler() -> str:
@@ -259,35 +360,37 @@ def _cxx_env(cxx: str):
             os.environ["CXX"] = old
 
 
-def march_flags(cxx: str | None = None) -> list[str]:
-    """["-march=native"] when the compiler accepts it, else [] (portable build)."""
-    try:
-        cxx = cxx or configured_compiler()
-        probe = subprocess.run(
-            [cxx, "-march=native", "-x", "c++", "-E", "-o", os.devnull, os.devnull],
-            capture_output=True, timeout=30,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return ["-march=native"] if probe.returncode == 0 else []
-
-
-def extension_name(cflags: list[str]) -> str:
-    """`tandem_cpu_<hash>` over torch version, flags, CPU flags and the sources (headers too)."""
+def extension_name(v: Variant) -> str:
+    """`tandem_cpu_<build>_<hash>` over torch version, flags, architecture and the sources
+    (headers too). Not the CPU's flags: a build runs on every CPU that has its own."""
     h = hashlib.sha256()
     sources = [p.read_bytes() for p in SOURCES + HEADERS]
-    for part in (torch.__version__, " ".join(cflags), platform.machine(), _cpu_flags(), *sources):
+    flags = " ".join((*BASE_CFLAGS, *v.cflags, *LDFLAGS))
+    for part in (torch.__version__, flags, platform.machine(), *sources):
         h.update(part.encode() if isinstance(part, str) else part)
         h.update(b"\0")
-    return f"tandem_cpu_{h.hexdigest()[:12]}"
+    return f"tandem_cpu_{v.name}_{h.hexdigest()[:12]}"
 
 
-def build_directory(name: str) -> Path:
-    """Under the tandem cache (engine/envs.py), next to the built-in model."""
-    return envs.cache_dir() / "torch_extensions" / name
+@functools.lru_cache(maxsize=None)
+def cpu_flag_set() -> frozenset[str]:
+    """The instruction-set flags of this CPU (Linux /proc/cpuinfo; empty elsewhere)."""
+    return frozenset(cpu_flags().split())
 
 
-def _cpu_flags() -> str:
+def cpu_model() -> str:
+    """This CPU's model name (Linux /proc/cpuinfo), else the architecture."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> str:
     """The instruction-set flags of this CPU (Linux /proc/cpuinfo), else the processor name."""
     try:
         with open("/proc/cpuinfo") as f:

@@ -47,8 +47,10 @@ using Attend = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, con
 constexpr int64_t kLinears = 5;  // qkv, o, gate, up, down
 
 // oneDNN's linear layer on a weight packed by mkldnn::_reorder_linear_weight, as
-// PackedLinear calls it from Python (no bias, no post-op)
+// PackedLinear calls it from Python (no bias, no post-op); a plain weight (PlainLinear:
+// fp32, or bf16 where oneDNN has no native bf16) takes at::linear, as F.linear does
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w) {
+  if (!w.is_mkldnn()) return at::linear(x, w);
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack{x, w, c10::IValue(), std::string("none"), c10::List<std::optional<at::Scalar>>(),
                           std::string("")};

@@ -30,8 +30,9 @@
 // multiple of 32, take one row at a time with 8 accumulators. Only the order of the fp32
 // additions differs from oneDNN's bf16 path.
 //
-// Built only where the compiler targets AVX512-BF16; `small_batch_linear_supported()`
-// says whether this build has it.
+// Built where the compiler targets AVX512-BF16; elsewhere (AVX2) the widening kernel
+// below takes bf16 layers, and fp32 ones everywhere. `small_batch_linear_supported()`
+// says whether this build takes bf16 layers, `small_batch_linear_kernel()` with which.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -40,8 +41,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include "amx.h"
@@ -279,33 +283,158 @@ void tile_panels(const BFloat16* x, const BFloat16* Wt, const BFloat16* b, BFloa
 }
 #endif
 
+// ---- The widening kernel (AVX2 with FMA, so every x86-64 build but the generic one):
+// the same layer for bf16 weights on CPUs without AVX512-BF16's dot product, and for
+// fp32 weights everywhere. A bf16 weight is made fp32 in registers, where it costs two
+// integer instructions per 16 values: a 32-byte load holds 16 values as 8 (even, odd)
+// pairs, a shift left by 16 makes the 8 even ones fp32 and a mask of the high halves
+// the 8 odd ones. x is widened once per call, each 16 values stored as their 8 even
+// ones then their 8 odd ones, so each half meets the weights it multiplies. A row is
+// one sequential stream (bf16: 2 bytes a weight, half of fp32's), two fp32 sums per
+// row of x (even and odd), the same for every number of rows, so a row's result does
+// not depend on the rows beside it; rows of a width that is not a multiple of 16 finish
+// one value at a time. The bytes 8 KB ahead are asked for as above.
+#if defined(__AVX2__) && defined(__FMA__)
+#define TANDEM_WIDEN 1
+constexpr int64_t kWidenAhead = 8192;  // bytes
+
+inline void split16(const BFloat16* w, __m256& even, __m256& odd) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline void split16(const float* w, __m256& first, __m256& second) {
+  first = _mm256_loadu_ps(w);
+  second = _mm256_loadu_ps(w + 8);
+}
+
+// x's row laid out as split16 splits the weights: per 16 values, the halves it makes
+template <typename T>
+void arrange(const T* x, int64_t K, float* out) {
+  const int64_t K16 = K & ~int64_t(15);
+  for (int64_t k = 0; k < K16; k += 16)
+    for (int j = 0; j < 8; ++j) {
+      if constexpr (std::is_same_v<T, BFloat16>) {
+        out[k + j] = static_cast<float>(x[k + 2 * j]);
+        out[k + 8 + j] = static_cast<float>(x[k + 2 * j + 1]);
+      } else {
+        out[k + j] = x[k + j];
+        out[k + 8 + j] = x[k + 8 + j];
+      }
+    }
+  for (int64_t k = K16; k < K; ++k) out[k] = static_cast<float>(x[k]);
+}
+
+inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// y[m * N] = x[m] . w (+ bias) for m < MT, one weight row w of length K
+template <typename T, int MT>
+inline void widen_row(const float* xa, int64_t K, const T* w, float bias, T* y, int64_t N) {
+  __m256 acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  const int64_t K16 = K & ~int64_t(15);
+  constexpr int64_t kStep = 64 / (16 * int64_t(sizeof(T))) > 0 ? 64 / (16 * int64_t(sizeof(T))) : 1;
+  for (int64_t k = 0; k < K16; k += 16) {
+    if ((k / 16) % kStep == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k) + kWidenAhead, _MM_HINT_T2);
+    __m256 a, b;
+    split16(w + k, a, b);
+    for (int m = 0; m < MT; ++m) {
+      acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xa + m * K + k), a, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xa + m * K + k + 8), b, acc[m][1]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    float s = hsum8(_mm256_add_ps(acc[m][0], acc[m][1]));
+    for (int64_t k = K16; k < K; ++k) s += xa[m * K + k] * static_cast<float>(w[k]);
+    y[m * N] = T(s + bias);
+  }
+}
+
+template <typename T, int MT>
+void widen_rows(const float* xa, const T* W, const T* b, T* y, int64_t N, int64_t K) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {  // one contiguous run of rows a thread
+    for (int64_t n = n0; n < n1; ++n)
+      widen_row<T, MT>(xa, K, W + n * K, b == nullptr ? 0.0f : static_cast<float>(b[n]), y + n, N);
+  });
+}
+
+template <typename T>
+void widen_linear(const T* x, const T* W, const T* b, T* y, int64_t M, int64_t N, int64_t K) {
+  thread_local std::vector<float> xa;
+  if (static_cast<int64_t>(xa.size()) < 4 * K) xa.resize(4 * K);
+  for (int64_t m = 0; m < M; m += 4) {
+    const int64_t mt = std::min<int64_t>(M - m, 4);
+    for (int64_t r = 0; r < mt; ++r) arrange(x + (m + r) * K, K, xa.data() + r * K);
+    T* ym = y + m * N;
+    switch (mt) {
+      case 1: widen_rows<T, 1>(xa.data(), W, b, ym, N, K); break;
+      case 2: widen_rows<T, 2>(xa.data(), W, b, ym, N, K); break;
+      case 3: widen_rows<T, 3>(xa.data(), W, b, ym, N, K); break;
+      default: widen_rows<T, 4>(xa.data(), W, b, ym, N, K); break;
+    }
+  }
+}
+#endif
+
+// bf16 weights: AVX512-BF16's dot product, else the widening kernel
 bool supported() {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(TANDEM_WIDEN)
   return true;
 #else
   return false;
 #endif
 }
 
-// The bias's values (nullptr when there is none), checked: a contiguous bf16 [N]
-const BFloat16* bias_data(const std::optional<at::Tensor>& bias, int64_t N, const char* op) {
+// Which kernel a bf16 layer takes here: "avx512_bf16", "widen" or "none"
+std::string bf16_kernel() {
+#if defined(__AVX512BF16__)
+  return "avx512_bf16";
+#elif defined(TANDEM_WIDEN)
+  return "widen";
+#else
+  return "none";
+#endif
+}
+
+// The bias's values (nullptr when there is none), checked: a contiguous [N] of `type`
+template <typename T = BFloat16>
+const T* bias_data(const std::optional<at::Tensor>& bias, int64_t N, const char* op,
+                   at::ScalarType type = at::kBFloat16) {
   if (!bias.has_value() || !bias->defined()) return nullptr;
-  TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
-              op, ": bias must be a contiguous bf16 [", N, "]");
-  return bias->data_ptr<BFloat16>();
+  TORCH_CHECK(bias->scalar_type() == type && bias->is_contiguous() && bias->numel() == N,
+              op, ": bias must be a contiguous ", c10::toString(type), " [", N, "]");
+  return bias->data_ptr<T>();
 }
 
 void small_batch_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(supported(), "small_batch_linear: this build has no AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && out.dim() == 2, "small_batch_linear: x, weight, out must be 2-d");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K, "small_batch_linear: x has ", K, " features, weight ", weight.size(1));
   TORCH_CHECK(out.size(0) == M && out.size(1) == N, "small_batch_linear: out must be [", M, ", ", N, "]");
+  const at::ScalarType type = weight.scalar_type();
+  TORCH_CHECK(type == at::kBFloat16 || type == at::kFloat, "small_batch_linear: weight must be bf16 or fp32");
   for (const at::Tensor* t : {&out, &x, &weight})
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->device().is_cpu(),
-                "small_batch_linear: tensors must be contiguous bf16 on CPU");
+    TORCH_CHECK(t->scalar_type() == type && t->is_contiguous() && t->device().is_cpu(),
+                "small_batch_linear: tensors must be contiguous, on CPU, all of the weight's dtype");
+  if (type == at::kFloat) {
+#if defined(TANDEM_WIDEN)
+    const float* bp = bias_data<float>(bias, N, "small_batch_linear", at::kFloat);
+    widen_linear<float>(x.data_ptr<float>(), weight.data_ptr<float>(), bp, out.data_ptr<float>(), M, N, K);
+    return;
+#else
+    TORCH_CHECK(false, "small_batch_linear: this build has no fp32 kernel (needs AVX2 with FMA)");
+#endif
+  }
+  TORCH_CHECK(supported(), "small_batch_linear: this build has no bf16 kernel (needs AVX2 with FMA)");
   const BFloat16* bp = bias_data(bias, N, "small_batch_linear");
+#if !defined(__AVX512BF16__) && defined(TANDEM_WIDEN)
+  widen_linear<BFloat16>(x.data_ptr<BFloat16>(), weight.data_ptr<BFloat16>(), bp, out.data_ptr<BFloat16>(), M, N, K);
+#endif
 #if defined(__AVX512BF16__)
   const BFloat16* xp = x.data_ptr<BFloat16>();
   const BFloat16* wp = weight.data_ptr<BFloat16>();
@@ -381,4 +510,5 @@ TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
   m.def("tile_linear_supported() -> bool", &tile_supported);
   m.def("small_batch_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()", &small_batch_linear);
   m.def("small_batch_linear_supported() -> bool", &supported);
+  m.def("small_batch_linear_kernel() -> str", &bf16_kernel);
 }

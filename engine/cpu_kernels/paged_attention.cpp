@@ -35,7 +35,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include "amx.h"
@@ -102,7 +102,82 @@ inline V16 vexp(V16 x) {
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return {_mm512_scalef_ps(p, n)};
 }
-constexpr bool kAvx512 = true;
+constexpr int kSimdLanes = 16;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2: two 8-lane halves. 16 registers hold 8 such vectors, so the loops that keep 16
+// of them (a tile's 16 dot products) spill some to L1, which costs less than the
+// memory they wait on.
+struct V16 {
+  __m256 lo, hi;
+};
+inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V16 vadd(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V16 vmul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 vmax(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+inline float vsum(V16 a) { return hsum8(_mm256_add_ps(a.lo, a.hi)); }
+inline float vhmax(V16 a) {
+  __m256 m = _mm256_max_ps(a.lo, a.hi);
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+inline V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 widen_bf16(const BFloat16* p) {
+  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline V16 vload(const BFloat16* p) { return {widen_bf16(p), widen_bf16(p + 8)}; }
+inline V16 vload(const Half* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline void vstore(float* p, V16 a) { _mm256_storeu_ps(p, a.lo), _mm256_storeu_ps(p + 8, a.hi); }
+inline void vstore_n(float* p, V16 a, int n) {
+  alignas(32) float t[16];
+  vstore(t, a);
+  for (int i = 0; i < n; ++i) p[i] = t[i];
+}
+// The lane sums of 8 vectors as one vector (lane i: the sum of v[i]), by pairwise
+// horizontal adds and one exchange of 128-bit halves.
+inline __m256 sum_lanes8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+inline V16 vsum16(const V16* a) {
+  __m256 h[16];
+  for (int i = 0; i < 16; ++i) h[i] = _mm256_add_ps(a[i].lo, a[i].hi);
+  return {sum_lanes8(h), sum_lanes8(h + 8)};
+}
+// exp for x <= 0, the same reduction and polynomial as the AVX-512 version; 2^n is built
+// in the exponent bits, so inputs below -87 (results under 2^-126) give 0
+inline __m256 exp8(__m256 x) {
+  const __m256 xv = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xv, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xv);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ), y);
+}
+inline V16 vexp(V16 x) { return {exp8(x.lo), exp8(x.hi)}; }
+constexpr int kSimdLanes = 8;
 #else
 struct V16 {
   float v[16];
@@ -121,7 +196,7 @@ inline void vstore(float* p, V16 a) { for (int i = 0; i < 16; ++i) p[i] = a.v[i]
 inline void vstore_n(float* p, V16 a, int n) { for (int i = 0; i < n; ++i) p[i] = a.v[i]; }
 inline V16 vsum16(const V16* a) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = vsum(a[i]); return r; }
 inline V16 vexp(V16 x) { for (int i = 0; i < 16; ++i) x.v[i] = std::exp(x.v[i]); return x; }
-constexpr bool kAvx512 = false;
+constexpr int kSimdLanes = 0;
 #endif
 
 
@@ -217,7 +292,7 @@ struct Prefetcher {
   }
   void clear() { nruns = r = 0; }
   inline void step() {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
     for (int64_t left = per; left > 0 && r < nruns;) {
       const char* p = runs[r] + off;
       const int64_t n = std::min(left, (run_bytes[r] - off + 63) / 64);
@@ -315,6 +390,22 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
       }
     }
     asm volatile("" : : "v"(sink));  // the loads are the point: keep them
+#elif defined(__AVX2__)
+    __m256i sink = _mm256_setzero_si256();
+    for (int64_t i = i0; i < i1; ++i) {
+      const char* base = reinterpret_cast<const char*>(block_of(cache, i));
+      const int64_t n = std::min(bs, L - i * bs);
+      if (whole_rows) {
+        for (int64_t off = 0; off + 64 <= n * row_bytes; off += 64)
+          sink = _mm256_or_si256(sink, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + off)));
+      } else {
+        for (int64_t t = 0; t < n; ++t)
+          for (int64_t off = 0; off + 64 <= row_bytes; off += 64)
+            sink = _mm256_or_si256(sink, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                             base + t * P.kv_token * int64_t(sizeof(KV)) + off)));
+      }
+    }
+    asm volatile("" : : "x"(sink));
 #else
     (void)cache, (void)i0, (void)i1;
 #endif
@@ -1188,7 +1279,7 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, con
 #endif
 }
 
-int64_t simd_lanes() { return kAvx512 ? 16 : 0; }
+int64_t simd_lanes() { return kSimdLanes; }
 
 // Whether bf16 decode attention can run on AMX tiles here (the build targets
 // AMX and the kernel granted the tile state), and the switch for it (TANDEM_CPU_AMX_ATTENTION;
@@ -1215,7 +1306,7 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor query_start, Tensor seq_lens, float scale) -> ()", &paged_prefill_attention);
   m.def("paged_prefill_attention_supported() -> bool", &paged_prefill_attention_supported);
-  m.def("simd_lanes() -> int", &simd_lanes);  // 16 with AVX-512, 0 for the portable build
+  m.def("simd_lanes() -> int", &simd_lanes);  // 16 with AVX-512, 8 with AVX2, 0 for the portable build
   m.def("decode_amx_supported() -> bool", &decode_amx_supported);
   m.def("set_decode_amx(bool on) -> bool", &set_decode_amx);
   m.def("set_prefill_amx(bool on) -> bool", &set_prefill_amx);

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine import envs
@@ -120,6 +121,70 @@ def keep_plain_copies(extra_bytes: int) -> bool:
     if mode != "auto":
         return mode == "on"
     return extra_bytes <= envs.physical_memory_bytes() // 8
+
+
+class PlainLinear(nn.Module):
+    """`y = x @ W.T + b` on the checkpoint's own row-major weight, where oneDNN has no
+    packed layout to offer: fp32 weights, and bf16 weights on CPUs without native bf16
+    (AVX2). Steps of up to SMALL_BATCH_ROWS tokens take the compiled row-major kernel
+    (linear.cpp: fp32 as it is, bf16 widened to fp32 in registers), F.linear the rest.
+    No second copy: the kernel reads the weight where it is. `packed` and `plain` name
+    that same weight, as the decode-layers operator reads them (it sends a plain weight
+    to at::linear above the kernel's rows)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.weight = weight if weight.is_contiguous() else nn.Parameter(weight.detach().contiguous(),
+                                                                         requires_grad=False)
+        self.bias = bias
+        self.packed = self.plain = self.weight.data  # the same storage, not registered again
+        self.tiles = None
+        self._small = ops.small_batch_linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] <= SMALL_BATCH_ROWS and x2.dtype == self.weight.dtype:
+            y = x2.new_empty(x2.shape[0], self.out_features)
+            self._small(y, x2.contiguous(), self.weight, self.bias)
+            return y.reshape(*shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def plain_kernel_ops(model: nn.Module, device: torch.device):
+    """The compiled kernels where linear layers that oneDNN does not pack take PlainLinear:
+    a CPU, a build whose row-major kernel takes the model's dtype (fp32 in every x86-64
+    build; bf16 in those too, widened), TANDEM_CPU_SMALL_BATCH_LINEAR not 0. Else None."""
+    if device.type != "cpu" or envs.cpu_small_batch_linear() == "off" or not envs.cpu_fused_ops():
+        return None
+    from engine.cpu_kernels import build
+
+    ops = build.load_or_none()
+    if ops is None or not hasattr(ops, "small_batch_linear_kernel") or ops.small_batch_linear_kernel() == "none":
+        return None
+    dtype = next(model.parameters()).dtype
+    return ops if dtype in (torch.float32, torch.bfloat16) else None
+
+
+def plain_linears(model: nn.Module, ops, head_weight: torch.Tensor | None = None) -> int:
+    """Replace every nn.Linear of `model` by a PlainLinear (and give a tied head, passed
+    as `head_weight`, one under `model.lm_head`); returns how many."""
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if isinstance(child, nn.Linear)]
+    with torch.no_grad():
+        for parent, name, child in swaps:
+            setattr(parent, name, PlainLinear(child.weight, child.bias, ops))
+        if head_weight is not None:
+            model.lm_head = PlainLinear(head_weight, None, ops)
+    n = len(swaps) + (head_weight is not None)
+    log.info("%d %s linear layers take the row-major kernel (%s) for steps of up to %d tokens", n,
+             str(next(model.parameters()).dtype).removeprefix("torch."), ops.small_batch_linear_kernel()
+             if next(model.parameters()).dtype is torch.bfloat16 else "fp32", SMALL_BATCH_ROWS)
+    return n
 
 
 def pack_linears(model: nn.Module, head_weight: torch.Tensor | None = None, small_batch: bool = True) -> int:

@@ -3,7 +3,8 @@
 layers: tokens and logprobs bitwise equal to the same engine with the call turned off,
 for one stream, a pair, four and six at once: with the tile kernel (AMX) all of them on
 it; with the row-major kernel (TANDEM_CPU_TILE_LINEAR=0, or no AMX) one to four tokens
-on it and six on oneDNN's packed linear layers."""
+on it and six on oneDNN's packed linear layers; and fp32, or bf16 on the AVX2 build
+without oneDNN's packing, on the checkpoint's own weights (PlainLinear)."""
 
 import pytest
 
@@ -27,9 +28,9 @@ class Counting:
         return getattr(self._ops, name)
 
 
-def run(builtin_dir, fused: bool):
+def run(builtin_dir, fused: bool, dtype: str = "bfloat16"):
     engine = LLMEngine.from_config(EngineConfig(
-        model=str(builtin_dir), dtype="bfloat16", device=DeviceConfig(), cache=CacheConfig(num_blocks=256),
+        model=str(builtin_dir), dtype=dtype, device=DeviceConfig(), cache=CacheConfig(num_blocks=256),
         scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_model_len=1024)))
     model = engine.runner.model
     if model.cpu_ops is None:
@@ -55,13 +56,30 @@ def run(builtin_dir, fused: bool):
     return out, counting.calls, model._stack is not None
 
 
-@pytest.mark.parametrize("tiles", ["auto", "0"])
-def test_fused_decode_layers_equal_the_python_layers_bitwise(builtin_dir, tiles, monkeypatch):
-    monkeypatch.setenv("TANDEM_CPU_TILE_LINEAR", tiles)
-    got, calls, available = run(builtin_dir, fused=True)
-    if not available:
-        pytest.skip("no small-batch kernel here (AVX512-BF16): the layers stay in Python")
-    want, python_calls, _ = run(builtin_dir, fused=False)
+@pytest.mark.parametrize("dtype,env", [
+    ("bfloat16", {}),
+    ("bfloat16", {"TANDEM_CPU_TILE_LINEAR": "0"}),
+    # fp32 and bf16 without oneDNN's packing: the checkpoint's own weights (PlainLinear),
+    # the row-major kernel up to four tokens, at::linear above; bf16 on the AVX2 build
+    ("float32", {}),
+    ("bfloat16", {"TANDEM_CPU_PACKED_WEIGHTS": "0", "TANDEM_CPU_KERNELS": "avx2"}),
+], ids=["bf16", "bf16-row-major", "fp32", "bf16-plain-avx2"])
+def test_fused_decode_layers_equal_the_python_layers_bitwise(builtin_dir, dtype, env, monkeypatch):
+    from engine.cpu_kernels import build
+
+    if env.get("TANDEM_CPU_KERNELS") and not build.variant(env["TANDEM_CPU_KERNELS"]).runs_on(build.cpu_flag_set()):
+        pytest.skip(f"this CPU does not run the {env['TANDEM_CPU_KERNELS']} build")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    build._load_once.cache_clear()
+    try:
+        got, calls, available = run(builtin_dir, fused=True, dtype=dtype)
+        if not available:
+            pytest.skip("no small-batch kernel here: the layers stay in Python")
+        want, python_calls, _ = run(builtin_dir, fused=False, dtype=dtype)
+    finally:
+        monkeypatch.undo()
+        build._load_once.cache_clear()
     assert calls >= 5 * 19  # every decode step of the five groups took the one call
     assert python_calls == 0
     assert got == want

@@ -18,39 +18,39 @@ SHAPES = [(200, 32000), (1, 16000), (3, 31), (5, 33), (7, 1000), (2, 64), (4, 1)
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,vocab", SHAPES)
-def test_greedy_argmax_equals_torch_max_indices(cpu_ops, dtype, rows, vocab):
+def test_greedy_argmax_equals_torch_max_indices(build_ops, dtype, rows, vocab):
     g = torch.Generator().manual_seed(rows * vocab)
     x = torch.randn(rows, vocab, generator=g).to(dtype)
     top = x[0].max()
     for at in (vocab // 2, vocab // 3, vocab - 1):  # ties in the first row: the first wins
         x[0, at] = top
-    assert torch.equal(cpu_ops.greedy_argmax(x), x.max(dim=-1).indices)
+    assert torch.equal(build_ops.greedy_argmax(x), x.max(dim=-1).indices)
     # a strided row view (the logits of a step's last rows): rows need only be contiguous
     wide = torch.randn(rows, vocab + 7, generator=g).to(dtype)
-    assert torch.equal(cpu_ops.greedy_argmax(wide[:, 3:3 + vocab]), wide[:, 3:3 + vocab].max(dim=-1).indices)
+    assert torch.equal(build_ops.greedy_argmax(wide[:, 3:3 + vocab]), wide[:, 3:3 + vocab].max(dim=-1).indices)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("vocab", [16000, 45, 3])
-def test_nan_rows_answer_their_first_nan_and_flat_rows_their_first_index(cpu_ops, dtype, vocab):
+def test_nan_rows_answer_their_first_nan_and_flat_rows_their_first_index(build_ops, dtype, vocab):
     x = torch.randn(4, vocab).to(dtype)
     x[1, vocab - 1] = float("nan")
     x[1, vocab // 2] = float("nan")
     x[2] = float("-inf")
     x[3] = 2.5
-    got = cpu_ops.greedy_argmax(x)
+    got = build_ops.greedy_argmax(x)
     assert torch.equal(got, x.max(dim=-1).indices)
     assert got[1:].tolist() == [vocab // 2, 0, 0]
 
 
-def test_greedy_argmax_rejects_what_it_cannot_read(cpu_ops):
+def test_greedy_argmax_rejects_what_it_cannot_read(build_ops):
     with pytest.raises(RuntimeError, match="rows contiguous"):
-        cpu_ops.greedy_argmax(torch.randn(8, 4).t())
+        build_ops.greedy_argmax(torch.randn(8, 4).t())
     with pytest.raises(RuntimeError, match="fp32/bf16/fp16"):
-        cpu_ops.greedy_argmax(torch.zeros(2, 4, dtype=torch.int32))
+        build_ops.greedy_argmax(torch.zeros(2, 4, dtype=torch.int32))
 
 
-def test_the_samplers_greedy_path_uses_the_kernel_and_answers_the_same(cpu_ops):
+def test_the_samplers_greedy_path_uses_the_kernel_and_answers_the_same(build_ops):
     sampler = Sampler(torch.device("cpu"), seed=0)
     assert sampler.cpu_ops is not None
     logits = torch.randn(6, 5000).bfloat16()

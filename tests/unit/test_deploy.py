@@ -240,11 +240,12 @@ def test_the_dockerfiles_parse_and_install_as_the_readme_says(name):
     assert json.loads(next(s["value"] for s in steps if s["instruction"] == "ENTRYPOINT")) == ["tandem"]
     # the README's install command, torch pinned first, is the image's
     readme = (ROOT / "README.md").read_text()
-    readme_install = re.search(r'pip install "torch==([0-9.]+)" -e \. && tandem serve', readme)
+    readme_install = re.search(r'pip install "torch==([0-9.]+)" -e \. && tandem kernels build && tandem serve', readme)
     assert readme_install, "the README's serve command moved"
     runs = " ".join(s["value"] for s in steps if s["instruction"] == "RUN")
     extra = r'"\.\[gpu\]"' if name == "Dockerfile" else r"\."  # the CUDA image takes the GPU extra
     assert re.search(r'pip install --no-cache-dir "torch==\$\{TORCH_VERSION\}" -e ' + extra, runs), runs
+    assert "&& tandem kernels build" in runs, runs  # the CPU kernels are built at install
     torch_arg = next(s["value"] for s in steps if s["instruction"] == "ARG" and s["value"].startswith("TORCH_VERSION"))
     assert torch_arg == f"TORCH_VERSION={readme_install[1]}"
     # every package directory the project installs is copied in

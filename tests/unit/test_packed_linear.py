@@ -60,7 +60,7 @@ def test_not_packed_off_cpu_bf16_or_when_disabled(monkeypatch):
     assert not can_pack(nn.Linear(2, 2).bfloat16(), torch.device("cpu"))
 
 
-needs_small_batch = pytest.mark.skipif(small_batch_ops() is None, reason="no AVX512-BF16 build of the cpu kernels here")
+needs_small_batch = pytest.mark.skipif(small_batch_ops() is None, reason="no row-major bf16 kernel here")
 needs_tiles = pytest.mark.skipif(small_batch_ops() is None or not tile_kernel_on(small_batch_ops()),
                                  reason="no AMX tiles here (build or CPU)")
 
@@ -82,6 +82,7 @@ def bf16_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("shape,bias", [((384, 256), False), ((101, 1000), True), ((7, 37), True),
                                         ((16000, 256), False), ((1024, 2816), False), ((200, 512), True)])
+@pytest.mark.usefixtures("kernel_build")
 def test_small_batch_kernel_matches_f_linear_to_one_bf16_step(rows, shape, bias, row_major):
     """Within one bf16 step of F.linear wherever the sum is not cancelled to near zero,
     and within bf16 rounding of an fp32 reference everywhere. Both are fp32 sums in
@@ -120,6 +121,7 @@ def test_small_batch_kernel_is_used_up_to_four_rows_and_onednn_from_five(monkeyp
     assert calls == [1, 2, 3, 4]
 
 
+@pytest.mark.usefixtures("kernel_build")
 @needs_bf16
 @needs_small_batch
 @pytest.mark.parametrize("shape", [(1024, 2816), (2816, 1024), (37, 300), (16000, 256)])
