@@ -190,8 +190,10 @@ class CacheConfig:
     """Paged KV cache sizing.
 
     `num_blocks` wins when given, then `kv_cache_memory_gb`. Without either a CUDA
-    worker sizes the cache from the device (`gpu_memory_utilization`, engine/memory.py)
-    and a CPU worker takes DEFAULT_CPU_KV_GB.
+    worker sizes the cache from the device (`gpu_memory_utilization`, engine/memory.py);
+    a CPU engine takes `cpu_kv_fraction` of the memory available when its cache is
+    made (at least DEFAULT_CPU_KV_GB) where that is set, as served workers set it
+    (`--cpu-kv-fraction`), else DEFAULT_CPU_KV_GB (offline engines, tests).
     """
 
     block_size: int = 16
@@ -199,6 +201,7 @@ class CacheConfig:
     kv_cache_memory_gb: float | None = None
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
+    cpu_kv_fraction: float | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -207,6 +210,7 @@ class CacheConfig:
         _require(self.num_blocks is None or self.num_blocks >= 2, "num_blocks must be at least 2")
         _require(self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0, "kv_cache_memory_gb must be > 0")
         _require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
+        _require(self.cpu_kv_fraction is None or 0 < self.cpu_kv_fraction < 1, "cpu_kv_fraction must be in (0, 1)")
 
     def resolve_num_blocks(self, bytes_per_block: int) -> int:
         if self.num_blocks is not None:
@@ -215,6 +219,17 @@ class CacheConfig:
         n = int(gb * (1 << 30)) // bytes_per_block
         _require(n >= 2, f"kv_cache_memory_gb={gb} holds fewer than 2 blocks; raise it")
         return n
+
+
+    def cpu_kv_gb(self, available: int | None = None) -> tuple[float, float]:
+        """(GiB the cache takes, GiB available) for `cpu_kv_fraction` of the memory
+        available now (psutil's estimate: free plus reclaimable), at least DEFAULT_CPU_KV_GB."""
+        if available is None:
+            import psutil
+
+            available = psutil.virtual_memory().available
+        avail_gb = available / (1 << 30)
+        return max(DEFAULT_CPU_KV_GB, (self.cpu_kv_fraction or 0.0) * avail_gb), avail_gb
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,29 @@ Block ownership lives in engine/block_pool.py (pure Python).
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import torch
 
 from engine.config import CacheConfig, ModelConfig
 from kv_transfer.layout import KVLayout
 
+log = logging.getLogger(__name__)
+
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def sized_for(cache: CacheConfig, device: torch.device) -> CacheConfig:
+    """`cache` with its size in GiB where a CPU cache takes `cpu_kv_fraction` of the
+    memory available now (no size given), logged; else `cache` as it is."""
+    if device.type != "cpu" or cache.num_blocks is not None or cache.kv_cache_memory_gb is not None \
+            or cache.cpu_kv_fraction is None:
+        return cache
+    gb, avail = cache.cpu_kv_gb()
+    log.info("kv cache: %.1f GiB, %.0f%% of the %.1f GiB available at start (at least 1; --cpu-kv-fraction, "
+             "or --kv-cache-memory-gb for a size)", gb, 100 * cache.cpu_kv_fraction, avail)
+    return dataclasses.replace(cache, kv_cache_memory_gb=gb)
 
 
 def layout_for(model: ModelConfig, block_size: int, num_blocks: int = 1) -> KVLayout:
@@ -33,6 +50,7 @@ def layout_for(model: ModelConfig, block_size: int, num_blocks: int = 1) -> KVLa
 
 class KVCache:
     def __init__(self, model: ModelConfig, cache: CacheConfig, device: torch.device) -> None:
+        cache = sized_for(cache, device)
         num_blocks = cache.resolve_num_blocks(layout_for(model, cache.block_size).block_bytes)
         self.layout = layout_for(model, cache.block_size, num_blocks)
         self.kv = torch.zeros(

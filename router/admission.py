@@ -145,8 +145,8 @@ class Admission:
             self._abandon(entry)
             if isinstance(e, asyncio.TimeoutError):
                 raise ApiError.overloaded(
-                    503, f"the server is busy: no capacity within {self.timeout_s:g} s", self.retry_after(weight)
-                ) from None
+                    503, f"the server is busy: no capacity within {self.timeout_s:g} s (--queue-timeout-s)",
+                    self.retry_after(weight)) from None
             raise
         return weight
 

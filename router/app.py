@@ -105,6 +105,7 @@ def create_app(backend: Backend, tokenizer: Tokenizer, settings: RouterSettings,
                           order=settings.admission_order, aging_s=settings.batch_aging_s)
     metrics = RouterMetrics(settings.served_model_name, settings.slos,
                             load=lambda: (admission.running, admission.waiting_by_class))
+    metrics.admission_limits(settings.max_concurrent_requests, settings.max_queued_requests, settings.queue_timeout_s)
     metrics.drift = drift = DriftMonitor(settings.drift_reference, settings.drift_window_s, settings.drift_min_requests)
     metrics.register(DriftCollector(settings.served_model_name, drift))
     for c in collectors:

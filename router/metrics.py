@@ -132,6 +132,19 @@ class RouterMetrics:
     def count_error(self, status: int) -> None:
         self.errors.labels(self.model, str(status)).inc()
 
+    def admission_limits(self, max_running: int, max_waiting: int, queue_timeout_s: float) -> None:
+        """The router's admission settings as gauges, so a dashboard or a benchmark of the
+        defaults shows what sheds load (--max-concurrent-requests, --max-queued-requests,
+        --queue-timeout-s)."""
+        for name, doc, value in (
+                ("tandem:admission_max_running", "Engine requests the router admits at once "
+                 "(--max-concurrent-requests, weighted).", max_running),
+                ("tandem:admission_max_waiting", "Engine requests the router queues before it answers 429 "
+                 "(--max-queued-requests, weighted).", max_waiting),
+                ("tandem:admission_queue_timeout_seconds", "How long a request waits in the router's queue "
+                 "before it is answered 503 (--queue-timeout-s).", queue_timeout_s)):
+            Gauge(name, doc, ["model_name"], registry=self.registry).labels(self.model).set(value)
+
     def recent_slo(self, window_s: float = 30.0, now: float | None = None) -> dict[str, int]:
         """TTFT and TPOT SLOs met, out of the successful requests of the last `window_s`."""
         now = time.monotonic() if now is None else now

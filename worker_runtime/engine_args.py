@@ -55,7 +55,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per KV block, the same on every worker (default: 64 on CPU, 16 on CUDA)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory-gb)")
     g.add_argument("--kv-cache-memory-gb", type=float, default=None,
-                   help="KV cache size per worker (default: 1 on CPU; on CUDA sized by --gpu-memory-utilization)")
+                   help="KV cache size per worker (default: on CPU --cpu-kv-fraction of the memory available at the "
+                   "worker's start; on CUDA sized by --gpu-memory-utilization)")
+    g.add_argument("--cpu-kv-fraction", type=float, default=0.2, metavar="FRACTION",
+                   help="CPU: the share of the memory available when a worker starts that its KV cache takes (at least "
+                   "1 GiB), when neither --num-blocks nor --kv-cache-memory-gb is given")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
                    help="CUDA: the share of the device's memory this worker may fill (weights, peak activations "
                    "of the largest step, KV cache), when the cache size is not given (vLLM's meaning)")
@@ -95,7 +99,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         dtype=None if a.dtype == "auto" else a.dtype,
         cache=CacheConfig(block_size=a.block_size or default_block_size(a.device), num_blocks=a.num_blocks,
                           kv_cache_memory_gb=a.kv_cache_memory_gb,
-                          gpu_memory_utilization=a.gpu_memory_utilization,
+                          gpu_memory_utilization=a.gpu_memory_utilization, cpu_kv_fraction=a.cpu_kv_fraction,
                           enable_prefix_caching=not a.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                   max_model_len=a.max_model_len, enable_chunked_prefill=not a.no_chunked_prefill,

@@ -362,21 +362,54 @@ void widen_rows(const float* xa, const T* W, const T* b, T* y, int64_t N, int64_
   });
 }
 
+// rows [m, m + mt) of x (arranged) against weight rows [n0, n1)
 template <typename T>
-void widen_linear(const T* x, const T* W, const T* b, T* y, int64_t M, int64_t N, int64_t K) {
-  thread_local std::vector<float> xa;
-  if (static_cast<int64_t>(xa.size()) < 4 * K) xa.resize(4 * K);
-  for (int64_t m = 0; m < M; m += 4) {
-    const int64_t mt = std::min<int64_t>(M - m, 4);
-    for (int64_t r = 0; r < mt; ++r) arrange(x + (m + r) * K, K, xa.data() + r * K);
-    T* ym = y + m * N;
+inline void widen_block(const float* xa, const T* W, const T* b, T* y, int64_t m, int64_t mt, int64_t n0,
+                        int64_t n1, int64_t N, int64_t K) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float bias = b == nullptr ? 0.0f : static_cast<float>(b[n]);
+    const float* xm = xa + m * K;
+    T* ym = y + m * N + n;
     switch (mt) {
-      case 1: widen_rows<T, 1>(xa.data(), W, b, ym, N, K); break;
-      case 2: widen_rows<T, 2>(xa.data(), W, b, ym, N, K); break;
-      case 3: widen_rows<T, 3>(xa.data(), W, b, ym, N, K); break;
-      default: widen_rows<T, 4>(xa.data(), W, b, ym, N, K); break;
+      case 1: widen_row<T, 1>(xm, K, W + n * K, bias, ym, N); break;
+      case 2: widen_row<T, 2>(xm, K, W + n * K, bias, ym, N); break;
+      case 3: widen_row<T, 3>(xm, K, W + n * K, bias, ym, N); break;
+      default: widen_row<T, 4>(xm, K, W + n * K, bias, ym, N); break;
     }
   }
+}
+
+// Up to 4 rows: each pass streams W once for up to four rows of x. More rows (prefill,
+// big decode batches, on CPUs without native bf16): W goes in tiles of rows that stay in
+// L2 (32 KB of weights and up) while every group of 4 rows of x passes over them, so W
+// is read from memory once. Each output is still one widen_row<mt> call whose order
+// depends on nothing but its own row and the group size, as above.
+template <typename T>
+void widen_linear(const T* x, const T* W, const T* b, T* y, int64_t M, int64_t N, int64_t K) {
+  if (M <= 4) {
+    thread_local std::vector<float> xa;
+    if (static_cast<int64_t>(xa.size()) < 4 * K) xa.resize(4 * K);
+    for (int64_t r = 0; r < M; ++r) arrange(x + r * K, K, xa.data() + r * K);
+    switch (M) {
+      case 1: widen_rows<T, 1>(xa.data(), W, b, y, N, K); break;
+      case 2: widen_rows<T, 2>(xa.data(), W, b, y, N, K); break;
+      case 3: widen_rows<T, 3>(xa.data(), W, b, y, N, K); break;
+      default: widen_rows<T, 4>(xa.data(), W, b, y, N, K); break;
+    }
+    return;
+  }
+  std::vector<float> xa(static_cast<size_t>(M * K));
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) arrange(x + r * K, K, xa.data() + r * K);
+  });
+  const int64_t tile = std::max<int64_t>(8, (32768 / static_cast<int64_t>(sizeof(T))) / std::max<int64_t>(K, 1));
+  const int64_t tiles = (N + tile - 1) / tile;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
+      for (int64_t m = 0; m < M; m += 4) widen_block(xa.data(), W, b, y, m, std::min<int64_t>(M - m, 4), n0, n1, N, K);
+    }
+  });
 }
 #endif
 

@@ -235,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
                                           positions, self.rotary.cos, self.rotary.sin, meta.slot_mapping.contiguous(),
                                           tables, lens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                           self.layers[0].self_attn.scale, self.layers[0].input_layernorm.eps,
-                                          backend.bf16_pairs, SMALL_BATCH_ROWS, TILE_ROWS)
+                                          backend.bf16_pairs, self._small_rows, TILE_ROWS)
                 return self.norm.add_forward(residual, delta, ops)
         rope = self.rotary.rotation(positions, residual.dtype, ops)
         delta = None
@@ -280,6 +280,9 @@ class LlamaForCausalLM(nn.Module):
         if any(w.dtype != dtype or not w.is_contiguous() for w in norms + plain + tiles):
             return None
         self._stack = (norms, packed, plain, tiles)
+        # PlainLinear's own bound (every size for bf16 without native bf16), else the row-major kernel's
+        self._small_rows = min(getattr(x, "max_rows", SMALL_BATCH_ROWS) for layer in self.layers
+                               for x in (layer.self_attn.qkv_proj, layer.self_attn.o_proj))
         return self._stack
 
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:

@@ -48,6 +48,12 @@ def can_pack(model: nn.Module, device: torch.device) -> bool:
         return False
     if next(model.parameters()).dtype is not torch.bfloat16:
         return False
+    return native_bf16()
+
+
+def native_bf16() -> bool:
+    """Whether oneDNN runs bf16 matmuls natively here (AVX512-BF16 or AMX, and a torch
+    built with oneDNN); elsewhere torch's bf16 matmul is emulated, and slow."""
     mkldnn = torch.ops.mkldnn
     return (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
             and hasattr(mkldnn, "_is_mkldnn_bf16_supported") and bool(mkldnn._is_mkldnn_bf16_supported()))
@@ -127,7 +133,10 @@ class PlainLinear(nn.Module):
     """`y = x @ W.T + b` on the checkpoint's own row-major weight, where oneDNN has no
     packed layout to offer: fp32 weights, and bf16 weights on CPUs without native bf16
     (AVX2). Steps of up to SMALL_BATCH_ROWS tokens take the compiled row-major kernel
-    (linear.cpp: fp32 as it is, bf16 widened to fp32 in registers), F.linear the rest.
+    (linear.cpp: fp32 as it is, bf16 widened to fp32 in registers), F.linear the rest;
+    bf16 weights where oneDNN has no native bf16 take the kernel at every size (it tiles
+    W through L2 above four rows), since torch's emulated bf16 matmul is several times
+    slower there.
     No second copy: the kernel reads the weight where it is. `packed` and `plain` name
     that same weight, as the decode-layers operator reads them (it sends a plain weight
     to at::linear above the kernel's rows)."""
@@ -141,11 +150,13 @@ class PlainLinear(nn.Module):
         self.packed = self.plain = self.weight.data  # the same storage, not registered again
         self.tiles = None
         self._small = ops.small_batch_linear
+        # the most rows a step sends to the kernel (decode_layers reads it too)
+        self.max_rows = SMALL_BATCH_ROWS if weight.dtype != torch.bfloat16 or native_bf16() else 1 << 62
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] <= SMALL_BATCH_ROWS and x2.dtype == self.weight.dtype:
+        if x2.shape[0] <= self.max_rows and x2.dtype == self.weight.dtype:
             y = x2.new_empty(x2.shape[0], self.out_features)
             self._small(y, x2.contiguous(), self.weight, self.bias)
             return y.reshape(*shape[:-1], self.out_features)

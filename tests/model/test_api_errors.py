@@ -423,7 +423,12 @@ def test_metrics_carry_every_series(http, server):
         "tandem:goodput_tokens",
         "tandem:slo_ttft_seconds",
         "tandem:slo_tpot_seconds",
+        "tandem:admission_queue_timeout_seconds",
+        "tandem:admission_max_running",
+        "tandem:admission_max_waiting",
     }
+    assert s["tandem:admission_queue_timeout_seconds"] == 0.5  # the fixture's --queue-timeout-s
+    assert s["tandem:admission_max_running"] == 2 and s["tandem:admission_max_waiting"] == 2
     assert s[("tandem:request_success_total", (("finish_reason", "length"), m))] >= 2
     assert s[("tandem:request_errors_total", (m, ("status", "400")))] >= 1
     assert s["tandem:prompt_tokens_total"] == s["tandem:prefix_cache_queries_total"] > 0

@@ -209,6 +209,20 @@ def test_profile_report(capsys):
     assert "small_batch_linear" in out  # fp32 decode steps of up to 4 tokens: the row-major kernel
 
 
+def test_isa_report(builtin_dir, tmp_path):
+    from bench.lab import isa
+
+    out, md = tmp_path / "isa.json", tmp_path / "isa.md"
+    assert isa.main(["--model", str(builtin_dir), "--builds", "native", "--dtypes", "float32", "--prompt-len", "8",
+                     "--max-tokens", "4", "--batch", "2", "--threads", "1", "--kv-cache-memory-gb", "0.1",
+                     "--json", str(out), "--markdown", str(md)]) == 0
+    report = json.loads(out.read_text())
+    assert report["meta"]["cpu_flags"] and report["meta"]["read_bandwidth_gbs"] > 0
+    (row,) = report["rows"]
+    assert row["ms_per_token"] > 0 and row["batch_tok_s"] > 0 and row["weight_bytes"] > 0
+    assert "| native | float32 |" in md.read_text()
+
+
 def test_profile_groups():
     assert bench_profile.group_of("aten::addmm") == "matmul"
     assert bench_profile.group_of("tandem_cpu_0::paged_decode_attention") == "attention"

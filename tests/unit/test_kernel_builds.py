@@ -146,4 +146,28 @@ def test_plain_linears_take_the_kernel_up_to_four_rows_and_f_linear_above(monkey
         assert (got.double() - exact).abs().max() < 1e-4
     assert calls == [1, 4]
     assert torch.allclose(model.lm_head(before[:2]), F.linear(before[:2], head), atol=1e-5)
-    assert SMALL_BATCH_ROWS == 4
+    assert first.max_rows == SMALL_BATCH_ROWS  # fp32: F.linear above four rows
+
+
+def test_bf16_plain_linears_take_the_kernel_at_every_size_without_native_bf16(monkeypatch):
+    """Where oneDNN has no native bf16, torch's bf16 matmul is emulated: a PlainLinear
+    sends every step to the widening kernel (tiled through L2 above four rows), whose
+    result is within one bf16 step of the fp32 sum's rounding."""
+    from engine.models import packed
+
+    ops = plain_kernel_ops(nn.Linear(8, 8).bfloat16(), torch.device("cpu"))
+    if ops is None:
+        pytest.skip("no row-major kernel in the build loaded here")
+    monkeypatch.setattr(packed, "native_bf16", lambda: False)
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(300, 256, generator=g).bfloat16()
+    lin = PlainLinear(w, None, ops)
+    assert lin.max_rows > 10_000
+    calls = []
+    real = lin._small
+    monkeypatch.setattr(lin, "_small", lambda *a: (calls.append(a[1].shape[0]), real(*a))[1])
+    x = torch.randn(37, 256, generator=g).bfloat16()
+    got = lin(x)
+    assert calls == [37]
+    exact = F.linear(x.double(), w.double())
+    assert (got.double() - exact).abs().max() <= 2**-7 * exact.abs().max()
