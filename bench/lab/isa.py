@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             f.write(f"CPU: {meta['cpu']}, {args.threads} threads, read bandwidth {bandwidth:.1f} GB/s; "
                     f"{os.path.basename(args.model.rstrip('/'))}, prompt {args.prompt_len}, "
                     f"{args.max_tokens} tokens\n\n")
-            f.write(f"| build | dtype | kernels | torch | one stream ms/token | vs floor | batch {args.batch} tok/s |\n")
+            f.write("| build | dtype | kernels | torch | one stream ms/token | vs floor | "
+                    f"batch {args.batch} tok/s |\n")
             f.write("|---|---|---|---|---|---|---|\n")
             for r in rows:
                 f.write(f"| {r['build']} | {r['dtype']} | {r['kernels']} | {r['torch_isa']} | "
