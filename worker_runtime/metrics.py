@@ -13,7 +13,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -132,6 +132,20 @@ class WorkerMetrics:
         self.address = f"{advertise or host}:{server.server_port}"
         log.info("metrics at http://%s/metrics", self.address)
         return self.address
+
+    def runtime_info(self, transport_requested: str, transport_backend: str, cpu_kernels: str | None) -> None:
+        """What this worker runs on, as 1-valued gauges: the KV transport it asked for
+        and the one it got (`tandem:kv_transfer_backend`; requested auto and got tcp is
+        NIXL's fallback, which deploy/monitoring alerts on), and on CPU the build of the
+        kernels it loaded (`tandem:worker_cpu_kernels`: amx, avx512_bf16, avx512, avx2,
+        generic, or none where they did not load)."""
+        lab = ["worker_id", "role"]
+        Gauge("tandem:kv_transfer_backend", "The KV transport this worker asked for and the one it runs (1).",
+              lab + ["requested", "backend"], registry=self.registry).labels(
+                  *self.labels, transport_requested, transport_backend).set(1)
+        if cpu_kernels is not None:
+            Gauge("tandem:worker_cpu_kernels", "The build of the CPU kernels this worker loaded (1).",
+                  lab + ["build"], registry=self.registry).labels(*self.labels, cpu_kernels).set(1)
 
     def add_spec(self, read: Callable[[], object]) -> None:
         """Export speculative decoding's counters (`read` returns the engine's SpecStats)."""

@@ -55,8 +55,16 @@ class WorkerRpcs(abc.ABC):
         """Engine thread: raise AssertionError if blocks, ledger or scheduler disagree."""
 
     def make_metrics(self) -> WorkerMetrics:
-        """The worker's Prometheus registry; its gauges read `stats()` at scrape time."""
-        return WorkerMetrics(self.config.worker_id, self.role, self.stats)
+        """The worker's Prometheus registry; its gauges read `stats()` at scrape time.
+        Called once the transport and the engine are made: it names both."""
+        metrics = WorkerMetrics(self.config.worker_id, self.role, self.stats)
+        kernels = None
+        if self.config.engine.device.device == "cpu":
+            from engine.cpu_kernels import build
+
+            kernels = build.loaded_build() or "none"
+        metrics.runtime_info(self.config.transport, self.transport.name, kernels)
+        return metrics
 
     async def Stats(self, request, context):
         return self.stats().to_pb()

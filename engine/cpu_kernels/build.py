@@ -173,6 +173,17 @@ def _load_once(name: str | None) -> tuple[Any, KernelBuildError | None]:
         return None, e
 
 
+def loaded_build() -> str | None:
+    """The name of the build `load_or_none()` gives this process, or None where none
+    loads (asked after the engine loaded it: no new work)."""
+    if load_or_none() is None:
+        return None
+    try:
+        return chosen()[0].name
+    except KernelBuildError:
+        return None
+
+
 def prebuilt_roots() -> list[Path]:
     """Where built kernels are looked for, in order: the package's `_prebuilt/` (filled at
     install), then the cache directory (builds made at first use)."""

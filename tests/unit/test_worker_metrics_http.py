@@ -45,3 +45,16 @@ def test_a_counter_the_engine_keeps_is_read_at_scrape_time():
     assert value() == 0
     steps[0] = 41
     assert value() == 41
+
+
+def test_a_worker_says_which_transport_and_kernel_build_it_runs():
+    stats = WorkerStats(role=Role.PREFILL, worker_id="prefill-0", epoch=1, num_blocks=96, num_free_blocks=96)
+    m = WorkerMetrics("prefill-0", Role.PREFILL, lambda: stats)
+    m.runtime_info("auto", "tcp", "avx2")
+    address = m.serve("127.0.0.1", 0)
+    text = httpx.get(f"http://{address}/metrics", headers={"Accept": PROMETHEUS_ACCEPT}, timeout=10).text
+    got = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
+    backend = got["tandem:kv_transfer_backend"]
+    assert backend.value == 1 and backend.labels == {"worker_id": "prefill-0", "role": "prefill",
+                                                     "requested": "auto", "backend": "tcp"}
+    assert got["tandem:worker_cpu_kernels"].labels["build"] == "avx2"
