@@ -247,8 +247,11 @@ class TandemServer(ManagedServer):
     def display_command(self) -> str:
         return "tandem " + shlex.join(self.command()[3:])
 
+    extra_env: dict[str, str] = {}  # more variables for this server (the side by side's --tandem-env)
+
     def env_overrides(self) -> dict[str, str]:
-        return {"TANDEM_CACHE_DIR": os.environ["TANDEM_CACHE_DIR"]} if "TANDEM_CACHE_DIR" in os.environ else {}
+        cache = {"TANDEM_CACHE_DIR": os.environ["TANDEM_CACHE_DIR"]} if "TANDEM_CACHE_DIR" in os.environ else {}
+        return {**cache, **self.extra_env}
 
 
 def http_status(url: str, timeout: float = 2.0) -> int | None:

@@ -232,6 +232,7 @@ class SideBySide:
     servers: tuple[str, ...] = DEFAULT_SERVERS
     dtype: str = "bfloat16"
     tandem_args: tuple[str, ...] = ()
+    tandem_env: tuple[str, ...] = ()  # KEY=VALUE for the tandem servers only
     num_prompts: int = 200
     failures: list[str] = field(default_factory=list)
 
@@ -254,6 +255,7 @@ class SideBySide:
         server = TandemServer(["--model", str(self.model_dir), "--dtype", self.dtype, *pools, *self.tandem_args],
                               log, port)
         server.name = name
+        server.extra_env = dict(kv.split("=", 1) for kv in self.tandem_env)
         return server
 
     def client(self, server: ManagedServer, tag: str, *extra: str) -> None:
@@ -303,7 +305,8 @@ class SideBySide:
         rows = table(self.out, self.servers)
         lines = [f"# {self.model} side by side, `vllm bench serve` as every server's client", "",
                  f"Machine: {cpu_line()}", f"Commit: {git_head()}; started {started}; dtype {self.dtype}; "
-                 f"tandem args: {' '.join(self.tandem_args) or '(none)'}",
+                 f"tandem args: {' '.join(self.tandem_args) or '(none)'}; "
+                 f"tandem environment: {' '.join(self.tandem_env) or '(none)'}",
                  f"Client: random 256 in / {OUTPUT_LEN} out, greedy, ignore_eos, {self.num_prompts} prompts at rate "
                  "inf, then 20 at concurrency 1. Throughput: completed requests x 128 / duration.", "", *rows]
         if self.failures:
@@ -393,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"),
                    help="float32 on a CPU without native bf16 (no avx512_bf16 or amx_bf16): emulated bf16 crawls")
     b.add_argument("--tandem-args", default="", help="more flags for both tandem servers (quoted)")
+    b.add_argument("--tandem-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="an environment variable for the tandem servers only (repeatable): e.g. "
+                   "TANDEM_CPU_KERNELS=avx2 with ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 for the AVX2 "
+                   "paths on an AVX-512 machine")
     b.add_argument("-n", "--num-prompts", type=int, default=200)
     v = sub.add_parser("vllm", help="one vLLM server: start, smoke-test, bench (after --), stop")
     v.add_argument("--model", required=True, help="local HF checkpoint directory")
@@ -411,7 +418,10 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             p.error(f"unknown servers {sorted(unknown)}; choose from {', '.join(SERVERS)}")
         run = SideBySide(args.dir.expanduser(), f"{args.model}-llama", args.out, servers, args.dtype,
-                         tuple(shlex.split(args.tandem_args)), args.num_prompts)
+                         tuple(shlex.split(args.tandem_args)), tuple(args.tandem_env), args.num_prompts)
+        bad = [kv for kv in args.tandem_env if "=" not in kv]
+        if bad:
+            p.error(f"--tandem-env takes KEY=VALUE, not {bad[0]!r}")
         report = run.run()
         print(report.read_text())
         return 1 if run.failures else 0
