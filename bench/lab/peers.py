@@ -398,8 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--tandem-args", default="", help="more flags for both tandem servers (quoted)")
     b.add_argument("--tandem-env", action="append", default=[], metavar="KEY=VALUE",
                    help="an environment variable for the tandem servers only (repeatable): e.g. "
-                   "TANDEM_CPU_KERNELS=avx2 with ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 for the AVX2 "
-                   "paths on an AVX-512 machine")
+                   "TANDEM_CPU_KERNELS=avx2 with ATEN_CPU_CAPABILITY=avx2, MKL_ENABLE_INSTRUCTIONS=AVX2 and "
+                   "ONEDNN_MAX_CPU_ISA=AVX2 for the AVX2 paths on an AVX-512 machine")
     b.add_argument("-n", "--num-prompts", type=int, default=200)
     v = sub.add_parser("vllm", help="one vLLM server: start, smoke-test, bench (after --), stop")
     v.add_argument("--model", required=True, help="local HF checkpoint directory")
