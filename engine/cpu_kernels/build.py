@@ -41,7 +41,6 @@ and is removed.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import hashlib
 import logging
@@ -56,53 +55,29 @@ from typing import Any
 import torch
 
 from engine import envs
+from engine.cpu_kernels.isa import (  # noqa: F401  (the builds and the CPU's flags, re-exported)
+    GENERIC,
+    INSTALLED,
+    PREBUILT_DIR,
+    VARIANTS,
+    X86_VARIANTS,
+    Variant,
+    cpu_flag_set,
+    cpu_flags,
+    cpu_model,
+    runnable,
+)
 
 log = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # part of the fingerprint, not compiled alone
-PREBUILT_DIR = Path(__file__).parent / "_prebuilt"  # where `tandem kernels build` puts them
 TURN_WAIT_S = 1800.0  # a first compile takes about a minute on 2 cores
 # -ffp-contract=off: no multiply-add fused into one rounding unless the source asks for it
 # (fused.cpp rounds where torch does)
 BASE_CFLAGS = ("-O3", "-fopenmp", "-DNDEBUG", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)  # tuples: torch's loader appends to the lists it is given
 SYSTEM_CXX = ("/usr/bin/g++", "/usr/bin/c++")  # tried, in this order, when the configured compiler fails the check
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """One build of the kernels: the compiler flags that select its code paths and the
-    CPU flags (as /proc/cpuinfo names them) a CPU needs to run it."""
-
-    name: str
-    cflags: tuple[str, ...]
-    needs: frozenset[str]
-    describe: str
-
-    def runs_on(self, cpu_flags: frozenset[str]) -> bool:
-        return self.needs <= cpu_flags
-
-
-# x86-64-v3 (Haswell, Zen 1 and later) and x86-64-v4 (Skylake-SP, Zen 4), spelt out
-# flag by flag so that any GCC or Clang of the last years takes them
-_V3 = ("-mavx", "-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt", "-mmovbe")
-_V3_NEEDS = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"})
-_V4 = _V3 + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512cd")
-_V4_NEEDS = _V3_NEEDS | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
-_BF16 = ("-mavx512bf16", "-mavx512vnni")
-_BF16_NEEDS = frozenset({"avx512_bf16", "avx512_vnni"})
-
-X86_VARIANTS = (
-    Variant("amx", _V4 + _BF16 + ("-mamx-tile", "-mamx-bf16", "-mamx-int8"),
-            _V4_NEEDS | _BF16_NEEDS | {"amx_tile", "amx_bf16", "amx_int8"}, "AVX-512 with BF16 and AMX tiles"),
-    Variant("avx512_bf16", _V4 + _BF16, _V4_NEEDS | _BF16_NEEDS, "AVX-512 with BF16 dot products"),
-    Variant("avx512", _V4, _V4_NEEDS, "AVX-512 F/BW/VL/DQ/CD"),
-    Variant("avx2", _V3, _V3_NEEDS, "AVX2 with FMA and F16C"),
-)
-GENERIC = Variant("generic", (), frozenset(), "portable C++, vectorised by the compiler for the base ISA")
-VARIANTS = (*X86_VARIANTS, GENERIC) if platform.machine() in ("x86_64", "AMD64") else (GENERIC,)
-INSTALLED = tuple(v for v in VARIANTS if v is not GENERIC) or (GENERIC,)  # what `tandem kernels build` makes
 
 
 class KernelBuildError(RuntimeError):
@@ -115,12 +90,6 @@ def variant(name: str) -> Variant:
             return v
     raise KernelBuildError(f"no cpu kernel build named {name!r} here: choose from "
                            f"{', '.join(v.name for v in VARIANTS)}")
-
-
-def runnable(cpu_flags: frozenset[str] | None = None) -> list[Variant]:
-    """The builds this CPU runs, best first (generic always last)."""
-    flags = cpu_flags if cpu_flags is not None else cpu_flag_set()
-    return [v for v in VARIANTS if v.runs_on(flags)]
 
 
 def chosen() -> tuple[Variant, str]:
@@ -381,36 +350,6 @@ def extension_name(v: Variant) -> str:
         h.update(part.encode() if isinstance(part, str) else part)
         h.update(b"\0")
     return f"tandem_cpu_{v.name}_{h.hexdigest()[:12]}"
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_flag_set() -> frozenset[str]:
-    """The instruction-set flags of this CPU (Linux /proc/cpuinfo; empty elsewhere)."""
-    return frozenset(cpu_flags().split())
-
-
-def cpu_model() -> str:
-    """This CPU's model name (Linux /proc/cpuinfo), else the architecture."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_flags() -> str:
-    """The instruction-set flags of this CPU (Linux /proc/cpuinfo), else the processor name."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 @contextlib.contextmanager

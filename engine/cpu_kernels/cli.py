@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine.cpu_kernels import build
+from engine.cpu_kernels import isa
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -27,10 +27,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b = s.add_parser("build", help="compile the builds (once, at install)")
     b.add_argument("--variants", default=None,
                    help="comma-separated builds to make (default: all of this architecture's: "
-                   f"{','.join(v.name for v in build.INSTALLED)})")
+                   f"{','.join(v.name for v in isa.INSTALLED)})")
     b.add_argument("--only-runnable", action="store_true", help="only the builds this CPU runs")
     b.add_argument("--into", type=Path, default=None,
-                   help=f"where to put them (default {build.PREBUILT_DIR}, or the cache directory when that is "
+                   help=f"where to put them (default {isa.PREBUILT_DIR}, or the cache directory when that is "
                    "read-only)")
     b.set_defaults(func=run_build)
     i = s.add_parser("info", help="this CPU's flags and the build a worker loads")
@@ -39,6 +39,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def _root(into: Path | None) -> Path:
+    from engine.cpu_kernels import build
+
     if into is not None:
         return into
     try:
@@ -55,6 +57,8 @@ def _remove_stale(root: Path) -> int:
     """Remove builds in `root` that no current source, flag set and torch would load."""
     import shutil
 
+    from engine.cpu_kernels import build
+
     current = {build.extension_name(v) for v in build.VARIANTS}
     stale = [d for d in root.glob("tandem_cpu_*") if d.is_dir() and d.name not in current] if root.is_dir() else []
     for d in stale:
@@ -63,6 +67,8 @@ def _remove_stale(root: Path) -> int:
 
 
 def run_build(args) -> int:
+    from engine.cpu_kernels import build  # torch: only when the command runs
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.variants:
         try:
@@ -92,6 +98,8 @@ def run_build(args) -> int:
 
 
 def run_info(args) -> int:
+    from engine.cpu_kernels import build
+
     flags = build.cpu_flag_set()
     print(f"cpu: {build.cpu_model()}")
     isa = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "sse4", "neon", "asimd", "sve")))

@@ -50,12 +50,15 @@ def test_build_names_carry_the_build_and_not_this_cpu(monkeypatch):
     names = {build.extension_name(v) for v in build.VARIANTS}
     assert len(names) == len(build.VARIANTS)
     assert all(build.extension_name(v).startswith(f"tandem_cpu_{v.name}_") for v in build.VARIANTS)
-    monkeypatch.setattr(build, "cpu_flags", lambda: "some other cpu")
-    build.cpu_flag_set.cache_clear()
+    from engine.cpu_kernels import isa
+
+    monkeypatch.setattr(isa, "cpu_flags", lambda: "some other cpu")
+    isa.cpu_flag_set.cache_clear()
     try:
+        assert isa.cpu_flag_set() == frozenset({"some", "other", "cpu"})
         assert {build.extension_name(v) for v in build.VARIANTS} == names  # portable: not tied to the CPU
     finally:
-        build.cpu_flag_set.cache_clear()
+        isa.cpu_flag_set.cache_clear()
 
 
 @needs_x86
