@@ -17,7 +17,7 @@ decode time (the whole generate minus a 1-token generate of the same prompt) ove
 tokens after the first, median of 3. Full batch: `--batch` such prompts at once,
 `--max-tokens` each; output tok/s over the whole generate (prefill included), median of
 2. The weights' bytes a token reads and this machine's read bandwidth give the one
-stream's floor (bytes / bandwidth).
+stream's floor (bytes / bandwidth, as bench/lab/bandwidth.py measures them).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def run_case(args: argparse.Namespace) -> dict:
 
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, kv_cache_memory_gb=args.kv_cache_memory_gb,
               max_num_seqs=max(args.batch, 1))
-    vocab = llm.engine.runner.model.cfg.vocab_size if hasattr(llm, "engine") else 1000
+    vocab = llm.engine.runner.model.cfg.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, vocab - 1, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
     full = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
@@ -71,29 +71,12 @@ def run_case(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         llm.generate(prompts, full, use_tqdm=False)
         batch.append(args.batch * args.max_tokens / (time.perf_counter() - t0))
-    model = llm.engine.runner.model
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                       if "embed_tokens" not in n or model.lm_head is None)
+    from bench.lab.bandwidth import weight_bytes_per_token
+
+    weight_bytes = weight_bytes_per_token(args.model, {"float32": 4}.get(args.dtype, 2))
     return {"ms_per_token": statistics.median(one), "ms_per_token_all": one, "batch_tok_s": statistics.median(batch),
             "weight_bytes": weight_bytes, "kernels": build.chosen()[0].name,
             "torch_isa": torch.backends.cpu.get_cpu_capability()}
-
-
-def read_bandwidth_gbs(mb: int = 1024, reps: int = 5) -> float:
-    """This machine's read bandwidth with torch's threads: the best of `reps` sums over a
-    buffer far larger than the caches."""
-    import torch
-
-    x = torch.ones(mb * 2**20 // 4)
-    x.sum()
-    best = min(_timed(lambda: x.sum()) for _ in range(reps))
-    return x.numel() * 4 / best / 1e9
-
-
-def _timed(f) -> float:
-    t0 = time.perf_counter()
-    f()
-    return time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,12 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(run_case(args)), flush=True)
         return 0
 
-    import torch
-
+    from bench.lab.bandwidth import read_bandwidth_gbs
     from engine.cpu_kernels import build
 
-    torch.set_num_threads(args.threads)
-    bandwidth = read_bandwidth_gbs()
+    bandwidth = read_bandwidth_gbs(threads=args.threads)
     rows = []
     for b in [x.strip() for x in args.builds.split(",") if x.strip()]:
         for dtype in [x.strip() for x in args.dtypes.split(",") if x.strip()]:
