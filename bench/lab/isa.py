@@ -7,7 +7,8 @@ process.
                             [--json PATH] [--markdown PATH]
 
 `native` is the build this CPU loads by default; any other name (avx2, avx512, ...) is
-forced with TANDEM_CPU_KERNELS, and `avx2` also caps torch's own kernels at AVX2
+forced with TANDEM_CPU_KERNELS; `NAME:torch-linear` runs the linear layers on torch alone
+(the baseline of the kernels' own); and `avx2` also caps torch's own kernels at AVX2
 (ATEN_CPU_CAPABILITY=avx2, MKL_ENABLE_INSTRUCTIONS=AVX2, ONEDNN_MAX_CPU_ISA=AVX2), so on
 an AVX-512 machine the row stands for an AVX2-only CPU's code paths (not its memory
 system: the bandwidth is this machine's, and is measured and printed beside it).
@@ -34,11 +35,19 @@ AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "
 
 
 def case_env(build: str) -> dict[str, str]:
+    """The environment of a case: `native`, a build's name, either with `:torch-linear`
+    (the linear layers on torch alone, TANDEM_CPU_SMALL_BATCH_LINEAR=0: the baseline the
+    kernels' linear layers are measured against)."""
     env = dict(os.environ)
-    if build != "native":
-        env["TANDEM_CPU_KERNELS"] = build
-    if build == "avx2":
+    name, _, modifier = build.partition(":")
+    if name != "native":
+        env["TANDEM_CPU_KERNELS"] = name
+    if name == "avx2":
         env.update(AVX2_CAPS)
+    if modifier == "torch-linear":
+        env["TANDEM_CPU_SMALL_BATCH_LINEAR"] = "0"
+    elif modifier:
+        raise SystemExit(f"unknown modifier {modifier!r} in {build!r} (torch-linear)")
     return env
 
 
@@ -118,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             r = {"build": b, "dtype": dtype, **json.loads(line[7:])}
             r["floor_ms"] = r["weight_bytes"] / (bandwidth * 1e9) * 1e3
             rows.append(r)
-            print(f"{b:8s} {dtype:9s} kernels {r['kernels']:12s} torch {r['torch_isa']:7s} one stream "
+            print(f"{b:18s} {dtype:9s} kernels {r['kernels']:12s} torch {r['torch_isa']:7s} one stream "
                   f"{r['ms_per_token']:6.2f} ms/token ({r['ms_per_token'] / r['floor_ms']:.2f}x the floor "
                   f"{r['floor_ms']:.1f}); batch {args.batch}: {r['batch_tok_s']:7.1f} tok/s", flush=True)
     meta = {"cpu": build.cpu_model(), "cpu_flags": build.cpu_flags(), "threads": args.threads,
