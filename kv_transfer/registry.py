@@ -19,8 +19,12 @@ def create_transport(name: str, config: TransportConfig) -> Transport:
         raise ValueError(f"unknown KV transport {name!r}; choose one of {TRANSPORTS}")
     if name == "tcp":
         return _make_tcp(config)
-    if name == "nixl":
-        return _make_nixl(config)
+    if name == "nixl":  # asked for by name: no fallback, one clear error
+        try:
+            return _make_nixl(config)
+        except Exception as e:
+            raise RuntimeError(f"--transport nixl: NIXL is unavailable here ({type(e).__name__}: {e}); "
+                               "--transport auto falls back to tcp, --transport tcp asks for it") from e
     try:
         transport = _make_nixl(config)
     except Exception as e:  # any failure to import or start NIXL means: fall back

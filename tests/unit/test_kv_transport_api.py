@@ -105,6 +105,15 @@ def test_auto_falls_back_to_tcp_with_one_line(monkeypatch, caplog) -> None:
     ]
 
 
+def test_nixl_by_name_refuses_to_fall_back(monkeypatch) -> None:
+    def no_nixl(config):
+        raise ImportError("No module named 'nixl'")
+
+    monkeypatch.setattr(registry, "_make_nixl", no_nixl)
+    with pytest.raises(RuntimeError, match=r"--transport nixl: NIXL is unavailable here \(ImportError: No module"):
+        create_transport("nixl", TransportConfig(worker_name="w"))
+
+
 def test_auto_prefers_nixl_and_says_so(monkeypatch, caplog) -> None:
     class FakeNixl:
         name = "nixl"
