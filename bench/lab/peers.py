@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shlex
 import shutil
 import subprocess
@@ -339,18 +338,9 @@ def table(out: Path, servers: tuple[str, ...]) -> list[str]:
 
 def cpu_line() -> str:
     """The CPU's model, its core count, and the flags the kernels choose by."""
-    model, flags = platform.processor() or "?", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
-    isa = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
-    return f"{model}, {os.cpu_count()} cores; {' '.join(isa) or 'flags unknown'}"
+    from engine.cpu_kernels import isa
+
+    return f"{isa.cpu_model()}, {os.cpu_count()} cores; {' '.join(isa.isa_flags()) or 'flags unknown'}"
 
 
 def git_head() -> str:

@@ -100,10 +100,8 @@ def run_build(args) -> int:
 def run_info(args) -> int:
     from engine.cpu_kernels import build
 
-    flags = build.cpu_flag_set()
-    print(f"cpu: {build.cpu_model()}")
-    isa = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "sse4", "neon", "asimd", "sve")))
-    print(f"flags: {' '.join(isa)}")
+    print(f"cpu: {isa.cpu_model()}")
+    print(f"flags: {' '.join(isa.isa_flags())}")
     runs = build.runnable()
     try:
         v, why = build.chosen()

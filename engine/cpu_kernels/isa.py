@@ -81,3 +81,9 @@ def cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def isa_flags() -> list[str]:
+    """The flags the builds choose by (vector and matrix extensions), sorted: what a
+    results file records of its CPU."""
+    return sorted(f for f in cpu_flag_set() if f.startswith(("avx", "amx", "fma", "f16c", "sse4", "asimd", "sve")))

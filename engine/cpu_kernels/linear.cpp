@@ -49,6 +49,7 @@
 #include <immintrin.h>
 #endif
 #include "amx.h"
+#include "simd.h"
 
 namespace {
 
@@ -325,12 +326,6 @@ void arrange(const T* x, int64_t K, float* out) {
   for (int64_t k = K16; k < K; ++k) out[k] = static_cast<float>(x[k]);
 }
 
-inline float hsum8(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
 // y[m * N + r] = x[m] . W[r] (+ bias[r]) for R weight rows (stride K) and MT rows of x:
 // one fp32 sum per output, to which each 16 inputs add their even half and then their
 // odd half. That order is the same for every R and MT, so an output does not depend on
@@ -362,7 +357,7 @@ inline void widen_block(const float* xa, int64_t K, const TW* W, const T* b, T* 
   for (int r = 0; r < R; ++r) {
     const float bias = b == nullptr ? 0.0f : static_cast<float>(b[r]);
     for (int m = 0; m < MT; ++m) {
-      float s = hsum8(acc[r][m]);
+      float s = tandem_simd::hsum8(acc[r][m]);
       for (int64_t k = K16; k < K; ++k) s += xa[m * K + k] * static_cast<float>(W[r * K + k]);
       y[m * N + r] = T(s + bias);
     }
@@ -399,17 +394,17 @@ void widen_span_rows(int64_t mt, const float* xa, const TW* W, const T* b, T* y,
 // same CPU, against 0.16-0.2x for torch's emulated bf16 matmul.
 template <typename T>
 void widen_linear(const T* x, const T* W, const T* b, T* y, int64_t M, int64_t N, int64_t K) {
+  thread_local std::vector<float> xa;  // x arranged, reused from call to call
+  if (static_cast<int64_t>(xa.size()) < M * K) xa.resize(M * K);
   if (M <= 4) {
-    thread_local std::vector<float> xa;
-    if (static_cast<int64_t>(xa.size()) < 4 * K) xa.resize(4 * K);
     for (int64_t r = 0; r < M; ++r) arrange(x + r * K, K, xa.data() + r * K);
     const float* xp = xa.data();
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { widen_span_rows<T, T>(M, xp, W, b, y, n0, n1, N, K); });
     return;
   }
-  std::vector<float> xa(static_cast<size_t>(M * K));
+  float* xw = xa.data();
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) arrange(x + r * K, K, xa.data() + r * K);
+    for (int64_t r = r0; r < r1; ++r) arrange(x + r * K, K, xw + r * K);
   });
   // rows of W a tile: about 24 KB of them (L1 holds the tile beside x's rows), a multiple of 6
   const int64_t row_bytes = std::max<int64_t>(K, 1) * static_cast<int64_t>(sizeof(T));
@@ -419,7 +414,7 @@ void widen_linear(const T* x, const T* W, const T* b, T* y, int64_t M, int64_t N
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
       for (int64_t m = 0; m < M; m += 4)
-        widen_span_rows<T, T>(std::min<int64_t>(M - m, 4), xa.data() + m * K, W, b, y + m * N, n0, n1, N, K);
+        widen_span_rows<T, T>(std::min<int64_t>(M - m, 4), xw + m * K, W, b, y + m * N, n0, n1, N, K);
     }
   });
 }
