@@ -390,8 +390,8 @@ void widen_span_rows(int64_t mt, const float* xa, const TW* W, const T* b, T* y,
 // (about 24 KB of weights, in L1) that every group of 4 rows of x passes over, so W is read
 // from memory once. (Widening a bf16 tile once into an fp32 copy, 64 KB, instead of once
 // per 4 rows of x measured slower: 86-87 against 110-138 GFLOP/s at 256 rows, the copy
-// no longer fitting L1.) At 64-256 rows this gives 0.6-0.75x of MKL's fp32 GEMM on the
-// same CPU, against 0.16-0.2x for torch's emulated bf16 matmul.
+// no longer fitting L1.) At 64-256 rows this gives 0.45-0.7x of MKL's fp32 GEMM on the
+// same CPU, against 0.15-0.2x for torch's emulated bf16 matmul.
 template <typename T>
 void widen_linear(const T* x, const T* W, const T* b, T* y, int64_t M, int64_t N, int64_t K) {
   thread_local std::vector<float> xa;  // x arranged, reused from call to call
