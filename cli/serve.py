@@ -208,7 +208,7 @@ def serve(args: argparse.Namespace, attach: bool = False) -> int:
             return 1
         signals = SignalDrain(app.state.drain, exit_server, lambda: exit_server(force=True))
         http = with_header_timeout(args.header_timeout_s) if args.header_timeout_s else "httptools"
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", ws="none", timeout_graceful_shutdown=5,
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", ws="none", timeout_graceful_shutdown=1,
                                 http=http)
         server = uvicorn.Server(config)
         try:
@@ -232,10 +232,9 @@ def serve(args: argparse.Namespace, attach: bool = False) -> int:
     finally:
         sock.close()
     if signals is not None and signals.result is not None:
-        start, left, waited = signals.result
-        how = f"all {start} finished" if left == 0 else f"{left} of {start} still running were cut off"
+        res = signals.result
         log.info("stopped on %s after draining for %.1f s (requests in flight: %s)",
-                 signals.signal_name, waited, how)
+                 signals.signal_name, res.waited_s, res.describe())
     return code
 
 

@@ -11,7 +11,8 @@ has been sent in full (for a stream: after its last event), with the method, pat
 status, prompt and output tokens, time to first token, duration and request id; a
 request whose client went away before its answer ended (a stream cut, a request
 abandoned) ends its line with `client_closed` (`"client_closed": true` in JSON), so a
-cut stream's 200 is not read as a complete answer.
+cut stream's 200 is not read as a complete answer. A stream the server ended because
+its shutdown grace ran out ends its line with `cut_at_shutdown` likewise.
 `--log-format json` makes every log line of the router one JSON object, these with
 their fields as keys. Health probes and metric scrapes (/health, /ready, /metrics) are
 logged at DEBUG only: they come every few seconds and say nothing per request.
@@ -44,6 +45,7 @@ class AccessRecord:
     client_gave_id: bool
     job: object = None  # router.job.Job, once the engines took the request
     client_closed: bool = False  # the client went away before the answer ended
+    cut_at_shutdown: bool = False  # the shutdown grace ended before the answer did
 
     def response_id(self, prefix: str) -> str:
         """`<prefix>-<request id>`, with a random tail when the id is the client's:
@@ -73,6 +75,13 @@ def note_client_closed(scope: Scope) -> None:
     record = scope.get("state", {}).get("access")
     if record is not None:
         record.client_closed = True
+
+
+def note_cut_at_shutdown(scope: Scope) -> None:
+    """The server's shutdown grace ended this answer (when the access log runs)."""
+    record = scope.get("state", {}).get("access")
+    if record is not None:
+        record.cut_at_shutdown = True
 
 
 class AccessLogMiddleware:
@@ -135,6 +144,9 @@ class AccessLogMiddleware:
         if record.client_closed:
             fields["client_closed"] = True
             text += " client_closed"
+        if record.cut_at_shutdown:
+            fields["cut_at_shutdown"] = True
+            text += " cut_at_shutdown"
         log.log(level, text, extra={"access": fields})
 
 
