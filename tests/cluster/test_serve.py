@@ -561,10 +561,14 @@ def test_joining_an_unreachable_cluster_fails_at_once_with_advice(tmp_path):
     assert "RAY_AUTH_TOKEN" in r.stderr and "loopback" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_sigterm_to_a_worker_actor_drains_it_and_it_is_replaced(serve, model_path):
+def test_a_decode_worker_drains_on_sigterm_and_one_killed_mid_stream_is_migrated(serve, model_path):
     """SIGTERM to a decode worker's process (what a pod deletion's preStop hook sends):
     its running streams end whole, new requests go to the other worker, the process
-    exits with one line and no backtrace, and the controller starts a replacement."""
+    exits with one line and no backtrace, and the controller starts a replacement.
+    Then, on the same cluster, SIGKILL of the decode worker running a greedy stream:
+    the stream goes on on the other one (prompt + tokens so far prefilled there) and its
+    token ids equal transformers' uninterrupted run; the `migrated` counter moves and the
+    survivor holds no block after."""
     import psutil
 
     srv = serve("--colocated", "--decode", "2", "--num-blocks", "4096", "--worker-shutdown-grace-s", "120")
@@ -624,6 +628,70 @@ def test_sigterm_to_a_worker_actor_drains_it_and_it_is_replaced(serve, model_pat
                      r"\(requests live: (\d+), all (\d+) finished\)", log)
     assert said and int(said[1]) == int(said[2]) > 0, log[-3000:]
     assert "Traceback" not in log and "SIGTERM received" not in log, log[-3000:]
+    _migration_on_sigkill(srv, model_path)
+
+
+def _migration_on_sigkill(srv: Serve, model_path) -> None:
+    asyncio.run(_wait_for(lambda: [w["routable"] for w in srv.pools()["decode"]["workers"]] == [True, True],
+                          60, "both decode workers routable"))
+    workers = srv.pools()["decode"]["workers"]
+    prompt = random_prompts([24], seed=54)[0]
+    n_tokens = 600
+    expect = hf_greedy(model_path, prompt, n_tokens, ignore_eos=True)
+    before = labelled(httpx.get(srv.url + "/metrics", timeout=10).text, "tandem:request_retries_total")
+
+    async def running_on() -> list[int]:
+        clients = [WorkerClient(w["worker_id"], "decode", w["address"], TOKEN) for w in workers]
+        try:
+            return [s.num_running for s in await asyncio.gather(*(c.stats() for c in clients))]
+        finally:
+            for c in clients:
+                await c.close()
+
+    async def scenario() -> tuple[list[int], dict]:
+        ids: list[int] = []
+        killed: dict = {}
+        body = {"model": "tandem-tiny-v2", "prompt": prompt, "max_tokens": n_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "return_token_ids": True}
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as client:
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    assert "error" not in chunk, chunk
+                    ids.extend(chunk["choices"][0]["token_ids"] or [])
+                    if len(ids) >= 30 and not killed:
+                        running = await running_on()
+                        assert sorted(running) == [0, 1], running  # this stream, on one of them
+                        killed = workers[running.index(1)]
+                        os.kill(killed["pid"], signal.SIGKILL)
+                        killed["at"] = len(ids)
+        return ids, killed
+
+    ids, killed = asyncio.run(scenario())
+    assert killed and killed["at"] < n_tokens, "the stream ended before the kill: make it longer"
+    assert ids == expect, next(i for i, (a, b) in enumerate(zip(ids, expect)) if a != b)
+    after = labelled(httpx.get(srv.url + "/metrics", timeout=10).text, "tandem:request_retries_total")
+    key = (("cause", "migrated"),)
+    assert after[key] - before.get(key, 0) == 1, (before, after)
+    log = open(srv.log_path).read()
+    assert re.search(rf"on {killed['worker_id']} failed .*; migrating", log), log[-3000:]
+    survivor = next(w for w in workers if w["worker_id"] != killed["worker_id"])
+
+    async def survivor_clean() -> None:
+        c = WorkerClient(survivor["worker_id"], "decode", survivor["address"], TOKEN)
+        try:
+            assert (await c.check_integrity()).healthy
+            deadline = time.monotonic() + 10  # the last step's release lands just after the last token
+            while (s := await c.stats()).num_running or s.num_free_blocks != s.num_blocks:
+                assert time.monotonic() < deadline, s
+                await asyncio.sleep(0.1)
+        finally:
+            await c.close()
+
+    asyncio.run(survivor_clean())
 
 
 def test_random_requests_get_an_answer_or_a_400_never_a_5xx(serve):
