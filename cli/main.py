@@ -131,9 +131,10 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-request-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get 413"
     )
-    g.add_argument("--header-timeout-s", type=float, default=0.0,
-                   help="a request whose headers have not all arrived this long after its first byte gets 408 and "
-                        "its connection is closed (slow clients cannot hold connections open); 0, the default: off")
+    g.add_argument("--header-timeout-s", type=float, default=30.0,
+                   help="a request whose headers have not all arrived this long after its connection or the "
+                        "previous response gets 408 and its connection is closed (slow clients cannot hold "
+                        "connections open; bytes the server has not read yet do not count against it); 0: off")
     g.add_argument("--grammar-compile-timeout-s", type=float, default=10.0,
                    help="a structured-output spec that takes longer to compile (on a thread of its own, off the "
                         "event loop) gets 400")

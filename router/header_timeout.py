@@ -6,22 +6,34 @@ for as long as their clients pleased. Here a request's headers must be complete 
 `--header-timeout-s` of its first byte (of the connection, for the first request);
 otherwise the router answers 408 and closes the connection. Bodies are not timed here:
 their size is bounded (413) and the handlers read them.
+
+The timer measures the client, not the server: when it fires while request bytes wait
+unread in the socket (the loop was held up, or reading is paused), those bytes are the
+server's delay, so the bound is extended (at most once more over) until they are read.
+On by default (30 s, `--header-timeout-s`): nginx's client_header_timeout is 60 s,
+Apache's mod_reqtimeout 20-40 s; a loop stall that long would be an outage of its own.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
+import fcntl
+import termios
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+# while bytes wait unread at the deadline: look again this often, up to the bound once more
+_RECHECK_S = 0.25
 _TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
 class HeaderTimeoutProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, with a timer from a request's start to its headers' end."""
 
-    header_timeout_s = 10.0
+    header_timeout_s = 30.0
     _header_timer: asyncio.TimerHandle | None = None
+    _extended_until: float | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -41,6 +53,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def _arm(self) -> None:
+        self._extended_until = None
         self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
 
     def _disarm(self) -> None:
@@ -50,9 +63,30 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def _headers_late(self) -> None:
         self._header_timer = None
-        if not self.transport.is_closing():
-            self.transport.write(_TIMEOUT_RESPONSE)
-            self.transport.close()
+        if self.transport.is_closing():
+            return
+        now = self.loop.time()
+        if self._extended_until is None:
+            self._extended_until = now + self.header_timeout_s
+        if now < self._extended_until and unread_bytes(self.transport) > 0:
+            self._header_timer = self.loop.call_later(_RECHECK_S, self._headers_late)
+            return
+        self.transport.write(_TIMEOUT_RESPONSE)
+        self.transport.close()
+
+
+def unread_bytes(transport: asyncio.BaseTransport) -> int:
+    """Bytes the kernel holds for this socket that the loop has not read yet (0 when it
+    cannot tell)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        buf = array.array("i", [0])
+        fcntl.ioctl(sock.fileno(), termios.FIONREAD, buf, True)
+        return buf[0]
+    except (OSError, ValueError):
+        return 0
 
 
 def with_header_timeout(timeout_s: float) -> type[HeaderTimeoutProtocol]:

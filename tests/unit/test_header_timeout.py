@@ -103,3 +103,56 @@ async def test_slow_headers_get_408_and_the_connection_closes():
 def test_the_bound_must_be_positive():
     with pytest.raises(ValueError, match="positive"):
         with_header_timeout(0)
+
+
+def test_headers_waiting_unread_in_the_socket_are_the_servers_delay_not_the_clients():
+    """A request whose headers arrived whole but wait unread in the socket when the
+    timer fires (the loop held up, or reading paused) is served, not cut: the bound is
+    extended while bytes wait. Reading is paused here past the bound to make that state
+    happen every time; before, the timer answered 408 and closed (with the request
+    unread, the close is a reset). A trickling client is still cut at the bound."""
+    import threading
+
+    import uvloop
+
+    held_s = TIMEOUT_S * 1.5  # past the bound, within its one extension
+    paused: list[float] = []
+
+    class HeldProtocol(with_header_timeout(TIMEOUT_S)):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+
+            def hold():  # the loop does not read this socket for a while
+                transport.pause_reading()
+                paused.append(held_s)
+                self.loop.call_later(held_s, transport.resume_reading)
+
+            self.loop.call_soon(hold)  # once the transport reads (uvloop starts after this method)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = uvicorn.Config(_ok, host="127.0.0.1", port=port, log_level="warning", lifespan="off", ws="none",
+                            http=HeldProtocol, timeout_keep_alive=30)
+    server = uvicorn.Server(config)
+    loop = uvloop.new_event_loop()  # the router's loop
+    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with socket.create_connection(("127.0.0.1", port)) as c:
+            time.sleep(0.1)  # reading is paused now
+            c.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # prompt, and whole
+            got = _response(c)
+        assert paused and got.startswith(b"HTTP/1.1 200") and got.endswith(b"ok"), got
+        with socket.create_connection(("127.0.0.1", port)) as c:
+            c.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")  # and then nothing more
+            got, closed_after = _read_until_closed(c, 5.0)
+        # read at held_s, found short of its end: cut at the bound's recheck
+        assert got.startswith(b"HTTP/1.1 408") and closed_after < held_s + 1.0, (got, closed_after)
+    finally:
+        server.should_exit = True
+        thread.join(10)
