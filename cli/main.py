@@ -135,9 +135,6 @@ def _router_args(p: argparse.ArgumentParser) -> None:
                    help="a request whose headers have not all arrived this long after its connection or the "
                         "previous response gets 408 and its connection is closed (slow clients cannot hold "
                         "connections open; bytes the server has not read yet do not count against it); 0: off")
-    g.add_argument("--grammar-compile-timeout-s", type=float, default=10.0,
-                   help="a structured-output spec that takes longer to compile (on a thread of its own, off the "
-                        "event loop) gets 400")
     g.add_argument(
         "--shutdown-grace-s",
         type=float,

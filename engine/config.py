@@ -341,10 +341,13 @@ class GrammarLimits:
     """What one request's structured-output spec may cost to compile."""
 
     max_spec_bytes: int = 256 * 1024  # its text: a JSON schema, a regex, a choice list or a grammar
+    compile_timeout_s: float = 10.0  # a worker's compile of it (the router has its own, of the same value)
 
     def __post_init__(self) -> None:
         if self.max_spec_bytes < 1:
             raise ValueError(f"max_spec_bytes must be positive, got {self.max_spec_bytes}")
+        if not self.compile_timeout_s > 0:
+            raise ValueError(f"compile_timeout_s must be positive, got {self.compile_timeout_s}")
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,14 @@ def parse_cores(text: str | None) -> tuple[int, ...] | None:
 
 
 def add_grammar_arg(g) -> None:
-    """--max-grammar-bytes: the engine's limit, and the router's (`tandem router` takes it alone)."""
+    """--max-grammar-bytes and --grammar-compile-timeout-s: the engine's limits, and the
+    router's (`tandem router` takes them alone)."""
     g.add_argument("--max-grammar-bytes", type=int, default=GrammarLimits.max_spec_bytes,
                    help="the largest structured-output spec (JSON schema, regex, choice list, grammar) a request "
                         "may carry: the router answers 400 before anything compiles a larger one; workers refuse it")
+    g.add_argument("--grammar-compile-timeout-s", type=float, default=GrammarLimits.compile_timeout_s,
+                   help="a structured-output spec that takes longer to compile (on a thread of its own, off every "
+                        "event loop, in the router and again in the worker) gets 400")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -111,5 +115,5 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         seed=a.seed,
         speculative=SpeculativeConfig(method=a.speculative_method, num_speculative_tokens=a.num_speculative_tokens,
                                       model=a.speculative_model, adaptive=not a.no_adaptive_speculation),
-        grammar=GrammarLimits(max_spec_bytes=a.max_grammar_bytes),
+        grammar=GrammarLimits(max_spec_bytes=a.max_grammar_bytes, compile_timeout_s=a.grammar_compile_timeout_s),
     )

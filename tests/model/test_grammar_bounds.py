@@ -100,3 +100,31 @@ def test_a_slow_compile_holds_up_nothing_and_ends_at_its_timeout(server):
         assert time.monotonic() < deadline, r.text
         time.sleep(0.2)
     assert r.json()["choices"][0]["text"] in {f"option number {i} of a long list" for i in range(3)}
+
+
+def test_a_worker_bounds_its_own_compile(random_dir):
+    """A worker does not rely on the router's bound (a router with other settings may
+    send it anything under the byte limit): its compile of a spec that takes too long
+    ends at --grammar-compile-timeout-s as a SamplingParamsError (INVALID_ARGUMENT, a
+    400 that is not retried), and the worker's grammar thread then serves the next one."""
+    import asyncio
+
+    from engine.sampling_params import SamplingParams, SamplingParamsError
+    from engine.structured import GuidedSpec, StructuredOutputs
+    from worker_runtime.grammar import matcher_for
+
+    structured = StructuredOutputs.for_checkpoint(random_dir, [1, 4], GrammarLimits(MAX_BYTES, compile_timeout_s=TIMEOUT_S))
+    slow = SamplingParams(guided=GuidedSpec("choice", json.dumps([f"option number {i} of a long list"
+                                                                   for i in range(60_000)])))
+    t0 = time.monotonic()
+    with pytest.raises(SamplingParamsError, match="--grammar-compile-timeout-s") as e:
+        asyncio.run(matcher_for(structured, slow))
+    assert e.value.param == "response_format" and time.monotonic() - t0 < TIMEOUT_S + 1.0
+    deadline = time.monotonic() + 30  # the abandoned compile ends in the background; then the next one runs
+    small = SamplingParams(guided=GuidedSpec("choice", json.dumps(["yes", "no"])))
+    while True:
+        try:
+            assert asyncio.run(matcher_for(structured, small)) is not None
+            break
+        except SamplingParamsError:
+            assert time.monotonic() < deadline
