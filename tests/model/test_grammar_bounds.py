@@ -113,7 +113,8 @@ def test_a_worker_bounds_its_own_compile(random_dir):
     from engine.structured import GuidedSpec, StructuredOutputs
     from worker_runtime.grammar import matcher_for
 
-    structured = StructuredOutputs.for_checkpoint(random_dir, [1, 4], GrammarLimits(MAX_BYTES, compile_timeout_s=TIMEOUT_S))
+    limits = GrammarLimits(MAX_BYTES, compile_timeout_s=TIMEOUT_S)
+    structured = StructuredOutputs.for_checkpoint(random_dir, [1, 4], limits)
     slow = SamplingParams(guided=GuidedSpec("choice", json.dumps([f"option number {i} of a long list"
                                                                    for i in range(60_000)])))
     t0 = time.monotonic()
