@@ -291,7 +291,9 @@ def _creating_view(args: argparse.Namespace, detached: bool = False, **config):
     from router.view import ClusterView, ViewConfig
 
     path = resolve_model(args)
-    pools = pool_config(args, path)
+    # workers outlive a controller that restarts when it is detached, or when the whole
+    # runtime is this process's own (it ends them all as it stops, crash or not)
+    pools = dataclasses.replace(pool_config(args, path), detached_workers=detached or args.address is None)
 
     def create_controller():
         handle = create(pools, {"model": path, "colocated": args.colocated}, detached=detached)

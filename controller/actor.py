@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 
 from controller.autoscale import Autoscaler
@@ -27,6 +28,8 @@ from worker_runtime.config import LOG_FORMAT, Role
 from worker_runtime.membership import CONTROLLER_NAME, NAMESPACE, Membership, RouterReport
 
 log = logging.getLogger(__name__)
+
+ADOPTION_WAIT_S = 60.0  # a call that needs the members waits this long for the adoption at start
 
 
 
@@ -59,18 +62,41 @@ class Controller:
         return self._info
 
     async def start(self) -> None:
-        """Bring the pools to their targets; once (a second caller waits for the first)."""
+        """Adopt the running workers, then bring the pools to their targets; once (a
+        second caller waits for the first)."""
+        await asyncio.shield(self._started())
+
+    def _started(self) -> asyncio.Task:
+        """The start task, begun by the first call of any kind: after Ray restarts this
+        actor (max_restarts) nobody calls `start`, and the routers' next membership poll
+        begins it, so the running workers are adopted within a poll."""
         if self._start is None:
             self._start = asyncio.create_task(self.pool.start())
-        await asyncio.shield(self._start)
-        if self.autoscaler is not None and self._autoscale_task is None:
+            self._start.add_done_callback(self._on_started)
+        return self._start
+
+    def _on_started(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        if task.exception() is not None:
+            log.error("the pools did not come up: %s", task.exception())
+        elif self.autoscaler is not None and self._autoscale_task is None:
             self._autoscale_task = asyncio.create_task(self._autoscale_loop())
 
+    async def _adopted(self) -> None:
+        """Wait (bounded) until the running workers are adopted: a membership without
+        them would make the routers drop workers that serve their streams."""
+        self._started()
+        await asyncio.wait_for(self.pool.adoption.wait(), ADOPTION_WAIT_S)
+
     async def membership(self, since: int = -1, wait_s: float = 0.0) -> Membership:
+        await self._adopted()
         return await self.pool.membership(since, min(wait_s, 30.0), self.autoscale_status())
 
     async def get_pools(self) -> dict:
-        return {**await self.pool.get_pools(), "autoscaler": self.autoscale_status()}
+        await self._adopted()
+        return {**await self.pool.get_pools(), "autoscaler": self.autoscale_status(),
+                "controller": {"pid": os.getpid(), "adopted": self.pool.adopted}}
 
     # ---- the autoscaler (controller/autoscale.py) ----------------------------------------
     async def report(self, router_id: str, report: RouterReport) -> None:
@@ -135,12 +161,15 @@ class Controller:
 def create(config: PoolConfig, info: dict, detached: bool):
     """A new controller on this process's node (the head, under KubeRay). Detached, it
     outlives this process and is ended by `tandem controller --stop`; otherwise it ends
-    with this process (and takes its workers with it). ValueError when one exists."""
+    with this process (and takes its workers with it, unless they are detached: those are
+    ended by `shutdown`). ValueError when one exists."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    options = {"name": CONTROLLER_NAME, "namespace": NAMESPACE, "num_cpus": 0, "max_restarts": 0,
+    # max_restarts: a controller whose process dies is started again by Ray with the same
+    # arguments, and adopts the workers (they are detached where it is, PoolConfig)
+    options = {"name": CONTROLLER_NAME, "namespace": NAMESPACE, "num_cpus": 0, "max_restarts": -1,
                "scheduling_strategy": here, "max_concurrency": 1000}
     if detached:
         options["lifetime"] = "detached"

@@ -6,6 +6,13 @@ worker that dies, and resizes a pool on command. Scaling down drains first: the
 worker stops taking new requests, its running requests finish (bounded by
 `drain_timeout_s`, read from the worker's own stats), then it is stopped and removed.
 The states are worker_runtime/membership.py's.
+
+Workers are named actors (`tandem-worker-<role>-<n>` in tandem's namespace) and, with
+`detached_workers`, detached: they outlive the controller. A controller that starts
+(Ray restarting it, or `tandem controller` run again) first adopts the live workers it
+finds by name, checked by their own epoch over gRPC, and only then starts what the
+targets still lack; an adopted worker is never drained to meet a target, so a
+controller's restart drops no stream.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from engine.cores import create_core_table
 from worker_runtime import envs
 from worker_runtime.client import RPC_ERRORS, WorkerClient, wait_ready
 from worker_runtime.config import Role, WorkerConfig
-from worker_runtime.membership import ROLES, Member, Membership, WorkerState
+from worker_runtime.membership import NAMESPACE, ROLES, Member, Membership, WorkerState
 from worker_runtime.rpc import epoch_str
 from worker_runtime.stats import WorkerStats
 
@@ -36,6 +43,22 @@ log = logging.getLogger(__name__)
 # their code (their services import torch in the workers' own processes).
 WORKER_ACTORS = {Role.PREFILL: "prefill_worker.actor:PrefillWorkerActor",
                  Role.DECODE: "decode_worker.actor:DecodeWorkerActor"}
+WORKER_NAME_PREFIX = "tandem-worker-"  # + worker id: the actor's name, by which a new controller finds it
+
+
+def worker_actor_name(worker_id: str) -> str:
+    return WORKER_NAME_PREFIX + worker_id
+
+
+def worker_id_of(name: str) -> tuple[Role, int] | None:
+    """(role, number) of a worker actor's name; None for any other name."""
+    if not name.startswith(WORKER_NAME_PREFIX):
+        return None
+    role, _, n = name[len(WORKER_NAME_PREFIX):].rpartition("-")
+    try:
+        return Role(role), int(n)
+    except ValueError:
+        return None
 
 
 # Local CPU runs: a worker step of at most this much work (tokens x weight parameters) uses
@@ -64,6 +87,9 @@ class PoolConfig:
     drain_timeout_s: float = 120.0
     max_workers: int = 64
     autoscale: AutoscaleConfig | None = None  # the controller's autoscaler (router/autoscale.py); None: off
+    # workers outlive the controller (a detached controller's, or a local runtime's); else
+    # they share its fate, and a restarted controller starts new ones
+    detached_workers: bool = False
 
     def __post_init__(self) -> None:  # accept role names as keys; hold Role members
         object.__setattr__(self, "sizes", {Role(r): n for r, n in self.sizes.items()})
@@ -119,7 +145,11 @@ class PoolManager:
         self.config = config
         self.targets = dict(config.sizes)
         self.workers: dict[str, PoolWorker] = {}
-        self.version = 0  # bumped on every change of membership or state (routers follow it)
+        # bumped on every change of membership or state (routers follow it); from the
+        # clock in ms, so a restarted controller's versions are past its predecessor's
+        self.version = int(time.time() * 1000)
+        self.adopted = 0  # workers this controller found running at its start
+        self.adoption = asyncio.Event()  # set once they are: until then the membership is not told
         self.polls_waiting = 0  # routers inside a membership long poll now
         self._changed = asyncio.Event()
         self._counter = {r: 0 for r in ROLES}
@@ -138,11 +168,74 @@ class PoolManager:
         import ray
 
         self._remote_cls = {role: ray.remote(_resolve(WORKER_ACTORS[role])) for role in ROLES}
+        try:
+            await self.adopt()
+        finally:
+            self.adoption.set()
         await self.reconcile()
         missing = [r.value for r in ROLES if len(self.ready(r)) < self.targets[r]]
         if missing:
             raise RuntimeError(f"pools did not come up: {missing}; see the worker logs")
-        self._bg = [asyncio.create_task(self._health_loop()), asyncio.create_task(self._stats_loop())]
+        self._bg += [asyncio.create_task(self._health_loop()), asyncio.create_task(self._stats_loop())]
+
+    async def adopt(self) -> int:
+        """Take over the live workers a previous controller started (their actors are
+        named, see the module doc): each answers its own info and a gRPC health check
+        with the same epoch, or is ended. A pool that has more than its target keeps
+        them all (its target rises to match); the numbering goes on above theirs."""
+        import ray
+
+        names = [a["name"] for a in await asyncio.to_thread(ray.util.list_named_actors, True)
+                 if a.get("namespace") == NAMESPACE and worker_id_of(a["name"]) is not None]
+        found = await asyncio.gather(*(self._adopt_one(n) for n in sorted(names)), return_exceptions=True)
+        adopted = [w for w in found if isinstance(w, PoolWorker)]
+        for (role, n), w in ((worker_id_of(worker_actor_name(w.worker_id)), w) for w in adopted):
+            self._counter[role] = max(self._counter[role], n + 1)
+        for role in ROLES:
+            mine = sum(w.role is role and not w.stats.draining for w in adopted)
+            if mine > self.targets[role]:
+                log.info("%s pool: %d workers adopted, over its target of %d: the target is now %d",
+                         role.value, mine, self.targets[role], mine)
+                self.targets[role] = mine
+        self.adopted = len(adopted)
+        if names:
+            log.info("adopted %d running worker(s) of %d found: %s", len(adopted), len(names),
+                     ", ".join(w.worker_id for w in adopted) or "none")
+        return len(adopted)
+
+    async def _adopt_one(self, name: str) -> PoolWorker | None:
+        import ray
+
+        role, _ = worker_id_of(name)
+        worker_id = name[len(WORKER_NAME_PREFIX):]
+        try:
+            actor = await asyncio.to_thread(ray.get_actor, name, NAMESPACE)
+            info = await asyncio.wait_for(actor.info.remote(), 10)
+        except Exception as e:  # noqa: BLE001 - gone, or not answering: not adopted
+            log.warning("%s: found by name but not adopted (%s)", worker_id, e)
+            return None
+        w = PoolWorker(worker_id, role, actor, pid=info["pid"])
+        if not info["address"]:  # it was starting when its controller ended: start afresh
+            log.info("%s: was still starting; ending it", worker_id)
+            await self._remove(w, drain=False)
+            return None
+        w.client = WorkerClient(worker_id, role, info["address"], self.config.template.cluster_token)
+        try:
+            health = await w.client.health(timeout=5.0)
+            if not health.healthy or health.epoch != info["epoch"]:
+                raise RuntimeError("unhealthy" if not health.healthy else "its epoch differs from its actor's")
+            w.epoch, w.metrics_address = health.epoch, health.metrics_address
+            w.stats = await w.client.stats()
+        except Exception as e:  # noqa: BLE001
+            log.warning("%s: not adopted (%s); ending it", worker_id, e)
+            await self._remove(w, drain=False)
+            return None
+        self.workers[worker_id] = w
+        w.state = WorkerState.READY
+        if w.stats.draining:  # it was being scaled down: finish that
+            self._bg.append(asyncio.create_task(self._remove(w, drain=True)))
+        self._note(f"{worker_id} adopted at {w.client.address} (epoch {epoch_str(w.epoch)})")
+        return w
 
     async def stop(self) -> None:
         for t in self._bg:
@@ -222,11 +315,11 @@ class PoolManager:
         self._counter[role] += 1
         worker_id = f"{role.value}-{n}"
         slot = len(self.workers)
-        actor = (
-            self._remote_cls[role]
-            .options(**self.config.resources[role], max_restarts=0, name=f"tandem-{worker_id}-{int(time.time())}")
-            .remote(self._worker_config(role, worker_id, slot))
-        )
+        options = {**self.config.resources[role], "max_restarts": 0, "name": worker_actor_name(worker_id),
+                   "namespace": NAMESPACE}
+        if self.config.detached_workers:
+            options["lifetime"] = "detached"
+        actor = self._remote_cls[role].options(**options).remote(self._worker_config(role, worker_id, slot))
         w = PoolWorker(worker_id, role, actor)
         self.workers[worker_id] = w
         t0 = time.monotonic()

@@ -26,6 +26,7 @@ from typing import Any, Callable
 from protos import tandem_pb2 as pb
 from router import controller_client as ctl
 from router.admin import AdminInterface
+from router.errors import ApiError
 from router.prefix_index import PrefixIndex
 from router.workers import Worker
 from worker_runtime.client import RPC_ERRORS, WorkerClient
@@ -153,8 +154,9 @@ class ClusterView(AdminInterface):
     async def _call(self, ref, timeout: float = 30.0):
         try:
             return await asyncio.wait_for(ctl.result(ref), timeout)
-        except Exception as e:
-            raise RuntimeError(f"the controller did not answer: {ctl.remote_cause(e)}") from None
+        except Exception as e:  # gone, restarting (Ray starts it again), or busy: a 503 to retry
+            raise ApiError(503, f"the controller did not answer ({type(ctl.remote_cause(e)).__name__}); it may be "
+                                "restarting: retry shortly", None, "controller_unavailable", retry_after=2.0) from None
 
     # ---- following the controller --------------------------------------------------------
     async def _follow_membership(self) -> None:
@@ -169,8 +171,18 @@ class ClusterView(AdminInterface):
             except Exception as e:  # the controller is gone or busy: keep routing to what we know
                 log.warning("membership from the controller failed: %s", ctl.remote_cause(e))
                 await asyncio.sleep(1.0)
+                await self._refind_controller()
                 continue
             await self._sync(m)
+
+    async def _refind_controller(self) -> None:
+        """A controller started anew under the same name (`tandem controller` again) is
+        another actor: follow it. One that Ray restarts keeps its handle."""
+        with contextlib.suppress(Exception):
+            handle = await asyncio.wait_for(asyncio.to_thread(ctl.find), 10)
+            if handle is not None and handle._actor_id != self.controller._actor_id:
+                log.info("a new controller runs: following it")
+                self.controller = handle
 
     async def _report_loop(self, interval_s: float = 2.0) -> None:
         """Tell the controller's autoscaler what only a router sees: its queue, its SLOs."""

@@ -425,6 +425,29 @@ def test_router_failover_under_load(hosts, ray_cluster, tmp_path, model_path):
             time.sleep(1)
         assert set(before) < set(_epochs(url2))
 
+        # the controller gone for good (killed, no restart), then `tandem controller` run
+        # again: it adopts the four running workers by name (same epochs: none restarted,
+        # the third decode worker kept though its target says 2), and the routers follow it
+        epochs = _epochs(url2)
+        kill = ("import ray; from worker_runtime.membership import CONTROLLER_NAME, NAMESPACE; "
+                f"ray.init(address='{address}', logging_level='ERROR'); "
+                "ray.kill(ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE), no_restart=True)")
+        killed = subprocess.run(["ip", "netns", "exec", hosts.ns["a"], sys.executable, "-c", kill],
+                                capture_output=True, text=True, timeout=120, env=ray_cluster)
+        assert killed.returncode == 0, killed.stderr[-3000:]
+        r = httpx.post(url2 + "/v1/completions", json={"prompt": prompts[1], "max_tokens": 16, "temperature": 0,
+                                                       "ignore_eos": True}, timeout=120)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want[1]  # no controller: still served
+        again = subprocess.run(["ip", "netns", "exec", hosts.ns["a"], *controller], capture_output=True,
+                               text=True, timeout=400, env=ray_cluster)
+        assert again.returncode == 0, again.stderr[-3000:]
+        deadline = time.monotonic() + 60
+        while (got := httpx.get(url2 + "/admin/pools", headers={"Authorization": f"Bearer {ADMIN}"},
+                                timeout=30)).status_code != 200 or got.json()["controller"]["adopted"] != 4:
+            assert time.monotonic() < deadline, got.text
+            time.sleep(0.5)
+        assert _epochs(url2) == _epochs(url3) == epochs and _pools(url2)["decode"]["target"] == 3
+
         async def clean() -> None:  # polled: quarantined reservations (2 s) expire by themselves
             for pool in _pools(url2).values():
                 for w in pool["workers"]:

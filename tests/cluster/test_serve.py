@@ -373,8 +373,9 @@ def test_a_decode_worker_refusing_for_room_makes_the_request_wait_not_fail(serve
     assert [w["state"] for w in srv.pools()["decode"]["workers"]] == ["ready"]
 
 
-def test_sigterm_drains_streams_then_ends_the_rest_at_the_grace_and_exits_0(serve, model_path):
-    """SIGTERM to `tandem serve` (to its process alone, as Kubernetes sends it): /ready
+def test_controller_restart_then_sigterm_drains_streams_and_ends_the_rest_at_the_grace(serve, model_path):
+    """First the controller's process is killed (`_the_controller_dies_and_comes_back`).
+    Then SIGTERM to `tandem serve` (to its process alone, as Kubernetes sends it): /ready
     and new requests answer 503 with Retry-After; streams that end within the grace run
     whole; the grace is a limit: the streams still running then end with a
     `shutting_down` error event and `[DONE]`; the process exits 0 soon after, with one
@@ -385,6 +386,7 @@ def test_sigterm_drains_streams_then_ends_the_rest_at_the_grace_and_exits_0(serv
     srv = serve("--colocated", "--decode", "1", "--num-blocks", "4096", "--shutdown-grace-s", str(grace))
     pids = [w["pid"] for pool in srv.pools().values() for w in pool["workers"]]
     assert pids and all(psutil.pid_exists(p) for p in pids)
+    _the_controller_dies_and_comes_back(srv, model_path)  # first, on the same cluster
     # short streams end well within the grace; long ones cannot (4096 blocks of 16 hold
     # all of them, and each fits the served context)
     n_short, n_long, short_tokens, long_tokens = 6, 18, 24, 1900
@@ -442,6 +444,65 @@ def test_sigterm_drains_streams_then_ends_the_rest_at_the_grace_and_exits_0(serv
     while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(psutil.pid_exists(p) for p in pids), "a worker outlived tandem serve"
+
+
+def _the_controller_dies_and_comes_back(srv: Serve, model_path) -> None:
+    """SIGKILL of the controller's process mid-stream: the stream runs on to its whole
+    greedy answer (transformers' tokens) and new requests are served meanwhile (the
+    router keeps its last view; requests never pass through the controller); Ray starts
+    the controller again and it adopts the running worker (same process, same epoch)
+    instead of replacing it."""
+    import psutil
+
+    def admin() -> dict:
+        r = httpx.get(srv.url + "/admin/pools", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
+        r.raise_for_status()
+        return r.json()
+
+    before = admin()
+    ctl_pid = before["controller"]["pid"]
+    workers = {w["worker_id"]: (w["pid"], w["epoch"]) for w in before["pools"]["decode"]["workers"]}
+    prompt, n_tokens = random_prompts([20], seed=541)[0], 400
+    expect = hf_greedy(model_path, prompt, n_tokens, ignore_eos=True)
+
+    async def scenario() -> tuple[list[int], int]:
+        ids: list[int] = []
+        body = {"model": "tandem-tiny-v2", "prompt": prompt, "max_tokens": n_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "return_token_ids": True}
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as client:
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    assert "error" not in chunk, chunk
+                    ids.extend(chunk["choices"][0]["token_ids"] or [])
+                    if len(ids) >= 10 and psutil.pid_exists(ctl_pid):
+                        os.kill(ctl_pid, signal.SIGKILL)
+                        killed_at = len(ids)
+            other = await client.post("/v1/completions", json={"model": "tandem-tiny-v2", "prompt": "meanwhile",
+                                                              "max_tokens": 4})
+            assert other.status_code == 200, other.text
+        return ids, killed_at
+
+    ids, killed_at = asyncio.run(scenario())
+    assert killed_at < n_tokens and not psutil.pid_exists(ctl_pid)
+    assert ids == expect
+    deadline = time.monotonic() + 120
+    while True:  # a 503 naming the controller while Ray starts it again, then the new one answers
+        r = httpx.get(srv.url + "/admin/pools", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
+        if r.status_code == 200 and r.json()["controller"]["pid"] != ctl_pid:
+            after = r.json()
+            break
+        assert r.status_code in (200, 503), r.text
+        if r.status_code == 503:
+            assert r.json()["error"]["code"] == "controller_unavailable" and r.headers["retry-after"] == "2"
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    assert after["controller"]["adopted"] == 1 and after["replaced"] == 0, after
+    assert {w["worker_id"]: (w["pid"], w["epoch"]) for w in after["pools"]["decode"]["workers"]} == workers
+    assert [w["state"] for w in after["pools"]["decode"]["workers"]] == ["ready"]
 
 
 def test_a_storm_of_client_disconnects_harms_nothing(serve):
