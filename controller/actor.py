@@ -166,7 +166,9 @@ def create(config: PoolConfig, info: dict, detached: bool):
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    # on this node (the head, under KubeRay) while it lives; soft, so that a controller
+    # Ray restarts after the head itself was lost (GCS fault tolerance) runs on another
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
     # max_restarts: a controller whose process dies is started again by Ray with the same
     # arguments, and adopts the workers (they are detached where it is, PoolConfig)
     options = {"name": CONTROLLER_NAME, "namespace": NAMESPACE, "num_cpus": 0, "max_restarts": -1,

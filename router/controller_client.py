@@ -111,6 +111,14 @@ def result(ref):
     return asyncio.shield(inner)
 
 
+def unavailable(e: BaseException) -> bool:
+    """A call failed because the actor is away for now (restarting, its node being
+    replaced), not because it refused or raised."""
+    from ray.exceptions import ActorUnavailableError
+
+    return isinstance(e, ActorUnavailableError)
+
+
 def remote_cause(e: BaseException) -> BaseException:
     """The exception raised inside an actor, without Ray's wrapping and traceback."""
     return getattr(e, "cause", None) or e

@@ -91,13 +91,21 @@ class ClusterView(AdminInterface):
             log.warning("a tandem controller already runs in this cluster: attached to it (its pool sizes stand; "
                         "resize with `tandem scale`)")
         self.controller = handle
-        try:
-            self.info = await asyncio.wait_for(ctl.result(handle.info.remote()), 60)
-            # the pools come up once, whoever asks first; everyone else waits for it
-            await asyncio.wait_for(ctl.result(handle.start.remote()), c.start_timeout_s)
-        except Exception as e:
-            raise RuntimeError(f"the controller did not start its pools: {ctl.remote_cause(e)}") from None
-        await self._sync(await ctl.result(handle.membership.remote(-1, 0)))
+        deadline = time.monotonic() + c.controller_wait_s
+        while True:
+            try:
+                self.info = await asyncio.wait_for(ctl.result(self.controller.info.remote()), 60)
+                # the pools come up once, whoever asks first; everyone else waits for it
+                await asyncio.wait_for(ctl.result(self.controller.start.remote()), c.start_timeout_s)
+                break
+            except Exception as e:
+                # one that Ray is restarting (its node lost) answers again soon: wait for it
+                if not ctl.unavailable(e) or time.monotonic() >= deadline:
+                    raise RuntimeError(f"the controller did not start its pools: {ctl.remote_cause(e)}") from None
+                log.info("the controller is not reachable yet (%s); waiting for it", type(ctl.remote_cause(e)).__name__)
+                await asyncio.sleep(1.0)
+                await self._refind_controller()
+        await self._sync(await ctl.result(self.controller.membership.remote(-1, 0)))
         self._bg = [asyncio.create_task(self._follow_membership()), asyncio.create_task(self._stats_loop())]
         if self.info.get("autoscale"):
             self._bg.append(asyncio.create_task(self._report_loop()))

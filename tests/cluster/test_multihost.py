@@ -18,6 +18,7 @@ A variant that needs neither runs everywhere: standalone workers on 127.0.0.2 an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -39,7 +40,7 @@ pytestmark = pytest.mark.cluster
 
 NET = "10.213.7"
 HOSTS = {"a": f"{NET}.1", "b": f"{NET}.2"}
-RAY_PORT, HTTP_PORT = 6390, 28600
+RAY_PORT, HTTP_PORT, REDIS_PORT = 6390, 28600, 6391
 # A `ray start --block` node sent SIGTERM first asks the GCS to drain it and waits up to
 # 30 s for that. These nodes are stopped by a SIGTERM to their whole process group, which
 # ends the GCS too, so each teardown waited out the full 30 s before its SIGKILL.
@@ -147,10 +148,24 @@ def _wait_http(url: str, timeout: float) -> None:
 
 
 @pytest.fixture
-def ray_cluster(hosts, tmp_path):
+def ray_cluster(hosts, tmp_path, request):
     """A Ray head on host A and a worker node on host B, each with a custom resource
-    naming its host. Ray's token authentication is off (the test's own private network)."""
+    naming its host. Ray's token authentication is off (the test's own private network).
+    A test marked `gcs_redis` gets the head's GCS backed by a redis-server on host A
+    (Ray's GCS fault tolerance: RAY_REDIS_ADDRESS on the head)."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "UCX_TLS": "tcp", "RAY_USAGE_STATS_ENABLED": "0", **NO_DRAIN}
+    head_env = dict(env)
+    redis = None
+    if request.node.get_closest_marker("gcs_redis") is not None:
+        if shutil.which("redis-server") is None:
+            pytest.skip("GCS fault tolerance needs redis-server (Debian's redis-server package)")
+        redis_log = open(tmp_path / "redis.log", "w")
+        redis = hosts.run("a", ["redis-server", "--bind", HOSTS["a"], "--port", str(REDIS_PORT), "--save", "",
+                                "--appendonly", "no", "--protected-mode", "no"], redis_log, env)
+        # the namespace names this cluster's state in redis, so a head started again finds it
+        # (KubeRay sets it to the RayCluster's uid)
+        head_env |= {"RAY_REDIS_ADDRESS": f"{HOSTS['a']}:{REDIS_PORT}", "RAY_external_storage_namespace": "tandem-ft"}
+        time.sleep(0.5)
     # `ray start --head` records its address for later `ray.init()` calls on this machine;
     # put back what was there before (tandem serve asks for a local runtime explicitly)
     current = Path("/tmp/ray/ray_current_cluster")
@@ -160,9 +175,34 @@ def ray_cluster(hosts, tmp_path):
     try:
         log = open(tmp_path / "ray-head.log", "w")
         logs.append(log)
-        procs.append(hosts.run("a", [*ray, "--head", "--node-ip-address", HOSTS["a"], "--port", str(RAY_PORT),
-                                     "--include-dashboard=false", "--resources", json.dumps({"tandem_host_a": 4})],
-                               log, env))
+        head = [*ray, "--head", "--node-ip-address", HOSTS["a"], "--port", str(RAY_PORT),
+                "--include-dashboard=false", "--resources", json.dumps({"tandem_host_a": 4})]
+        head_log = log
+        procs.append(hosts.run("a", head, head_log, head_env))
+
+        def restart_head() -> None:
+            """The head node lost (a pod's crash: every process on host A but redis, which
+            stands for an external one) and started again."""
+            keep = {redis.pid} if redis is not None else set()
+            pids = subprocess.run(["ip", "netns", "pids", hosts.ns["a"]], capture_output=True, text=True,
+                                  timeout=30).stdout.split()
+            import psutil
+
+            victims = []
+            for pid in {int(p) for p in pids} - keep:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    victims.append(psutil.Process(pid))
+                    victims[-1].kill()
+            procs[0].wait(30)
+            # all gone (ray start refuses to start while it still sees the old GCS's process)
+            _, alive = psutil.wait_procs(victims, timeout=30)
+            assert not alive, alive
+            # `ray start --head` refuses an address that the last one recorded here while
+            # a process of this machine names it: host B's do (one machine under the netns)
+            current.unlink(missing_ok=True)
+            procs[0] = hosts.run("a", head, head_log, head_env)
+
+        hosts.restart_head = restart_head
         time.sleep(3)
         log = open(tmp_path / "ray-node.log", "w")
         logs.append(log)
@@ -172,6 +212,9 @@ def ray_cluster(hosts, tmp_path):
     finally:
         for p in reversed(procs):
             stop_process_group(p, grace_s=30)
+        if redis is not None:
+            stop_process_group(redis, grace_s=5)
+            redis_log.close()
         for log in logs:
             log.close()
         if before is None:
@@ -482,3 +525,96 @@ def test_router_failover_under_load(hosts, ray_cluster, tmp_path, model_path):
                        capture_output=True, timeout=180, env=ray_cluster)
         for f in logs:
             f.close()
+
+
+@pytest.mark.gcs_redis
+def test_the_ray_head_is_lost_and_restarts_under_a_stream_with_redis_behind_its_gcs(hosts, ray_cluster, tmp_path,
+                                                                                      model_path):
+    """Ray's GCS fault tolerance (RAY_REDIS_ADDRESS on the head; KubeRay's
+    gcsFaultToleranceOptions): the head node (its GCS, its raylet, the controller on it)
+    is SIGKILLed while a greedy stream runs, as a head pod's crash would, and started
+    again. The decode worker (host B) and the router (a driver on host B) live on: the
+    stream runs to its whole answer, transformers' tokens, and the router serves on.
+    Ray restarts the controller (on a node still there) and it adopts the running
+    worker, same epoch; a router started after finds it, and a new worker actor can
+    start. (The router that lived through the head's loss does not see the restarted
+    controller: its Ray core worker keeps calling it restarting; it serves on its last
+    view.) Without redis the new head would know no actor, and B's raylet would end
+    with the old GCS (Ray's docs)."""
+    token = "gcs-ft-token"
+    address = f"{HOSTS['a']}:{RAY_PORT}"
+    tandem = [sys.executable, "-m", "cli"]
+    router_log = open(tmp_path / "router.log", "w")
+    controller = [*tandem, "controller", "--address", address, "--prefill", "0", "--decode", "1", "--transport",
+                  "tcp", "--num-threads", "1", "--num-blocks", "512", "--cluster-token", token,
+                  "--decode-num-cpus", "0.5", "--decode-resources", json.dumps({"tandem_host_b": 1})]
+    url = f"http://{HOSTS['b']}:{HTTP_PORT + 20}"
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+    routers: list[subprocess.Popen] = []
+    try:
+        started = subprocess.run(["ip", "netns", "exec", hosts.ns["a"], *controller], capture_output=True,
+                                 text=True, timeout=400, env=ray_cluster)
+        assert started.returncode == 0, started.stderr[-3000:]
+        routers.append(hosts.run("b", [*tandem, "router", "--address", "auto", "--host", HOSTS["b"], "--port",
+                                       str(HTTP_PORT + 20), "--admin-key", ADMIN], router_log, ray_cluster))
+        _wait_http(url + "/ready", 180)
+        before = httpx.get(url + "/admin/pools", headers=headers, timeout=30).json()
+        prompt, n_tokens = random_prompts([16], seed=77)[0], 1200
+        expect = hf_greedy(model_path, prompt, n_tokens, ignore_eos=True)
+
+        async def scenario() -> tuple[list[int], int]:
+            ids: list[int] = []
+            at = 0
+            body = {"prompt": prompt, "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+                    "return_token_ids": True}
+            async with httpx.AsyncClient(base_url=url, timeout=180) as client:
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        assert "error" not in chunk, chunk
+                        ids.extend(chunk["choices"][0]["token_ids"] or [])
+                        if len(ids) >= 20 and not at:
+                            at = len(ids)
+                            await asyncio.to_thread(hosts.restart_head)
+            return ids, at
+
+        t0 = time.monotonic()
+        ids, killed_at = asyncio.run(scenario())
+        assert killed_at < n_tokens and ids == expect
+        # the router that lived through it keeps serving on its last view
+        r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                                      "ignore_eos": True}, timeout=120)
+        assert r.status_code == 200, r.text
+        # a router started now finds the controller Ray restarted (on host B: A's node is
+        # new) and the worker it adopted, same epoch; and a new worker actor can start
+        router2 = hosts.run("b", [*tandem, "router", "--address", "auto", "--host", HOSTS["b"], "--port",
+                                  str(HTTP_PORT + 21), "--admin-key", ADMIN], router_log, ray_cluster)
+        routers.append(router2)
+        url2 = f"http://{HOSTS['b']}:{HTTP_PORT + 21}"
+        _wait_http(url2 + "/ready", 240)
+        after = httpx.get(url2 + "/admin/pools", headers=headers, timeout=60).json()
+        print(f"a new router served {time.monotonic() - t0:.1f} s after the head was killed")
+        assert after["controller"]["pid"] != before["controller"]["pid"] and after["controller"]["adopted"] == 1
+        assert [(w["worker_id"], w["epoch"]) for w in after["pools"]["decode"]["workers"]] == \
+            [(w["worker_id"], w["epoch"]) for w in before["pools"]["decode"]["workers"]]
+        r = httpx.post(url2 + "/admin/pools", json={"decode": 2}, headers=headers, timeout=120)
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 240
+        while (pools := httpx.get(url2 + "/admin/pools", headers=headers, timeout=30).json())["pools"]["decode"][
+                "ready"] < 2:
+            assert time.monotonic() < deadline, pools
+            time.sleep(1)
+    finally:
+        for router in routers:
+            router.send_signal(signal.SIGTERM)
+        for router in routers:
+            try:
+                router.wait(60)
+            except subprocess.TimeoutExpired:
+                stop_process_group(router, grace_s=5, sig=signal.SIGKILL)
+        subprocess.run(["ip", "netns", "exec", hosts.ns["a"], *tandem, "controller", "--address", address, "--stop"],
+                       capture_output=True, timeout=180, env=ray_cluster)
+        router_log.close()
