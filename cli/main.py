@@ -120,6 +120,13 @@ def _router_args(p: argparse.ArgumentParser) -> None:
                    help="the format the model writes tool calls in; enables tool_choice auto")
     g.add_argument("--api-key-file", default=None, help="file of API keys, one per line")
     g.add_argument("--admin-key", default=None, help="key for /admin (scale, status); unset: /admin is closed")
+    g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM; with --ssl-keyfile)")
+    g.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM)")
+    g.add_argument("--ssl-ca-certs", default=None,
+                   help="CA certificates (PEM) that client certificates are checked against")
+    g.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2),
+                   help="client certificates: 0 not asked for, 1 checked when given, 2 required (Python's "
+                        "ssl.CERT_NONE/OPTIONAL/REQUIRED, as uvicorn and vLLM take it)")
     g.add_argument("--max-concurrent-requests", type=int, default=256)
     g.add_argument("--max-queued-requests", type=int, default=1024)
     g.add_argument("--queue-timeout-s", type=float, default=30.0)

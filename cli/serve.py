@@ -148,8 +148,42 @@ def build_app(args: argparse.Namespace, backend):
     return app
 
 
+def check_tls_args(args: argparse.Namespace) -> None:
+    """HTTPS needs the certificate and its key, both readable; client certificates need
+    the CAs to check them against. CommandError naming what is missing."""
+    cert, key = getattr(args, "ssl_certfile", None), getattr(args, "ssl_keyfile", None)
+    if bool(cert) != bool(key):
+        raise CommandError("HTTPS needs both --ssl-certfile and --ssl-keyfile")
+    if getattr(args, "ssl_cert_reqs", 0) and not getattr(args, "ssl_ca_certs", None):
+        raise CommandError("--ssl-cert-reqs needs --ssl-ca-certs (the CAs client certificates are checked against)")
+    if getattr(args, "ssl_ca_certs", None) and not cert:
+        raise CommandError("--ssl-ca-certs is for HTTPS: give --ssl-certfile and --ssl-keyfile too")
+    for flag, path in (("--ssl-certfile", cert), ("--ssl-keyfile", key),
+                       ("--ssl-ca-certs", getattr(args, "ssl_ca_certs", None))):
+        if path and not os.access(path, os.R_OK):
+            raise CommandError(f"{flag}: cannot read {path}")
+
+
+def http_config(args: argparse.Namespace, app):
+    """The router's uvicorn.Config: the header-read timeout, the grace, and HTTPS when
+    --ssl-certfile/--ssl-keyfile are given (client certificates with --ssl-ca-certs and
+    --ssl-cert-reqs, as vLLM takes them)."""
+    import uvicorn
+
+    from router.header_timeout import with_header_timeout
+
+    http = with_header_timeout(args.header_timeout_s) if args.header_timeout_s else "httptools"
+    tls = {}
+    if getattr(args, "ssl_certfile", None):
+        tls = {"ssl_certfile": args.ssl_certfile, "ssl_keyfile": args.ssl_keyfile,
+               "ssl_ca_certs": args.ssl_ca_certs, "ssl_cert_reqs": args.ssl_cert_reqs}
+    return uvicorn.Config(app, log_level="warning", lifespan="on", ws="none", timeout_graceful_shutdown=1,
+                          http=http, **tls)
+
+
 def announce(args, backend, settings) -> None:
-    url = f"http://{args.host}:{args.port}"
+    scheme = "https" if getattr(args, "ssl_certfile", None) else "http"
+    url = f"{scheme}://{args.host}:{args.port}"
     pools = backend.view
     lines = [
         f"tandem: serving {settings.served_model_name!r} at {url}/v1 (OpenAI API)",
@@ -171,10 +205,10 @@ def serve(args: argparse.Namespace, attach: bool = False) -> int:
     SIGTERM/SIGINT, then drain (router/shutdown.py) and exit 0."""
     import uvicorn
 
-    from router.header_timeout import with_header_timeout
     from router.shutdown import SignalDrain
 
     _logging(args)
+    check_tls_args(args)
     # the port is taken before Ray starts: Ray's processes bind ephemeral ports of their
     # own and could otherwise take ours between the pools' start and uvicorn's bind
     try:
@@ -207,9 +241,7 @@ def serve(args: argparse.Namespace, attach: bool = False) -> int:
             await _quietly(backend.stop())
             return 1
         signals = SignalDrain(app.state.drain, exit_server, lambda: exit_server(force=True))
-        http = with_header_timeout(args.header_timeout_s) if args.header_timeout_s else "httptools"
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", ws="none", timeout_graceful_shutdown=1,
-                                http=http)
+        config = http_config(args, app)
         server = uvicorn.Server(config)
         try:
             serving = asyncio.create_task(server.serve(sockets=[sock]))

@@ -171,6 +171,19 @@ def test_the_large_values_turn_on_every_monitoring_object_and_the_ingress():
     sub = next(a for a in parser._actions if a.dest == "command").choices["controller"]
     known = {o.lstrip("-") for a in sub._actions for o in a.option_strings}
     assert set(controller) <= known, set(controller) - known
+    # HTTPS on the routers, client certificates required: every router key a router option,
+    # the Secret mounted where the flags say, the probes in HTTPS
+    router = yaml.safe_load(config["data"]["router.yaml"])
+    assert (router["ssl-certfile"], router["ssl-keyfile"], router["ssl-ca-certs"], router["ssl-cert-reqs"]) == (
+        "/etc/tandem-tls/tls.crt", "/etc/tandem-tls/tls.key", "/etc/tandem-tls/ca.crt", 2)
+    sub = next(a for a in parser._actions if a.dest == "command").choices["router"]
+    known = {o.lstrip("-") for a in sub._actions for o in a.option_strings}
+    assert set(router) <= known, set(router) - known
+    for pod in [rc["spec"]["headGroupSpec"]["template"]["spec"], groups["routers"]["template"]["spec"]]:
+        c = next(c for c in pod["containers"] if c["name"] == "router")
+        assert {"name": "router-tls", "mountPath": "/etc/tandem-tls", "readOnly": True} in c["volumeMounts"]
+        assert c["readinessProbe"]["httpGet"]["scheme"] == c["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
+        assert {"name": "router-tls", "secret": {"secretName": "tandem-router-tls"}} in pod["volumes"]
 
 
 def test_the_cpu_values_run_colocated_on_the_built_in_model_without_gpus():
