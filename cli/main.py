@@ -28,7 +28,7 @@ from pathlib import Path
 from cli.checks import CommandError
 from router.admission import ORDERS
 from worker_runtime import envs
-from worker_runtime.args import add_worker_args
+from worker_runtime.args import add_cluster_tls_args, add_worker_args
 from worker_runtime.engine_args import add_engine_args, add_grammar_arg
 
 # Subcommands from packages above the router (`tandem bench`) are found through this
@@ -73,6 +73,7 @@ def _router_parser(sub) -> argparse.ArgumentParser:
                    help="how long to wait for the controller to appear")
     add_grammar_arg(c)
     _routing_args(c)
+    add_cluster_tls_args(p)
     p.set_defaults(func=lambda a: _run_serve(a, p, attach=True))
     return p
 

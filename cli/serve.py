@@ -15,11 +15,12 @@ import sys
 from cli.checks import CommandError, check_model
 from router.access import use_log_format
 from worker_runtime import envs, eventloop
-from worker_runtime.args import worker_config_from_args
+from worker_runtime.args import tls_from_args, worker_config_from_args
 from worker_runtime.config import LOG_FORMAT, Role
 from worker_runtime.engine_args import engine_config_from_args, parse_cores
 from worker_runtime.gcheap import freeze_startup_heap
 from worker_runtime.membership import RouterReport
+from worker_runtime.rpc import use_cluster_tls
 
 log = logging.getLogger("tandem")
 
@@ -209,6 +210,10 @@ def serve(args: argparse.Namespace, attach: bool = False) -> int:
 
     _logging(args)
     check_tls_args(args)
+    try:  # this process's channels to the workers (and, under tandem serve, the workers' own)
+        use_cluster_tls(tls_from_args(args))
+    except ValueError as e:
+        raise CommandError(str(e)) from None
     # the port is taken before Ray starts: Ray's processes bind ephemeral ports of their
     # own and could otherwise take ours between the pools' start and uvicorn's bind
     try:

@@ -31,6 +31,7 @@ from engine.events import TokenEvent
 from protos import tandem_pb2 as pb
 from protos.tokens import can_join, fill_tokens
 from worker_runtime.frames import frame, read_frame
+from worker_runtime.rpc import cluster_tls
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,9 @@ class FeedSocket:
         self._offers: dict[bytes, TokenFeed] = {}
 
     async def start(self, host: str) -> int:
-        self._server = await asyncio.start_server(self._serve, host, 0)
+        tls = cluster_tls()  # with cluster TLS, the feed's connection is mutual TLS too
+        self._server = await asyncio.start_server(self._serve, host, 0,
+                                                  ssl=tls.server_context() if tls is not None else None)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 

@@ -43,7 +43,7 @@ from worker_runtime.config import Role, WorkerConfig
 from worker_runtime.grammar import matcher_for
 from worker_runtime.kv_events import KVEventHub
 from worker_runtime.rpc import epoch_str, new_epoch, start_server
-from worker_runtime.service import WorkerRpcs, make_transport, process_age_s
+from worker_runtime.service import WorkerRpcs, make_transport, process_age_s, tls_note
 from worker_runtime.stats import WorkerStats, engine_fields
 
 # handoff states in which a reservation waits for KV (the engine loop polls fast)
@@ -102,8 +102,9 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         self.server, port = await start_server(lambda s: pb_grpc.add_DecodeWorkerServicer_to_server(self, s),
                                                self.endpoint.bind, cfg.port, cfg.cluster_token)
         self.address = f"{self.endpoint.advertise}:{port}"
-        log.info("decode worker %s (epoch %s) serving on %s, transport %s; up %.1f s after its process started",
-                 cfg.worker_id, epoch_str(self.epoch), self.address, self.transport.name, process_age_s())
+        log.info("decode worker %s (epoch %s) serving on %s%s, transport %s; up %.1f s after its process started",
+                 cfg.worker_id, epoch_str(self.epoch), self.address, tls_note(cfg), self.transport.name,
+                 process_age_s())
         return self.address
 
     async def stop(self, grace: float = 2.0) -> None:

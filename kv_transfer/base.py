@@ -40,6 +40,8 @@ from kv_transfer.layout import (  # noqa: F401  (re-exported)
 if TYPE_CHECKING:
     import torch
 
+    from kv_transfer.tls import ClusterTLS
+
 logger = logging.getLogger("tandem.kv_transfer")
 
 
@@ -67,6 +69,8 @@ class TransportConfig:
       (NIXL's ucx_thread_engine.cpp). At 1 ms it woke 1,000 times a second, each time on
       a core an engine thread was using: 20 ms bought small at rate inf 4-7% colocated
       and 3.5% disaggregated (docs/performance.md, eleventh round).
+    tls: the cluster's mutual TLS (kv_transfer/tls.py): the TCP transport's receiver
+      and senders both present certificates and check the other's. NIXL ignores it.
     wait_for_ready: honour `write_blocks(ready=...)`. False only to show, in a stress
       test, the race that the wait prevents (a layer's KV sent before it is computed).
     """
@@ -82,6 +86,7 @@ class TransportConfig:
     xfer_timeout_s: float = 60.0
     nixl_progress_delay_us: int = 20000
     wait_for_ready: bool = True
+    tls: "ClusterTLS | None" = None  # mutual TLS on the TCP transport's connections (kv_transfer/tls.py)
 
     def __post_init__(self) -> None:
         if not self.worker_name or "@" in self.worker_name:

@@ -20,6 +20,7 @@ import base64
 import logging
 import queue
 import socket
+import ssl
 import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
@@ -87,6 +88,12 @@ class _PeerLink:
             raise PeerRejected(f"cannot reach {self.id} at {self.desc.address}: {e}") from e
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(cfg.io_timeout_s)
+        if cfg.tls is not None:  # both certificates checked before anything else is said
+            try:
+                sock = self.owner._tls.wrap_socket(sock, server_hostname=cfg.tls.server_name)
+            except (OSError, ssl.SSLError) as e:
+                sock.close()
+                raise PeerRejected(f"TLS with {self.id} at {self.desc.address} failed: {e}") from e
         hello = {
             "kind": "hello",
             "token": cfg.token or "",
@@ -189,10 +196,11 @@ class TcpTransport(Transport):
         self._layout: KVLayout | None = None
         self._receiver: KVReceiver | None = None
         self._closed = False
+        self._tls = config.tls.client_context() if config.tls is not None else None  # senders' side
 
     def describe(self) -> str:
         where = f" on {self._receiver.address}" if self._receiver else ""
-        return f"tcp{where}"
+        return f"tcp{where}{', mutual TLS' if self._tls is not None else ''}"
 
     @property
     def layout(self) -> KVLayout:

@@ -101,6 +101,7 @@ class KVReceiver:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()
+        self._tls = config.tls.server_context() if config.tls is not None else None
         self._listener = socket.create_server((config.bind_host, config.port))
         self._listener.settimeout(0.2)
         host, port = self._listener.getsockname()[:2]
@@ -143,6 +144,16 @@ class KVReceiver:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            if self._tls is not None:  # on this connection's thread: a slow handshake holds no other
+                plain = conn
+                try:
+                    conn = self._tls.wrap_socket(plain, server_side=True)
+                except OSError as e:  # ssl.SSLError included: no certificate, or one the CA did not sign
+                    logger.warning("kv receiver: TLS handshake refused: %s", e)
+                    return
+                with self._lock:
+                    self._conns.discard(plain)
+                    self._conns.add(conn)
             peer = self._handshake(conn)
             if peer is not None:
                 _Connection(self, conn, peer).run()

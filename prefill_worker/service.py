@@ -31,7 +31,7 @@ from worker_runtime.grammar import matcher_for
 from worker_runtime.kv_events import KVEventHub
 from worker_runtime.loop import EngineLoop
 from worker_runtime.rpc import call_metadata, channel, epoch_str, new_epoch, start_server
-from worker_runtime.service import WorkerRpcs, make_transport, process_age_s
+from worker_runtime.service import WorkerRpcs, make_transport, process_age_s, tls_note
 from worker_runtime.stats import WorkerStats, engine_fields
 
 log = logging.getLogger(__name__)
@@ -89,11 +89,12 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
         )
         self.address = f"{self.endpoint.advertise}:{port}"
         log.info(
-            "prefill worker %s (epoch %s) serving on %s, transport %s, layer-wise push %s; up %.1f s after its "
+            "prefill worker %s (epoch %s) serving on %s%s, transport %s, layer-wise push %s; up %.1f s after its "
             "process started",
             cfg.worker_id,
             epoch_str(self.epoch),
             self.address,
+            tls_note(cfg),
             self.transport.name,
             cfg.layerwise_transfer,
             process_age_s(),

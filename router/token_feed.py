@@ -31,6 +31,7 @@ from protos import tandem_pb2 as pb
 from router import envs
 from worker_runtime.client import RPC_ERRORS, WorkerClient
 from worker_runtime.frames import frame, read_frame
+from worker_runtime.rpc import cluster_tls
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,9 @@ class FeedReader:
         """The feed's batches from the worker's socket, until either the connection or the
         RPC ends (the worker ends the RPC when it closes the feed)."""
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, port), CONNECT_S)
+            tls = cluster_tls()  # the worker's feed socket speaks mutual TLS when the cluster does
+            kw = {"ssl": tls.client_context(), "server_hostname": tls.server_name} if tls is not None else {}
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, port, **kw), CONNECT_S)
         except (OSError, asyncio.TimeoutError):
             self.socket = False  # unreachable from here (a firewall): this worker's feeds stay on gRPC
             raise

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from engine.config import EngineConfig
+from kv_transfer.tls import DEFAULT_SERVER_NAME, ClusterTLS
 from worker_runtime.config import TRANSPORTS, HandoffTimeouts, Role, WorkerConfig
 
 
@@ -28,6 +29,29 @@ def add_worker_args(p: argparse.ArgumentParser, host_flag: str = "--host", host_
                         "(default %(default)s)")
     g.add_argument("--transfer-timeout-s", type=float, default=None,
                    help="prefill: fail a KV write not acknowledged in this time (default: half the quarantine)")
+    add_cluster_tls_args(p)
+
+
+def add_cluster_tls_args(p: argparse.ArgumentParser) -> None:
+    """Mutual TLS between the cluster's processes (kv_transfer/tls.py): all three files or none."""
+    g = p.add_argument_group("cluster TLS (worker gRPC, TCP KV transfer, token feeds)")
+    g.add_argument("--cluster-tls-cert", default=None,
+                   help="this process's certificate (PEM), signed by the cluster CA")
+    g.add_argument("--cluster-tls-key", default=None, help="its private key (PEM)")
+    g.add_argument("--cluster-tls-ca", default=None, help="the cluster CA's certificate (PEM); peers must chain to it")
+    g.add_argument("--cluster-tls-server-name", default=DEFAULT_SERVER_NAME,
+                   help="the DNS name every cluster certificate carries, checked by clients (default %(default)s)")
+
+
+def tls_from_args(a: argparse.Namespace) -> ClusterTLS | None:
+    """The cluster TLS the flags ask for, or None; ValueError naming what is missing."""
+    files = (getattr(a, "cluster_tls_cert", None), getattr(a, "cluster_tls_key", None),
+             getattr(a, "cluster_tls_ca", None))
+    if not any(files):
+        return None
+    if not all(files):
+        raise ValueError("cluster TLS needs --cluster-tls-cert, --cluster-tls-key and --cluster-tls-ca together")
+    return ClusterTLS(*files, server_name=a.cluster_tls_server_name)
 
 
 def worker_config_from_args(a: argparse.Namespace, role: Role | str, worker_id: str, engine: EngineConfig,
@@ -38,4 +62,4 @@ def worker_config_from_args(a: argparse.Namespace, role: Role | str, worker_id: 
     return WorkerConfig(role=role, worker_id=worker_id, engine=engine, host=a.worker_host, port=port,
                         transport=a.transport, cluster_token=cluster_token or a.cluster_token,
                         layerwise_transfer=not a.no_layerwise_transfer, handoff=handoff, metrics_port=metrics_port,
-                        shutdown_grace_s=shutdown_grace_s)
+                        shutdown_grace_s=shutdown_grace_s, tls=tls_from_args(a))

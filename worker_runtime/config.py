@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass, field
 
 from engine.config import ConfigError, EngineConfig
+from kv_transfer.tls import ClusterTLS
 
 # Every tandem process's log line: time, level, logger, message
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -73,6 +74,7 @@ class WorkerConfig:
     handoff: HandoffTimeouts = field(default_factory=HandoffTimeouts)
     metrics_port: int | None = None  # serve Prometheus /metrics here (0: any free port)
     shutdown_grace_s: float = 30.0  # on SIGTERM: how long running requests may finish (worker_runtime/host.py)
+    tls: ClusterTLS | None = None  # mutual TLS for its gRPC, KV transfer and token feed (kv_transfer/tls.py)
 
     def __post_init__(self) -> None:
         try:

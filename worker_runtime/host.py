@@ -27,6 +27,7 @@ from worker_runtime.args import add_worker_args, worker_config_from_args
 from worker_runtime.config import LOG_FORMAT, Role, WorkerConfig
 from worker_runtime.engine_args import add_engine_args, engine_config_from_args
 from worker_runtime.gcheap import freeze_startup_heap
+from worker_runtime.rpc import use_cluster_tls
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ ServiceFactory = Callable[[WorkerConfig], WorkerService]
 class WorkerHost:
     def __init__(self, config: WorkerConfig, make_service: ServiceFactory) -> None:
         self.config = config
+        use_cluster_tls(config.tls)  # this process's gRPC servers and channels, and its feed socket
         self.worker = make_service(config)
         self.loop = eventloop.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=f"{config.worker_id}-loop", daemon=True)
@@ -190,6 +192,8 @@ def main(role: Role, make_service: ServiceFactory, argv: list[str] | None = None
     config = parse_args(role, argv)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
     setup_process(config.engine.device.num_threads, config.engine.device.cpu_affinity)
+
+    use_cluster_tls(config.tls)
 
     async def serve() -> None:
         worker = make_service(config)

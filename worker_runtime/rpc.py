@@ -1,6 +1,10 @@
 """gRPC plumbing shared by the router and the workers: servers that accept only
 cluster members (a shared token in the call metadata), client channels that carry
-it, and the per-process CPU setup of a worker."""
+it, and the per-process CPU setup of a worker.
+
+With cluster TLS set for the process (`use_cluster_tls`, kv_transfer/tls.py), servers
+listen with TLS and require a client certificate signed by the cluster CA, and channels
+present this process's certificate and check the server's for the cluster name."""
 
 from __future__ import annotations
 
@@ -10,7 +14,20 @@ import secrets
 
 import grpc
 
+from kv_transfer.tls import ClusterTLS
+
 log = logging.getLogger(__name__)
+_tls: ClusterTLS | None = None  # the process's cluster TLS (one process, one cluster identity)
+
+
+def use_cluster_tls(tls: ClusterTLS | None) -> None:
+    """Every server and channel this process makes from now on uses `tls` (None: plaintext)."""
+    global _tls
+    _tls = tls
+
+
+def cluster_tls() -> ClusterTLS | None:
+    return _tls
 
 TOKEN_HEADER = "x-tandem-token"
 MAX_MESSAGE_BYTES = 64 << 20
@@ -84,7 +101,12 @@ async def start_server(add_servicers, host: str, port: int, token: str | None) -
     interceptors = [_TokenCheck(token)] if token else []
     server = grpc.aio.server(interceptors=interceptors, options=server_options())
     add_servicers(server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if _tls is not None:
+        cert, key, ca = _tls.read()
+        creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+        bound = server.add_secure_port(f"{host}:{port}", creds)
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"gRPC server could not bind {host}:{port}")
     await server.start()
@@ -102,7 +124,12 @@ def epoch_str(epoch: int) -> str:
 
 
 def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=client_options())
+    if _tls is None:
+        return grpc.aio.insecure_channel(address, options=client_options())
+    cert, key, ca = _tls.read()
+    creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    return grpc.aio.secure_channel(address, creds,
+                                   options=client_options() + [("grpc.ssl_target_name_override", _tls.server_name)])
 
 
 def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

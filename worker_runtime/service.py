@@ -4,6 +4,7 @@ answer alike (Health, CheckIntegrity, Drain, KVEvents, Stats)."""
 from __future__ import annotations
 
 import abc
+import logging
 import time
 
 from kv_transfer.base import Transport, TransportConfig
@@ -16,6 +17,8 @@ from worker_runtime.metrics import WorkerMetrics
 from worker_runtime.rpc import epoch_str
 from worker_runtime.stats import WorkerStats
 
+log = logging.getLogger(__name__)
+
 
 def process_age_s() -> float:
     """Seconds since this process started (its imports included), for start-up lines."""
@@ -24,14 +27,22 @@ def process_age_s() -> float:
     return time.time() - psutil.Process().create_time()
 
 
+def tls_note(cfg: WorkerConfig) -> str:
+    """For the worker's serving line: whether its connections are mutual TLS."""
+    return " with mutual TLS" if cfg.tls is not None else ""
+
+
 def make_transport(cfg: WorkerConfig, epoch: int, endpoint: Endpoint) -> Transport:
     """The configured KV transport, named by worker id and this incarnation's epoch,
     on the worker's endpoint; wrapped with injected faults when TANDEM_FAULTS asks."""
     transport = create_transport(
         cfg.transport,
         TransportConfig(worker_name=cfg.worker_id, epoch=epoch_str(epoch), bind_host=endpoint.bind,
-                        advertise_host=endpoint.advertise, token=cfg.cluster_token),
+                        advertise_host=endpoint.advertise, token=cfg.cluster_token, tls=cfg.tls),
     )
+    if cfg.tls is not None and transport.name != "tcp":
+        log.warning("%s: cluster TLS covers gRPC, token feeds and the TCP transport; the %s transport's KV "
+                    "transfers are not encrypted (use --transport tcp to encrypt them)", cfg.worker_id, transport.name)
     faults = envs.faults()
     if faults.transfer_delay_s or faults.fail_transfers:
         from kv_transfer.faults import FaultyTransport

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import grpc
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -70,10 +71,18 @@ def serve(tmp_path, model_path):
             print("".join(open(s.log_path).readlines()[-60:]))
 
 
-def test_openai_sdk_and_metrics_on_a_disaggregated_cluster(serve, model_path):
+def test_openai_sdk_and_metrics_on_a_disaggregated_cluster(serve, model_path, tmp_path):
+    """The cluster runs with mutual TLS (a CA of the test's own): every path below (the
+    KV transfer over TCP, gRPC, the token feeds of the streams) is encrypted, and a
+    worker refuses a client without a cluster certificate."""
     from openai import OpenAI
 
-    srv = serve("--prefill", "1", "--decode", "1")
+    from tests.harness.certs import CertAuthority
+
+    ca = CertAuthority(tmp_path)
+    cert, key = ca.issue("cluster", dns=("tandem",))
+    srv = serve("--prefill", "1", "--decode", "1", "--transport", "tcp", "--cluster-tls-cert", str(cert),
+                "--cluster-tls-key", str(key), "--cluster-tls-ca", str(ca.path))
     client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
     long_prompt, short_prompt = random_prompts([200, 20], seed=31)
     # long prompt: remote prefill; token ids in, logprobs give the token ids out
@@ -166,6 +175,19 @@ def test_openai_sdk_and_metrics_on_a_disaggregated_cluster(serve, model_path):
     assert not missing, missing
     assert "\x1b[" not in log and "SIGTERM handler is not set" not in log, log[-2000:]
     assert "Token authentication is enabled" not in log
+    assert log.count("with mutual TLS, transport tcp") == 2, log[-3000:]  # each worker says so
+    for pool in srv.pools().values():  # without a cluster certificate, no call gets through (the token is right)
+        for w in pool["workers"]:
+            async def plain_health(w=w):
+                c = WorkerClient(w["worker_id"], w["role"], w["address"], TOKEN)
+                try:
+                    await c.health(timeout=3.0)
+                except grpc.aio.AioRpcError as e:
+                    return e.code()
+                finally:
+                    await c.close()
+
+            assert asyncio.run(plain_health()) == grpc.StatusCode.UNAVAILABLE
     epochs = re.findall(r"epoch ([0-9a-f]+)", log)
     assert epochs and all(len(e) == 16 for e in epochs), epochs
     assert len(re.findall(r'INFO tandem.access: 127\.0\.0\.1:\d+ "POST /v1/(chat/)?completions" 200 ', log)) == 5

@@ -179,6 +179,19 @@ def test_the_large_values_turn_on_every_monitoring_object_and_the_ingress():
     sub = next(a for a in parser._actions if a.dest == "command").choices["router"]
     known = {o.lstrip("-") for a in sub._actions for o in a.option_strings}
     assert set(router) <= known, set(router) - known
+    # mutual TLS inside the cluster: the same Secret at the same path on every pod, named
+    # to the controller (its workers take it from there) and to every router
+    where = "/etc/tandem-cluster-tls"
+    tls = {"cluster-tls-cert": f"{where}/tls.crt", "cluster-tls-key": f"{where}/tls.key",
+           "cluster-tls-ca": f"{where}/ca.crt", "cluster-tls-server-name": "tandem"}
+    assert tls.items() <= controller.items() and tls.items() <= router.items()
+    pods = [rc["spec"]["headGroupSpec"]["template"]["spec"], *(g["template"]["spec"] for g in groups.values())]
+    for pod in pods:
+        assert {"name": "cluster-tls", "secret": {"secretName": "tandem-cluster-tls"}} in pod["volumes"]
+        tandem = [c for c in pod["containers"] if any(m["name"] == "config" for m in c.get("volumeMounts", []))]
+        assert tandem
+        for c in tandem:
+            assert {"name": "cluster-tls", "mountPath": where, "readOnly": True} in c["volumeMounts"]
     for pod in [rc["spec"]["headGroupSpec"]["template"]["spec"], groups["routers"]["template"]["spec"]]:
         c = next(c for c in pod["containers"] if c["name"] == "router")
         assert {"name": "router-tls", "mountPath": "/etc/tandem-tls", "readOnly": True} in c["volumeMounts"]

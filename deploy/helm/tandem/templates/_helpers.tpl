@@ -47,6 +47,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - name: config
   configMap:
     name: {{ include "tandem.fullname" . }}-config
+{{- with .Values.clusterTLS.secretName }}
+- name: cluster-tls
+  secret:
+    secretName: {{ . }}
+{{- end }}
 {{- if eq .Values.model.source "pvc" }}
 - name: model
   persistentVolumeClaim:
@@ -67,6 +72,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - name: config
   mountPath: /etc/tandem
   readOnly: true
+{{- if .Values.clusterTLS.secretName }}
+- name: cluster-tls
+  mountPath: /etc/tandem-cluster-tls
+  readOnly: true
+{{- end }}
 {{- if ne .Values.model.source "builtin" }}
 - name: model
   mountPath: {{ .Values.model.mountPath }}
@@ -125,4 +135,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
     secretKeyRef:
       name: {{ include "tandem.secretName" . }}
       key: auth_token
+{{- end }}
+
+{{/* the cluster TLS flags (the Secret mounted at the same path on every pod) */}}
+{{- define "tandem.clusterTLSConfig" -}}
+{{- if .Values.clusterTLS.secretName }}
+cluster-tls-cert: /etc/tandem-cluster-tls/tls.crt
+cluster-tls-key: /etc/tandem-cluster-tls/tls.key
+cluster-tls-ca: /etc/tandem-cluster-tls/ca.crt
+cluster-tls-server-name: {{ .Values.clusterTLS.serverName | quote }}
+{{- end }}
 {{- end }}
