@@ -149,6 +149,7 @@ class PoolManager:
         # clock in ms, so a restarted controller's versions are past its predecessor's
         self.version = int(time.time() * 1000)
         self.adopted = 0  # workers this controller found running at its start
+        self.start_error = ""  # the last worker's failure to start, for the one line that reports it
         self.adoption = asyncio.Event()  # set once they are: until then the membership is not told
         self.polls_waiting = 0  # routers inside a membership long poll now
         self._changed = asyncio.Event()
@@ -175,7 +176,8 @@ class PoolManager:
         await self.reconcile()
         missing = [r.value for r in ROLES if len(self.ready(r)) < self.targets[r]]
         if missing:
-            raise RuntimeError(f"pools did not come up: {missing}; see the worker logs")
+            why = f"; the last failure: {self.start_error}" if self.start_error else "; see the worker logs"
+            raise RuntimeError(f"pools did not come up: {', '.join(missing)}{why}")
         self._bg += [asyncio.create_task(self._health_loop()), asyncio.create_task(self._stats_loop())]
 
     async def adopt(self) -> int:
@@ -332,8 +334,10 @@ class PoolManager:
             w.pid = (await asyncio.wait_for(actor.info.remote(), 30))["pid"]
             w.stats = await w.client.stats()
         except Exception as e:
-            log.error("%s failed to start: %s", worker_id, e)
-            self._note(f"{worker_id} failed to start: {e}")
+            cause = getattr(e, "cause", None) or e  # a Ray task error carries the worker's own exception
+            self.start_error = f"{worker_id}: {type(cause).__name__}: {cause}"
+            log.error("%s failed to start: %s", worker_id, self.start_error)
+            self._note(f"{worker_id} failed to start: {cause}")
             await self._remove(w, drain=False)
             raise
         w.state = WorkerState.READY

@@ -122,6 +122,14 @@ class Admission:
         heads = [q[0] for q in self._queues if q]
         return min(heads, key=lambda w: (w.place, w.arrival)) if heads else None
 
+    def refuse_if_full(self) -> None:
+        """The 429 `acquire` would answer even the smallest request, raised before the
+        request is parsed or tokenized: under a burst, refusals go out at once instead of
+        after every queued request's parsing ahead of them."""
+        if self.running >= self.max_running and self.waiting + 1 > self.max_waiting:
+            raise ApiError.overloaded(429, "the server is busy: too many requests queued",
+                                      self.retry_after(1, behind_queue=False))
+
     async def acquire(self, weight: int, cls: int = INTERACTIVE) -> int:
         """Wait for `weight` slots for a request of class `cls`; returns the weight to
         pass to `release`."""

@@ -133,6 +133,7 @@ def create_app(backend: Backend, tokenizer: Tokenizer, settings: RouterSettings,
     async def openai_call(request: Request, model: type[M], handler) -> Response:
         arrival = time.monotonic()
         auth.require_api_key(request)
+        admission.refuse_if_full()
         try:
             body = await read_body(request, settings.max_request_body_bytes)
             # a big body's JSON parse on a thread: the loop keeps serving between GIL slices

@@ -644,6 +644,23 @@ def test_joining_an_unreachable_cluster_fails_at_once_with_advice(tmp_path):
     assert "RAY_AUTH_TOKEN" in r.stderr and "loopback" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_transport_nixl_without_nixl_refuses_to_start_and_says_why(tmp_path):
+    """`--transport nixl` where NIXL cannot be imported (packages that shadow it on
+    PYTHONPATH, which the local Ray's workers inherit): no fallback to TCP; the command
+    exits 1 with one line naming the cause and the alternatives (before: "see the
+    worker logs")."""
+    for name in ("nixl_cu13", "nixl", "nixl_cu12"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = subprocess.run([sys.executable, "-m", "cli", "serve", "--transport", "nixl", "--port", str(free_port()),
+                        "--num-blocks", "64"], capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 1, r.stderr[-2000:]
+    said = [line for line in r.stderr.splitlines() if "ERROR tandem:" in line]
+    assert len(said) == 1 and "pools did not come up" in said[0], r.stderr[-3000:]
+    assert "--transport nixl: NIXL is unavailable here" in said[0] and "--transport tcp" in said[0], said
+
+
 def test_a_decode_worker_drains_on_sigterm_and_one_killed_mid_stream_is_migrated(serve, model_path):
     """SIGTERM to a decode worker's process (what a pod deletion's preStop hook sends):
     its running streams end whole, new requests go to the other worker, the process

@@ -210,3 +210,23 @@ async def test_admission_queue_full_then_timeout():
     adm.release(1)
     adm.release(1)
     assert await waiter == 2 and (adm.running, adm.waiting) == (2, 0)
+
+
+async def test_a_full_queue_refuses_before_the_request_is_parsed():
+    """`refuse_if_full` (called before the body is parsed or tokenized) answers the same
+    429 as `acquire` once nothing could be queued, and nothing before that."""
+    adm = Admission(max_running=1, max_waiting=1, timeout_s=30, retry_after_s=1)
+    adm.refuse_if_full()  # empty
+    await adm.acquire(1)
+    adm.refuse_if_full()  # running full, the queue has room
+    queued = asyncio.ensure_future(adm.acquire(1))
+    await asyncio.sleep(0)
+    with pytest.raises(ApiError) as early:
+        adm.refuse_if_full()
+    with pytest.raises(ApiError) as late:
+        await adm.acquire(1)
+    assert early.value.status == late.value.status == 429
+    assert early.value.headers["Retry-After"] == late.value.headers["Retry-After"]
+    adm.release(1)
+    await queued
+    adm.refuse_if_full()  # the queued one runs now: room in the queue again
