@@ -31,7 +31,7 @@ from typing import Callable
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.errors import ApiError
-from router.sse import CUTOFF_KEY
+from router.sse import CUTOFF_KEY, Cutoff
 
 log = logging.getLogger("tandem")
 
@@ -69,7 +69,7 @@ class Drain:
         self.retry_after_s = retry_after_s
         self.draining = False
         self.in_flight = 0
-        self.cutoff = asyncio.Event()  # set when the grace ends: what still runs is ended
+        self.cutoff = Cutoff()  # set when the grace ends: what still runs is ended
         self._idle = asyncio.Event()
         self._idle.set()
 

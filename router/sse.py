@@ -32,7 +32,35 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-CUTOFF_KEY = "tandem.cutoff"  # scope key: an asyncio.Event set when the shutdown grace ends
+CUTOFF_KEY = "tandem.cutoff"  # scope key: the Cutoff set when the shutdown grace ends
+
+
+class Cutoff:
+    """A flag that coroutines on any event loop can wait for. (asyncio.Event binds to
+    the first loop that waits on it and then fails on any other: Starlette's test
+    client runs each request on a loop of its own.)"""
+
+    def __init__(self) -> None:
+        self._set = False
+        self._waiters: set[asyncio.Future] = set()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+        for fut in list(self._waiters):
+            fut.get_loop().call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
+
+    async def wait(self) -> None:
+        if self._set:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.add(fut)
+        try:
+            await fut
+        finally:
+            self._waiters.discard(fut)
 
 
 class ClientDisconnected(Exception):
@@ -52,7 +80,7 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 
 async def _race_disconnect(work: Awaitable[T], receive: Receive,
-                           cutoff: asyncio.Event | None = None) -> tuple[asyncio.Future[T], str]:
+                           cutoff: Cutoff | None = None) -> tuple[asyncio.Future[T], str]:
     """Run `work` until it ends, the client disconnects or `cutoff` is set, whichever
     comes first; the others are cancelled and awaited. Returns the work's (done or
     cancelled) future and what ended it: "done", "disconnect" or "cutoff"."""
@@ -72,7 +100,8 @@ async def _race_disconnect(work: Awaitable[T], receive: Receive,
         return task, "done"
     if watch.done() and not watch.cancelled():
         return task, "disconnect"  # nobody to tell, even when the cutoff came too
-    return task, "cutoff" if stop is not None and stop.done() and not stop.cancelled() else "disconnect"
+    cut = stop is not None and stop.done() and not stop.cancelled() and stop.exception() is None
+    return task, "cutoff" if cut else "disconnect"
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:

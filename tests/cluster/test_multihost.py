@@ -33,6 +33,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.harness.streams import stream_token_ids
 from tests.oracle import hf_greedy, random_prompts
 from worker_runtime.process import stop_process_group
 
@@ -352,6 +353,20 @@ async def _load(url: str, prompts: list[list[int]], stop: asyncio.Event, results
             results.append((tag, i, r.status_code, r.json()))
 
 
+def _stop_routers_and_controller(routers: list[subprocess.Popen], hosts, address: str, env: dict) -> None:
+    """A test's end: its routers sent SIGTERM (killed if one hangs), the controller stopped."""
+    for p in routers:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in routers:
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            stop_process_group(p, grace_s=5, sig=signal.SIGKILL)
+    subprocess.run(["ip", "netns", "exec", hosts.ns["a"], sys.executable, "-m", "cli", "controller", "--address",
+                    address, "--stop"], capture_output=True, timeout=180, env=env)
+
+
 def _pools(url: str) -> dict:
     r = httpx.get(url + "/admin/pools", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
     r.raise_for_status()
@@ -513,16 +528,7 @@ def test_router_failover_under_load(hosts, ray_cluster, tmp_path, model_path):
             text = next(tmp_path.glob(f"router-*-{port}.log")).read_text()
             assert "Traceback" not in text and "stopped on SIGTERM" in text, text[-3000:]
     finally:
-        for p in routers:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in routers:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                stop_process_group(p, grace_s=5, sig=signal.SIGKILL)
-        subprocess.run(["ip", "netns", "exec", hosts.ns["a"], *tandem, "controller", "--address", address, "--stop"],
-                       capture_output=True, timeout=180, env=ray_cluster)
+        _stop_routers_and_controller(routers, hosts, address, ray_cluster)
         for f in logs:
             f.close()
 
@@ -563,23 +569,17 @@ def test_the_ray_head_is_lost_and_restarts_under_a_stream_with_redis_behind_its_
         expect = hf_greedy(model_path, prompt, n_tokens, ignore_eos=True)
 
         async def scenario() -> tuple[list[int], int]:
-            ids: list[int] = []
             at = 0
-            body = {"prompt": prompt, "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-                    "return_token_ids": True}
+
+            async def lose_the_head(ids: list[int]) -> None:
+                nonlocal at
+                if len(ids) >= 20 and not at:
+                    at = len(ids)
+                    await asyncio.to_thread(hosts.restart_head)
+
+            body = {"prompt": prompt, "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True}
             async with httpx.AsyncClient(base_url=url, timeout=180) as client:
-                async with client.stream("POST", "/v1/completions", json=body) as r:
-                    assert r.status_code == 200
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        assert "error" not in chunk, chunk
-                        ids.extend(chunk["choices"][0]["token_ids"] or [])
-                        if len(ids) >= 20 and not at:
-                            at = len(ids)
-                            await asyncio.to_thread(hosts.restart_head)
-            return ids, at
+                return await stream_token_ids(client, body, lose_the_head), at
 
         t0 = time.monotonic()
         ids, killed_at = asyncio.run(scenario())
@@ -608,13 +608,5 @@ def test_the_ray_head_is_lost_and_restarts_under_a_stream_with_redis_behind_its_
             assert time.monotonic() < deadline, pools
             time.sleep(1)
     finally:
-        for router in routers:
-            router.send_signal(signal.SIGTERM)
-        for router in routers:
-            try:
-                router.wait(60)
-            except subprocess.TimeoutExpired:
-                stop_process_group(router, grace_s=5, sig=signal.SIGKILL)
-        subprocess.run(["ip", "netns", "exec", hosts.ns["a"], *tandem, "controller", "--address", address, "--stop"],
-                       capture_output=True, timeout=180, env=ray_cluster)
+        _stop_routers_and_controller(routers, hosts, address, ray_cluster)
         router_log.close()

@@ -20,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.servers import TandemServer, free_port
+from tests.harness.streams import stream_token_ids
 from tests.oracle import hf_greedy, random_prompts
 from worker_runtime.client import WorkerClient
 
@@ -488,21 +489,18 @@ def _the_controller_dies_and_comes_back(srv: Serve, model_path) -> None:
     expect = hf_greedy(model_path, prompt, n_tokens, ignore_eos=True)
 
     async def scenario() -> tuple[list[int], int]:
-        ids: list[int] = []
+        killed_at = 0
+
+        async def kill(ids: list[int]) -> None:
+            nonlocal killed_at
+            if len(ids) >= 10 and not killed_at:
+                os.kill(ctl_pid, signal.SIGKILL)
+                killed_at = len(ids)
+
         body = {"model": "tandem-tiny-v2", "prompt": prompt, "max_tokens": n_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True, "return_token_ids": True}
+                "ignore_eos": True}
         async with httpx.AsyncClient(base_url=srv.url, timeout=120) as client:
-            async with client.stream("POST", "/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    assert "error" not in chunk, chunk
-                    ids.extend(chunk["choices"][0]["token_ids"] or [])
-                    if len(ids) >= 10 and psutil.pid_exists(ctl_pid):
-                        os.kill(ctl_pid, signal.SIGKILL)
-                        killed_at = len(ids)
+            ids = await stream_token_ids(client, body, kill)
             other = await client.post("/v1/completions", json={"model": "tandem-tiny-v2", "prompt": "meanwhile",
                                                               "max_tokens": 4})
             assert other.status_code == 200, other.text
@@ -749,26 +747,20 @@ def _migration_on_sigkill(srv: Serve, model_path) -> None:
                 await c.close()
 
     async def scenario() -> tuple[list[int], dict]:
-        ids: list[int] = []
         killed: dict = {}
+
+        async def kill(ids: list[int]) -> None:
+            if len(ids) >= 30 and not killed:
+                running = await running_on()
+                assert sorted(running) == [0, 1], running  # this stream, on one of them
+                killed.update(workers[running.index(1)])
+                os.kill(killed["pid"], signal.SIGKILL)
+                killed["at"] = len(ids)
+
         body = {"model": "tandem-tiny-v2", "prompt": prompt, "max_tokens": n_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True, "return_token_ids": True}
+                "ignore_eos": True}
         async with httpx.AsyncClient(base_url=srv.url, timeout=120) as client:
-            async with client.stream("POST", "/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    assert "error" not in chunk, chunk
-                    ids.extend(chunk["choices"][0]["token_ids"] or [])
-                    if len(ids) >= 30 and not killed:
-                        running = await running_on()
-                        assert sorted(running) == [0, 1], running  # this stream, on one of them
-                        killed = workers[running.index(1)]
-                        os.kill(killed["pid"], signal.SIGKILL)
-                        killed["at"] = len(ids)
-        return ids, killed
+            return await stream_token_ids(client, body, kill), killed
 
     ids, killed = asyncio.run(scenario())
     assert killed and killed["at"] < n_tokens, "the stream ended before the kill: make it longer"
