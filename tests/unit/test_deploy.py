@@ -157,6 +157,10 @@ def test_the_large_values_turn_on_every_monitoring_object_and_the_ingress():
     rc = next(d for d in docs if d["kind"] == "RayCluster")
     groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
     assert groups["routers"]["replicas"] == 2 and groups["decode"]["maxReplicas"] == 32
+    # GCS fault tolerance: redis behind the head's GCS, this release's own namespace in it
+    assert rc["spec"]["gcsFaultToleranceOptions"] == {
+        "redisAddress": "redis-ha.ml.svc:6379", "externalStorageNamespace": "ml-tdm-tandem",
+        "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "redis-ha", "key": "password"}}}}
     init = groups["decode"]["template"]["spec"]["initContainers"][0]
     assert init["name"] == "fetch-model"
     assert {e["name"] for e in init["env"]} >= {"HF_REPO", "HF_TOKEN"}
@@ -204,6 +208,7 @@ def test_the_cpu_values_run_colocated_on_the_built_in_model_without_gpus():
     rc = next(d for d in docs if d["kind"] == "RayCluster")
     assert [g["groupName"] for g in rc["spec"]["workerGroupSpecs"]] == ["decode"]
     assert "nvidia.com/gpu" not in json.dumps(rc)
+    assert "gcsFaultToleranceOptions" not in rc["spec"]  # only with a redis to put it in
     config = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "tdm-tandem-config")
     controller = yaml.safe_load(config["data"]["controller.yaml"])
     assert controller["colocated"] is True and "model" not in controller
