@@ -140,9 +140,10 @@ def _router_args(p: argparse.ArgumentParser) -> None:
         "--max-request-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get 413"
     )
     g.add_argument("--header-timeout-s", type=float, default=30.0,
-                   help="a request whose headers have not all arrived this long after its connection or the "
-                        "previous response gets 408 and its connection is closed (slow clients cannot hold "
-                        "connections open; bytes the server has not read yet do not count against it); 0: off")
+                   help="a request whose headers have not all arrived this long after its connection opened "
+                        "(the first request) or its first byte (later ones) gets 408 and its connection is closed "
+                        "(slow clients cannot hold connections open; bytes the server has not read yet do not "
+                        "count against it); 0: off")
     g.add_argument(
         "--shutdown-grace-s",
         type=float,

@@ -152,15 +152,14 @@ def build_app(args: argparse.Namespace, backend):
 def check_tls_args(args: argparse.Namespace) -> None:
     """HTTPS needs the certificate and its key, both readable; client certificates need
     the CAs to check them against. CommandError naming what is missing."""
-    cert, key = getattr(args, "ssl_certfile", None), getattr(args, "ssl_keyfile", None)
+    cert, key, ca = args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs
     if bool(cert) != bool(key):
         raise CommandError("HTTPS needs both --ssl-certfile and --ssl-keyfile")
-    if getattr(args, "ssl_cert_reqs", 0) and not getattr(args, "ssl_ca_certs", None):
+    if args.ssl_cert_reqs and not ca:
         raise CommandError("--ssl-cert-reqs needs --ssl-ca-certs (the CAs client certificates are checked against)")
-    if getattr(args, "ssl_ca_certs", None) and not cert:
+    if ca and not cert:
         raise CommandError("--ssl-ca-certs is for HTTPS: give --ssl-certfile and --ssl-keyfile too")
-    for flag, path in (("--ssl-certfile", cert), ("--ssl-keyfile", key),
-                       ("--ssl-ca-certs", getattr(args, "ssl_ca_certs", None))):
+    for flag, path in (("--ssl-certfile", cert), ("--ssl-keyfile", key), ("--ssl-ca-certs", ca)):
         if path and not os.access(path, os.R_OK):
             raise CommandError(f"{flag}: cannot read {path}")
 
@@ -175,7 +174,7 @@ def http_config(args: argparse.Namespace, app):
 
     http = with_header_timeout(args.header_timeout_s) if args.header_timeout_s else "httptools"
     tls = {}
-    if getattr(args, "ssl_certfile", None):
+    if args.ssl_certfile:
         tls = {"ssl_certfile": args.ssl_certfile, "ssl_keyfile": args.ssl_keyfile,
                "ssl_ca_certs": args.ssl_ca_certs, "ssl_cert_reqs": args.ssl_cert_reqs}
     return uvicorn.Config(app, log_level="warning", lifespan="on", ws="none", timeout_graceful_shutdown=1,
@@ -183,7 +182,7 @@ def http_config(args: argparse.Namespace, app):
 
 
 def announce(args, backend, settings) -> None:
-    scheme = "https" if getattr(args, "ssl_certfile", None) else "http"
+    scheme = "https" if args.ssl_certfile else "http"
     url = f"{scheme}://{args.host}:{args.port}"
     pools = backend.view
     lines = [

@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 ADOPTION_WAIT_S = 60.0  # a call that needs the members waits this long for the adoption at start
 
 
-
 class Controller:
     """The actor's class (made remote in `create`). Every method is async: one event
     loop in the actor runs the pool's loops and answers the routers."""

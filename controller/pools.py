@@ -50,11 +50,9 @@ def worker_actor_name(worker_id: str) -> str:
     return WORKER_NAME_PREFIX + worker_id
 
 
-def worker_id_of(name: str) -> tuple[Role, int] | None:
-    """(role, number) of a worker actor's name; None for any other name."""
-    if not name.startswith(WORKER_NAME_PREFIX):
-        return None
-    role, _, n = name[len(WORKER_NAME_PREFIX):].rpartition("-")
+def parse_worker_id(worker_id: str) -> tuple[Role, int] | None:
+    """(role, number) of a worker id such as decode-3; None for anything else."""
+    role, _, n = worker_id.rpartition("-")
     try:
         return Role(role), int(n)
     except ValueError:
@@ -180,18 +178,20 @@ class PoolManager:
             raise RuntimeError(f"pools did not come up: {', '.join(missing)}{why}")
         self._bg += [asyncio.create_task(self._health_loop()), asyncio.create_task(self._stats_loop())]
 
-    async def adopt(self) -> int:
+    async def adopt(self) -> None:
         """Take over the live workers a previous controller started (their actors are
         named, see the module doc): each answers its own info and a gRPC health check
         with the same epoch, or is ended. A pool that has more than its target keeps
         them all (its target rises to match); the numbering goes on above theirs."""
         import ray
 
-        names = [a["name"] for a in await asyncio.to_thread(ray.util.list_named_actors, True)
-                 if a.get("namespace") == NAMESPACE and worker_id_of(a["name"]) is not None]
-        found = await asyncio.gather(*(self._adopt_one(n) for n in sorted(names)), return_exceptions=True)
+        ids = [a["name"][len(WORKER_NAME_PREFIX):] for a in await asyncio.to_thread(ray.util.list_named_actors, True)
+               if a.get("namespace") == NAMESPACE and a["name"].startswith(WORKER_NAME_PREFIX)]
+        ids = sorted(i for i in ids if parse_worker_id(i) is not None)
+        found = await asyncio.gather(*(self._adopt_one(i) for i in ids), return_exceptions=True)
         adopted = [w for w in found if isinstance(w, PoolWorker)]
-        for (role, n), w in ((worker_id_of(worker_actor_name(w.worker_id)), w) for w in adopted):
+        for w in adopted:
+            role, n = parse_worker_id(w.worker_id)
             self._counter[role] = max(self._counter[role], n + 1)
         for role in ROLES:
             mine = sum(w.role is role and not w.stats.draining for w in adopted)
@@ -200,18 +200,16 @@ class PoolManager:
                          role.value, mine, self.targets[role], mine)
                 self.targets[role] = mine
         self.adopted = len(adopted)
-        if names:
-            log.info("adopted %d running worker(s) of %d found: %s", len(adopted), len(names),
+        if ids:
+            log.info("adopted %d running worker(s) of %d found: %s", len(adopted), len(ids),
                      ", ".join(w.worker_id for w in adopted) or "none")
-        return len(adopted)
 
-    async def _adopt_one(self, name: str) -> PoolWorker | None:
+    async def _adopt_one(self, worker_id: str) -> PoolWorker | None:
         import ray
 
-        role, _ = worker_id_of(name)
-        worker_id = name[len(WORKER_NAME_PREFIX):]
+        role, _ = parse_worker_id(worker_id)
         try:
-            actor = await asyncio.to_thread(ray.get_actor, name, NAMESPACE)
+            actor = await asyncio.to_thread(ray.get_actor, worker_actor_name(worker_id), NAMESPACE)
             info = await asyncio.wait_for(actor.info.remote(), 10)
         except Exception as e:  # noqa: BLE001 - gone, or not answering: not adopted
             log.warning("%s: found by name but not adopted (%s)", worker_id, e)

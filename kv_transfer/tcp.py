@@ -20,7 +20,6 @@ import base64
 import logging
 import queue
 import socket
-import ssl
 import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
@@ -91,7 +90,7 @@ class _PeerLink:
         if cfg.tls is not None:  # both certificates checked before anything else is said
             try:
                 sock = self.owner._tls.wrap_socket(sock, server_hostname=cfg.tls.server_name)
-            except (OSError, ssl.SSLError) as e:
+            except OSError as e:  # ssl.SSLError included
                 sock.close()
                 raise PeerRejected(f"TLS with {self.id} at {self.desc.address} failed: {e}") from e
         hello = {

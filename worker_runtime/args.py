@@ -45,8 +45,7 @@ def add_cluster_tls_args(p: argparse.ArgumentParser) -> None:
 
 def tls_from_args(a: argparse.Namespace) -> ClusterTLS | None:
     """The cluster TLS the flags ask for, or None; ValueError naming what is missing."""
-    files = (getattr(a, "cluster_tls_cert", None), getattr(a, "cluster_tls_key", None),
-             getattr(a, "cluster_tls_ca", None))
+    files = (a.cluster_tls_cert, a.cluster_tls_key, a.cluster_tls_ca)
     if not any(files):
         return None
     if not all(files):

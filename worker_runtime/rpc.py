@@ -18,12 +18,18 @@ from kv_transfer.tls import ClusterTLS
 
 log = logging.getLogger(__name__)
 _tls: ClusterTLS | None = None  # the process's cluster TLS (one process, one cluster identity)
+_server_creds: grpc.ServerCredentials | None = None
+_channel_creds: grpc.ChannelCredentials | None = None
 
 
 def use_cluster_tls(tls: ClusterTLS | None) -> None:
     """Every server and channel this process makes from now on uses `tls` (None: plaintext)."""
-    global _tls
-    _tls = tls
+    global _tls, _server_creds, _channel_creds
+    _tls, _server_creds, _channel_creds = tls, None, None
+    if tls is not None:
+        cert, key, ca = tls.read()
+        _server_creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+        _channel_creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
 
 def cluster_tls() -> ClusterTLS | None:
@@ -101,10 +107,8 @@ async def start_server(add_servicers, host: str, port: int, token: str | None) -
     interceptors = [_TokenCheck(token)] if token else []
     server = grpc.aio.server(interceptors=interceptors, options=server_options())
     add_servicers(server)
-    if _tls is not None:
-        cert, key, ca = _tls.read()
-        creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
-        bound = server.add_secure_port(f"{host}:{port}", creds)
+    if _server_creds is not None:
+        bound = server.add_secure_port(f"{host}:{port}", _server_creds)
     else:
         bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
@@ -126,9 +130,7 @@ def epoch_str(epoch: int) -> str:
 def channel(address: str) -> grpc.aio.Channel:
     if _tls is None:
         return grpc.aio.insecure_channel(address, options=client_options())
-    cert, key, ca = _tls.read()
-    creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
-    return grpc.aio.secure_channel(address, creds,
+    return grpc.aio.secure_channel(address, _channel_creds,
                                    options=client_options() + [("grpc.ssl_target_name_override", _tls.server_name)])
 
 
