@@ -216,9 +216,13 @@ def _pool_args(p: argparse.ArgumentParser, c) -> None:
                    help='Ray custom resources each prefill worker needs, e.g. \'{"gpu_node": 1}\' (placement)')
     c.add_argument("--decode-resources", default=None, metavar="JSON",
                    help="Ray custom resources each decode worker needs (placement)")
-    c.add_argument("--prefill-num-cpus", type=float, default=1.0, help="Ray CPUs per prefill worker")
-    c.add_argument("--decode-num-cpus", type=float, default=1.0, help="Ray CPUs per decode worker")
-    c.add_argument("--num-gpus-per-worker", type=float, default=None, help="Ray GPUs per worker (default: 1 on cuda)")
+    c.add_argument("--prefill-num-cpus", type=float, default=1.0, help="Ray CPUs per prefill worker rank")
+    c.add_argument("--decode-num-cpus", type=float, default=1.0, help="Ray CPUs per decode worker rank")
+    c.add_argument("--prefill-tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="ranks per prefill worker (default: --tensor-parallel-size)")
+    c.add_argument("--decode-tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="ranks per decode worker, colocated ones included (default: --tensor-parallel-size)")
+    c.add_argument("--num-gpus-per-worker", type=float, default=None, help="Ray GPUs per worker rank (default: 1 on cuda)")
     c.add_argument("--pin-cores", default="auto", help="auto (local CPU runs), none, or a core list like 0-7")
     c.add_argument("--worker-metrics-port", type=int, default=0,
                    help="each worker's /metrics port (0: any free one; a fixed one suits one worker per pod)")

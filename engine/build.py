@@ -29,7 +29,9 @@ class EngineParts:
     structured: object | None = None  # engine.structured.StructuredOutputs, None without tokenizer.json
 
 
-def build_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
+def build_parts(config: EngineConfig, checkpoint=None, launcher=None) -> EngineParts:
+    """`launcher`: under tensor parallelism, what starts ranks 1..N-1 (engine/parallel/ranks.py;
+    default: child processes)."""
     from engine.models.builtin import builtin_model_path
     from engine.models.checkpoint import load_checkpoint
     from engine.models.loader import build_model
@@ -42,8 +44,6 @@ def build_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
         log.info("dtype auto on %s: the %s checkpoint runs in %s (--dtype float32 keeps it)", device,
                  ckpt.config.dtype, dtype)
         ckpt = dataclasses.replace(ckpt, config=dataclasses.replace(ckpt.config, dtype=dtype))
-    model = build_model(ckpt, config.device.device)
-    t1 = time.monotonic()
     max_len = min(config.scheduler.max_model_len, ckpt.config.max_position_embeddings)
     window = ckpt.config.sliding_window
     if window is not None and window < max_len:
@@ -53,8 +53,23 @@ def build_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
     sched = dataclasses.replace(config.scheduler, max_model_len=max_len)
     if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_len:
         sched = dataclasses.replace(sched, max_num_batched_tokens=max_len)
-    runner = ModelRunner(model, ckpt.config, config.cache, config.device, sampler_seed=config.seed,
-                         step_limits=(sched.max_num_batched_tokens, sched.max_num_seqs, max_len), snapshot=snapshot)
+    step_limits = (sched.max_num_batched_tokens, sched.max_num_seqs, max_len)
+    tp = config.parallel.tensor_parallel_size
+    if tp > 1:
+        from engine.parallel.start import start_ranks
+
+        ranks = start_ranks(config, ckpt, step_limits, launcher)
+        model = build_model(ckpt, ranks.devices[0].device, ranks.shard)
+        model.set_tensor_parallel(ranks.comm)
+        t1 = time.monotonic()
+        runner = ModelRunner(model, ranks.model_config, ranks.cache, ranks.devices[0], sampler_seed=config.seed,
+                             step_limits=step_limits, snapshot=snapshot, comm=ranks.comm)
+        ranks.join(runner)
+    else:
+        model = build_model(ckpt, config.device.device)
+        t1 = time.monotonic()
+        runner = ModelRunner(model, ckpt.config, config.cache, config.device, sampler_seed=config.seed,
+                             step_limits=step_limits, snapshot=snapshot)
     t2 = time.monotonic()
     pool = BlockPool(runner.kv_cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
     kv_bytes = runner.kv_cache.kv.numel() * runner.kv_cache.kv.element_size()

@@ -311,6 +311,24 @@ class DeviceConfig:
         _require(self.serial_step_work is None or self.serial_step_work >= 0, "serial_step_work must be >= 0")
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """`--tensor-parallel-size`: how many ranks (processes, one device or a run of CPU
+    cores each) hold one worker's model between them (engine/parallel/)."""
+
+    tensor_parallel_size: int = 1
+    # the ranks' all-reduce: auto (shared memory on CPU, NCCL on CUDA), shm, or torch
+    # (torch.distributed: gloo on CPU, NCCL on CUDA)
+    comm: str = "auto"
+    rank_timeout_s: float = 60.0  # the longest one collective waits for a rank
+    start_timeout_s: float = 600.0  # the longest rank 0 waits for the others to load their shards
+
+    def __post_init__(self) -> None:
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
+        _require(self.comm in ("auto", "shm", "torch"), "tensor-parallel comm: use auto, shm or torch")
+        _require(self.rank_timeout_s > 0 and self.start_timeout_s > 0, "tensor-parallel timeouts must be > 0")
+
+
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 
 
@@ -362,4 +380,5 @@ class EngineConfig:
     seed: int | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     grammar: GrammarLimits = field(default_factory=GrammarLimits)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 

@@ -95,13 +95,21 @@ class ModelRunner:
         step_limits: tuple[int, int, int] = (2048, 256, 2048),
         snapshot: MemorySnapshot | None = None,
         memory: CudaMemory | None = None,
+        comm=None,
     ) -> None:
         """`step_limits` (max_num_batched_tokens, max_num_seqs, max_model_len): the largest
         step the scheduler may plan, run once to size the KV cache from the device's memory
         (CUDA, when the cache size is not given), and the decode graphs' bounds.
         `snapshot`: the device's memory before the weights were loaded (engine/memory.py).
-        `memory`: the counters it is read from (default: torch.cuda's on CUDA, none on CPU)."""
+        `memory`: the counters it is read from (default: torch.cuda's on CUDA, none on CPU).
+        `comm`: under tensor parallelism, the ranks' Communicator (engine/parallel/comm.py):
+        the model is this rank's shard, and every rank runs the same steps. Rank 0 sets
+        `tp` (its TPGroup) once the others have joined, and from then on sends each step to
+        them before running it; the others call `follow`."""
         self.device = torch.device(device_config.device)
+        self.comm = comm
+        self.tp = None  # engine.parallel.group.TPGroup: rank 0's sends its steps to the other ranks
+        self.tp_ranks = None  # rank 0: what started the other ranks (engine/parallel/ranks.py), to stop them
         if self.device.type == "cpu":
             reuse_freed_memory()  # a step's activations are reused, not faulted in again
         self.model = model
@@ -154,6 +162,10 @@ class ModelRunner:
         if memory is None and self.device.type == "cuda":
             memory = CudaMemory(self.device)
         graphs = self._wants_graphs(device_config.cuda_graphs)
+        if graphs and comm is not None and comm.size > 1:
+            # a capture would have to run on every rank at once, collectives inside it
+            log.info("tensor parallel: decode steps run eagerly (no CUDA graphs across ranks yet)")
+            graphs = False
         if memory is not None and cache_config.num_blocks is None and cache_config.kv_cache_memory_gb is None:
             blocks = self._blocks_from_device(memory, cache_config.gpu_memory_utilization, step_limits, snapshot,
                                               graphs)
@@ -220,6 +232,8 @@ class ModelRunner:
         growth = max(0, memory.snapshot().non_torch - snapshot.non_torch)
         self.kv_sizing = KVSizing(utilization, snapshot.total, snapshot.free, weights, peak, growth, graph_bytes)
         n = self.kv_sizing.num_blocks(layout_for(self.model_config, self.block_size).block_bytes)
+        if self.comm is not None and self.comm.size > 1:  # one block table for every rank: the smallest cache
+            n = self.comm.all_min(n)
         max_len = step_limits[2]
         log.info("KV cache from --gpu-memory-utilization %s: %d blocks of %d tokens, room for %.1f sequences of "
                  "max-model-len %d at once", self.kv_sizing, n, self.block_size, n * self.block_size / max_len,
@@ -229,6 +243,12 @@ class ModelRunner:
     def profile_run(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
         """One step of the largest shape the scheduler may plan (engine/memory.py), on a
         scratch KV cache just big enough; returns the scratch cache's bytes."""
+        if self._leading():
+            from engine.parallel.group import Profile
+
+            self.tp.send(Profile((num_tokens, max_num_seqs, max_model_len)))
+            with self._alone():
+                return self.profile_run(num_tokens, max_num_seqs, max_model_len)
         plan, blocks = profile_plan(num_tokens, max_num_seqs, max_model_len, self.block_size)
         scratch = KVCache(self.model_config, CacheConfig(block_size=self.block_size, num_blocks=max(blocks, 2)),
                           self.device)
@@ -261,6 +281,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.sized:
             self._size_team(plan.num_tokens)
+        if self._leading():
+            self._send_step(plan, after)
         b = self._prepare(plan, after)
         if len(b.logits_index) != len(b.sample_ids) or any(w.prompt_targets for w in plan.prefills):
             raise ValueError("a launched step samples one row per sequence: no drafts or prompt logprobs")
@@ -305,10 +327,83 @@ class ModelRunner:
             return self.graphs.run(b.input_ids, b.positions, b.meta)
         return self.model(b.input_ids, b.positions, self.kv_cache.layers, b.meta, self.backend, on_layer_done)
 
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel worker (rank 0); nothing otherwise."""
+        tp, self.tp = self.tp, None
+        if tp is not None:
+            tp.close()
+        ranks, self.tp_ranks = self.tp_ranks, None
+        if ranks is not None:
+            ranks.stop()
+
+    def _leading(self) -> bool:
+        """Rank 0 of a tensor-parallel worker whose steps the other ranks follow now."""
+        return self.tp is not None and self.tp.leader and not self._solo
+
+    _solo = False  # inside `_alone`: the other ranks run the same call themselves
+
+    @contextlib.contextmanager
+    def _alone(self):
+        saved, self._solo = self._solo, True
+        try:
+            yield
+        finally:
+            self._solo = saved
+
+    def _send_step(self, plan: StepPlan, after: Launched | None = None, writes=None) -> None:
+        from engine.parallel.group import Step, plan_for_ranks
+
+        msg = Step(plan_for_ranks(plan), writes=writes)
+        if after is not None and any(w.token_ids[0] == PENDING for w in plan.decodes):
+            if self.device.type == "cuda":  # the tokens stay on the device: a broadcast right after this message
+                msg.after_rows = list(after.sample_ids)
+            else:
+                msg.after_tokens = dict(zip(after.sample_ids, after.sample.tokens.tolist()))
+        self.tp.send(msg)
+        if msg.after_rows is not None:
+            self.comm.broadcast(after.sample.tokens.to(torch.int64).contiguous(), 0)
+
+    def follow(self) -> None:
+        """A rank other than 0: run rank 0's steps on this shard until it stops or goes.
+        Under inference mode for its whole life, as an engine thread."""
+        from engine.parallel.group import Call, Profile, Step, Stop
+
+        with torch.inference_mode():
+            while True:
+                msg = self.tp.recv()
+                if msg is None or isinstance(msg, Stop):
+                    return
+                if isinstance(msg, Step):
+                    self._follow_step(msg)
+                elif isinstance(msg, Profile):
+                    self.profile_run(*msg.args)
+                elif isinstance(msg, Call):
+                    msg.fn(self, *msg.args)
+                else:
+                    raise TypeError(f"unexpected message from rank 0: {msg!r}")
+
+    def _follow_step(self, msg) -> None:
+        plan = msg.plan
+        if self.sized:
+            self._size_team(plan.num_tokens)
+        after = None
+        if msg.after_tokens is not None or msg.after_rows is not None:
+            rows = list(msg.after_tokens) if msg.after_tokens is not None else msg.after_rows
+            if msg.after_tokens is not None:
+                tokens = torch.tensor(list(msg.after_tokens.values()), dtype=torch.int64, device=self.device)
+            else:
+                tokens = self.comm.broadcast(torch.empty(len(rows), dtype=torch.int64, device=self.device), 0)
+            after = _Followed(rows, tokens)
+        b = self._prepare(plan, after)
+        hook = None if msg.writes is None else msg.writes.hook(self)
+        self._forward(plan, b, hook)
+
     def _execute(self, plan: StepPlan, on_layer_done: Callable[[int], None] | None) -> StepResult:
         t0 = time.perf_counter()
         if self.sized:
             self._size_team(plan.num_tokens)
+        if self._leading():
+            self._send_step(plan, writes=getattr(on_layer_done, "rank_writes", None))
         b = self._prepare(plan)
         hidden = self._forward(plan, b, on_layer_done)
         prompt_lps = self._prompt_logprobs(plan, hidden) if any(w.prompt_targets for w in plan.prefills) else {}
@@ -571,6 +666,22 @@ class ModelRunner:
         if self.device.type != "cuda":
             return [_host_ints(x, "q") for x in int64s], [_host_ints(x, "i") for x in int32s]
         return _packed(int64s, "q", self.device, pin=True), _packed(int32s, "i", self.device, pin=True)
+
+
+@dataclass
+class _Followed:
+    """What a rank other than 0 knows of the step launched before (asynchronous
+    scheduling): the tokens it sampled, by sequence, in `sample.tokens`."""
+
+    sample_ids: list
+    tokens: torch.Tensor
+
+    @property
+    def sample(self):
+        return self
+
+    def row_of(self) -> dict[object, int]:
+        return {sid: i for i, sid in enumerate(self.sample_ids)}
 
 
 def fused_cpu_ops():

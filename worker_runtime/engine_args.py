@@ -10,6 +10,7 @@ from engine.config import (
     DeviceConfig,
     EngineConfig,
     GrammarLimits,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     default_block_size,
@@ -44,6 +45,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="ranks (processes) one worker's model is split across, Megatron-style: one device each on "
+                   "CUDA, an equal share of the worker's cores each on CPU (tandem serve: both pools, unless "
+                   "--prefill-/--decode-tensor-parallel-size say otherwise)")
     g.add_argument("--cpu-affinity", default=None, help="cores this worker may use, e.g. 0-3,6")
     g.add_argument("--serial-step-work", type=float, default=None, metavar="N",
                    help="CPU: a step whose tokens x weight parameters are at most N runs on one torch thread "
@@ -116,4 +121,5 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         speculative=SpeculativeConfig(method=a.speculative_method, num_speculative_tokens=a.num_speculative_tokens,
                                       model=a.speculative_model, adaptive=not a.no_adaptive_speculation),
         grammar=GrammarLimits(max_spec_bytes=a.max_grammar_bytes, compile_timeout_s=a.grammar_compile_timeout_s),
+        parallel=ParallelConfig(tensor_parallel_size=a.tensor_parallel_size),
     )

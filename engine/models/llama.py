@@ -118,6 +118,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = self.hd**-0.5
+        self.tp = None  # under tensor parallelism, the group's Communicator: o_proj's output is a partial sum
 
     def forward(
         self,
@@ -129,7 +130,8 @@ class Attention(nn.Module):
     ):
         q, k, v = self._project(x, rope)
         o = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale)
-        return self.o_proj(o.reshape(x.shape[0], self.q_size))
+        out = self.o_proj(o.reshape(x.shape[0], self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def forward_kept(self, x, rope, kv, meta, backend):
         """Every row's key and value into the cache, the output of `meta.kept`'s rows only
@@ -142,7 +144,8 @@ class Attention(nn.Module):
             return None
         q = q.index_select(0, kept.rows)  # [K, H, D], contiguous
         o = backend.decode(q, kv[0], kv[1], kept.block_tables, kept.seq_lens, self.scale, kept.max_seq_len)
-        return self.o_proj(o.reshape(q.shape[0], self.q_size))
+        out = self.o_proj(o.reshape(q.shape[0], self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def _project(self, x, rope):
         t = x.shape[0]
@@ -162,9 +165,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.tp = None  # as Attention's: down_proj's output is a partial sum under tensor parallelism
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
+        out = self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -211,6 +216,14 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # the compiled CPU kernels (engine/cpu_kernels), set by ModelRunner on CPU; None: torch operators
         self.cpu_ops = None
+        self.tp = None  # the tensor-parallel group's Communicator (set_tensor_parallel)
+
+    def set_tensor_parallel(self, comm) -> None:
+        """Sum the row-parallel layers' partial outputs over `comm`'s ranks (this model
+        holds one rank's shard: engine/parallel/shard.py)."""
+        self.tp = comm
+        for layer in self.layers:
+            layer.self_attn.tp = layer.mlp.tp = comm
 
     def forward(
         self,
@@ -258,7 +271,8 @@ class LlamaForCausalLM(nn.Module):
         if getattr(self, "_stack_checked", False):
             return self._stack
         self._stack_checked, self._stack = True, None
-        if not hasattr(ops, "decode_layers") or self.cfg.head_dim % 16 or any(
+        # the one-call stack has no place for the all-reduces tensor parallelism adds
+        if self.tp is not None or not hasattr(ops, "decode_layers") or self.cfg.head_dim % 16 or any(
                 k.dtype != dtype or not k.is_contiguous() or not v.is_contiguous() for k, v in kv_caches):
             return None
         norms, packed, plain, tiles = [], [], [], []

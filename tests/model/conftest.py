@@ -36,11 +36,11 @@ def random_dir() -> Path:
     return random_model_path()
 
 
-def _write_hf(kind: str, path: Path, tokenizer_src: Path, window: int | None = None) -> Path:
+def _write_hf(kind: str, path: Path, tokenizer_src: Path, window: int | None = None, kv_heads: int = 2) -> Path:
     import transformers
 
     common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=1024,
                   initializer_range=0.15, bos_token_id=0, eos_token_id=[1, 4])
     if kind == "llama":
         cfg = transformers.LlamaConfig(tie_word_embeddings=True, **common,

@@ -1,0 +1,112 @@
+"""Which part of the model each tensor-parallel rank holds (Megatron-style).
+
+Per decoder layer, rank r of N holds:
+
+* attention: query heads [r*H/N, (r+1)*H/N) and the KV heads they read. With N <= Hkv,
+  KV heads [r*Hkv/N, (r+1)*Hkv/N); with N > Hkv (N a multiple of Hkv), the one KV head
+  r // (N / Hkv), so N / Hkv ranks hold each KV head (replicated, as vLLM does). q, k
+  and v are column-parallel (rows of their weights), o_proj row-parallel (its columns);
+* the MLP: gate and up column-parallel, down row-parallel, over the intermediate size
+  I/N;
+* the embedding, the norms and the LM head: whole, on every rank. Rank 0 alone computes
+  logits and samples (engine/runner.py), so the head costs no collective; a
+  vocab-parallel head would read 1/N of its weight a rank at the price of a gather.
+
+A row-parallel output is a partial sum: the layer all-reduces it (engine/models/llama.py),
+and its bias is added once, on rank 0. The KV cache of a rank holds its KV heads only, so
+a block is 1/N of the bytes (1/Hkv of them when replicated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ConfigError, ModelConfig
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank `rank` of a `size`-way tensor-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} of {self.size}")
+
+
+def check_divisible(cfg: ModelConfig, size: int) -> None:
+    """Raise ConfigError, naming the numbers, when `size` ranks cannot split the model."""
+    if size < 1:
+        raise ConfigError(f"tensor_parallel_size must be >= 1, got {size}")
+    if size == 1:
+        return
+    problems = []
+    if cfg.num_heads % size:
+        problems.append(f"{cfg.num_heads} attention heads")
+    if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
+        problems.append(f"{cfg.num_kv_heads} KV heads (nor is {size} a multiple of them)")
+    if cfg.intermediate_size % size:
+        problems.append(f"intermediate size {cfg.intermediate_size}")
+    if problems:
+        raise ConfigError(f"--tensor-parallel-size {size} does not divide the model's {', '.join(problems)}")
+
+
+def kv_heads_per_rank(cfg: ModelConfig, size: int) -> int:
+    return max(1, cfg.num_kv_heads // size)
+
+
+def kv_heads_of(cfg: ModelConfig, shard: Shard) -> range:
+    """The model's KV heads that `shard` holds, in the order its cache stores them."""
+    n = kv_heads_per_rank(cfg, shard.size)
+    if shard.size <= cfg.num_kv_heads:
+        return range(shard.rank * n, (shard.rank + 1) * n)
+    first = shard.rank // (shard.size // cfg.num_kv_heads)
+    return range(first, first + 1)
+
+
+def local_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
+    """The shape one rank's modules and KV cache take."""
+    if shard.size == 1:
+        return cfg
+    check_divisible(cfg, shard.size)
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // shard.size,
+                               num_kv_heads=kv_heads_per_rank(cfg, shard.size),
+                               intermediate_size=cfg.intermediate_size // shard.size)
+
+
+# row blocks (output features) of the column-parallel weights; columns of the row-parallel ones
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW = ("o_proj", "down_proj")
+
+
+def shard_tensor(name: str, get, shape: tuple[int, ...], cfg: ModelConfig, shard: Shard) -> torch.Tensor:
+    """Rank `shard`'s part of the checkpoint tensor `name` (HF naming) of `shape`.
+    `get(rows, cols)` reads a slice (ranges, or None for all) without reading the rest,
+    as safetensors' `get_slice` does."""
+    if shard.size == 1:
+        return get(None, None)
+    parts = name.split(".")
+    proj, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
+    hd = cfg.head_dim
+    if proj in ("q_proj",):
+        n = cfg.num_heads // shard.size * hd
+        rows = range(shard.rank * n, (shard.rank + 1) * n)
+        return get(rows, None)
+    if proj in ("k_proj", "v_proj"):
+        heads = kv_heads_of(cfg, shard)
+        return get(range(heads.start * hd, heads.stop * hd), None)
+    if proj in ("gate_proj", "up_proj"):
+        n = cfg.intermediate_size // shard.size
+        return get(range(shard.rank * n, (shard.rank + 1) * n), None)
+    if proj in _ROW:
+        if kind == "bias":  # added once, after the all-reduce's sum
+            t = get(None, None)
+            return t if shard.rank == 0 else torch.zeros_like(t)
+        n = (cfg.num_heads * hd if proj == "o_proj" else cfg.intermediate_size) // shard.size
+        return get(None, range(shard.rank * n, (shard.rank + 1) * n))
+    return get(None, None)  # embedding, norms, LM head: every rank holds them whole
