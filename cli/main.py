@@ -222,7 +222,8 @@ def _pool_args(p: argparse.ArgumentParser, c) -> None:
                    help="ranks per prefill worker (default: --tensor-parallel-size)")
     c.add_argument("--decode-tensor-parallel-size", type=int, default=None, metavar="N",
                    help="ranks per decode worker, colocated ones included (default: --tensor-parallel-size)")
-    c.add_argument("--num-gpus-per-worker", type=float, default=None, help="Ray GPUs per worker rank (default: 1 on cuda)")
+    c.add_argument("--num-gpus-per-worker", type=float, default=None,
+                   help="Ray GPUs per worker rank (default: 1 on cuda)")
     c.add_argument("--pin-cores", default="auto", help="auto (local CPU runs), none, or a core list like 0-7")
     c.add_argument("--worker-metrics-port", type=int, default=0,
                    help="each worker's /metrics port (0: any free one; a fixed one suits one worker per pod)")

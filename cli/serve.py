@@ -81,8 +81,11 @@ def pool_config(args: argparse.Namespace, model_path: str):
     elif args.pin_cores not in ("auto", "none"):
         cores = parse_cores(args.pin_cores)
     sizes = {"prefill": 0 if args.colocated else args.prefill, "decode": args.decode}
+    tp = engine.parallel.tensor_parallel_size
+    tensor_parallel = {"prefill": args.prefill_tensor_parallel_size or tp,
+                       "decode": args.decode_tensor_parallel_size or tp}
     return PoolConfig(template, sizes=sizes, resources=resources, cores=cores, autoscale=autoscale_config(args),
-                      dead_after_s=args.worker_dead_after_s)
+                      dead_after_s=args.worker_dead_after_s, tensor_parallel=tensor_parallel)
 
 
 def autoscale_config(args: argparse.Namespace):

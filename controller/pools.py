@@ -50,6 +50,11 @@ def worker_actor_name(worker_id: str) -> str:
     return WORKER_NAME_PREFIX + worker_id
 
 
+def placement_group_name(worker_id: str) -> str:
+    """The placement group holding a tensor-parallel worker's ranks (found by name on adoption)."""
+    return worker_actor_name(worker_id) + "-ranks"
+
+
 def parse_worker_id(worker_id: str) -> tuple[Role, int] | None:
     """(role, number) of a worker id such as decode-3; None for anything else."""
     role, _, n = worker_id.rpartition("-")
@@ -85,6 +90,9 @@ class PoolConfig:
     drain_timeout_s: float = 120.0
     max_workers: int = 64
     autoscale: AutoscaleConfig | None = None  # the controller's autoscaler (router/autoscale.py); None: off
+    # ranks per worker, by pool (default: the template's --tensor-parallel-size); a pool's
+    # resources are per rank: a worker of N ranks holds N such bundles (a placement group)
+    tensor_parallel: dict[Role, int] = field(default_factory=dict)
     # workers outlive the controller (a detached controller's, or a local runtime's); else
     # they share its fate, and a restarted controller starts new ones
     detached_workers: bool = False
@@ -92,6 +100,7 @@ class PoolConfig:
     def __post_init__(self) -> None:  # accept role names as keys; hold Role members
         object.__setattr__(self, "sizes", {Role(r): n for r, n in self.sizes.items()})
         object.__setattr__(self, "resources", {Role(r): v for r, v in self.resources.items()})
+        object.__setattr__(self, "tensor_parallel", {Role(r): n for r, n in self.tensor_parallel.items()})
 
 
 @dataclass
@@ -106,6 +115,8 @@ class PoolWorker:
     epoch: int = 0
     metrics_address: str = ""
     pid: int = 0
+    pg: object = None  # a tensor-parallel worker's placement group (its ranks' bundles), removed with it
+    tp_size: int = 1
     stats: WorkerStats | None = None  # the worker's own account, read every stats_interval_s
     failures: int = 0  # consecutive failed health checks
     last_answer: float = field(default_factory=time.monotonic)  # when it last answered a check
@@ -125,6 +136,7 @@ class PoolWorker:
             "epoch": epoch_str(self.epoch),
             "metrics": self.metrics_address,
             "pid": self.pid,
+            "tensor_parallel_size": self.tp_size,
         }
         if s is not None:
             d |= {
@@ -214,7 +226,12 @@ class PoolManager:
         except Exception as e:  # noqa: BLE001 - gone, or not answering: not adopted
             log.warning("%s: found by name but not adopted (%s)", worker_id, e)
             return None
-        w = PoolWorker(worker_id, role, actor, pid=info["pid"])
+        w = PoolWorker(worker_id, role, actor, pid=info["pid"], tp_size=info.get("tensor_parallel_size", 1))
+        if w.tp_size > 1:
+            try:
+                w.pg = await asyncio.to_thread(ray.util.get_placement_group, placement_group_name(worker_id))
+            except ValueError:
+                log.warning("%s: its placement group is gone", worker_id)
         if not info["address"]:  # it was starting when its controller ended: start afresh
             log.info("%s: was still starting; ending it", worker_id)
             await self._remove(w, drain=False)
@@ -306,9 +323,39 @@ class PoolManager:
             device = dataclasses.replace(device, cpu_affinity=cores, num_threads=device.num_threads or len(cores),
                                          serial_step_work=serial, core_table=self.core_table,
                                          shared_cores=self.config.cores if self.core_table else None)
+        parallel = dataclasses.replace(t.engine.parallel, tensor_parallel_size=self.tp_size(role))
         return dataclasses.replace(
-            t, role=role, worker_id=worker_id, engine=dataclasses.replace(t.engine, device=device)
+            t, role=role, worker_id=worker_id, engine=dataclasses.replace(t.engine, device=device, parallel=parallel)
         )
+
+    def tp_size(self, role: Role) -> int:
+        return self.config.tensor_parallel.get(role, self.config.template.engine.parallel.tensor_parallel_size)
+
+    async def _placement_group(self, role: Role, worker_id: str):
+        """A tensor-parallel worker's ranks in one placement group: one bundle a rank,
+        each what a worker of one rank asks for (its CPUs, GPU, custom resources), all on
+        one node (STRICT_PACK: one pod under KubeRay, so the ranks share NVLink and a
+        host for the CPU all-reduce). Detached with the workers, so it outlives the
+        controller with them. None for a worker of one rank."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        size = self.tp_size(role)
+        if size == 1:
+            return None
+        res = self.config.resources[role]
+        bundle = {"CPU": res.get("num_cpus", 1), **({"GPU": res["num_gpus"]} if res.get("num_gpus") else {}),
+                  **res.get("resources", {})}
+        pg = placement_group([dict(bundle) for _ in range(size)], strategy="STRICT_PACK",
+                             name=placement_group_name(worker_id),
+                             lifetime="detached" if self.config.detached_workers else None)
+        try:
+            await asyncio.wait_for(pg.ready(), self.config.start_timeout_s)
+        except asyncio.TimeoutError:
+            ray.util.remove_placement_group(pg)
+            raise RuntimeError(f"{worker_id}: no node has {size} x {bundle} free for its tensor-parallel ranks "
+                               f"within {self.config.start_timeout_s:.0f} s") from None
+        return pg
 
     async def _add(self, role: Role) -> None:
         n = self._counter[role]
@@ -319,12 +366,18 @@ class PoolManager:
                    "namespace": NAMESPACE}
         if self.config.detached_workers:
             options["lifetime"] = "detached"
-        actor = self._remote_cls[role].options(**options).remote(self._worker_config(role, worker_id, slot))
-        w = PoolWorker(worker_id, role, actor)
+        w = PoolWorker(worker_id, role, None, tp_size=self.tp_size(role))
         self.workers[worker_id] = w
         t0 = time.monotonic()
-        log.info("%s starting", worker_id)
+        log.info("%s starting%s", worker_id, f" ({w.tp_size} tensor-parallel ranks)" if w.tp_size > 1 else "")
         try:
+            w.pg = await self._placement_group(role, worker_id)
+            if w.pg is not None:  # rank 0 in bundle 0, the other ranks in the others (worker_runtime/tp_ray.py)
+                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(w.pg, placement_group_bundle_index=0)
+            actor = w.actor = self._remote_cls[role].options(**options).remote(
+                self._worker_config(role, worker_id, slot))
             address = await asyncio.wait_for(actor.start.remote(), self.config.start_timeout_s)
             w.client = WorkerClient(worker_id, role, address, self.config.template.cluster_token)
             health = await wait_ready(w.client, timeout=60)
@@ -353,16 +406,22 @@ class PoolManager:
                 log.warning("%s: drain incomplete (%s); stopping it anyway", w.worker_id, e)
         w.state = WorkerState.STOPPED if w.state != WorkerState.DEAD else WorkerState.DEAD
         self._bump()
-        try:
-            await asyncio.wait_for(w.actor.stop.remote(), 15)
-        except Exception:
-            pass
         import ray
 
-        try:
-            ray.kill(w.actor, no_restart=True)
-        except Exception:
-            pass
+        if w.actor is not None:
+            try:
+                await asyncio.wait_for(w.actor.stop.remote(), 15)
+            except Exception:
+                pass
+            try:
+                ray.kill(w.actor, no_restart=True)
+            except Exception:
+                pass
+        if w.pg is not None:  # its other ranks' actors go with it
+            try:
+                ray.util.remove_placement_group(w.pg)
+            except Exception:
+                pass
         if w.client is not None:
             await w.client.close()
         self.workers.pop(w.worker_id, None)

@@ -43,7 +43,7 @@ from worker_runtime.config import Role, WorkerConfig
 from worker_runtime.grammar import matcher_for
 from worker_runtime.kv_events import KVEventHub
 from worker_runtime.rpc import epoch_str, new_epoch, start_server
-from worker_runtime.service import WorkerRpcs, make_transport, process_age_s, tls_note
+from worker_runtime.service import WorkerRpcs, make_worker_kv, process_age_s, tls_note
 from worker_runtime.stats import WorkerStats, engine_fields
 
 # handoff states in which a reservation waits for KV (the engine loop polls fast)
@@ -74,8 +74,9 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         self.engine = await asyncio.to_thread(LLMEngine.from_config, cfg.engine)
         self.epoch = new_epoch()
         self.endpoint = resolve_host(cfg.host)
-        self.transport = make_transport(cfg, self.epoch, self.endpoint)
-        self.transport.register(self.engine.runner.kv_cache.kv)
+        self.kv = await asyncio.to_thread(make_worker_kv, cfg, self.epoch, self.endpoint, self.engine.runner,
+                                          self.engine.checkpoint.config.num_kv_heads)
+        self.transport = self.kv.transport
         timeouts = cfg.handoff
         self.ledger = Ledger(self._on_free, default_lease_s=timeouts.reservation_lease_s, exclusive_blocks=False,
                              quarantine_s=timeouts.quarantine_s, on_quarantine=self._on_quarantine)
@@ -114,6 +115,7 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
             await self.feed_socket.stop()
         self.aengine.stop()
         self.transport.close()
+        self.engine.runner.close()
 
     def stats(self) -> WorkerStats:
         """Any thread: a snapshot read without locks (plain ints and list copies)."""
@@ -145,7 +147,7 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
             # get_new_notifs took 3% of a colocated engine thread at rate inf on tiny,
             # and 0.2 ms of a disaggregated one-stream step on small
             return events
-        for note in self.transport.notifications():
+        for note in self.kv.notifications():  # a tensor-parallel handoff's once all its ranks' writes landed
             msg = pb.KVLanded.FromString(note.message)
             entry = self.ledger.get(msg.request_id)
             if entry is None or entry.state.terminal:
@@ -320,4 +322,4 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"transport mismatch: peer uses {request.backend}, this worker {self.transport.name}")
         return pb.HandshakeReply(worker_id=self.config.worker_id, epoch=self.epoch, backend=self.transport.name,
-                                 descriptor=self.transport.local_descriptor())
+                                 descriptor=self.kv.local_descriptor())

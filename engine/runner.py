@@ -110,6 +110,7 @@ class ModelRunner:
         self.comm = comm
         self.tp = None  # engine.parallel.group.TPGroup: rank 0's sends its steps to the other ranks
         self.tp_ranks = None  # rank 0: what started the other ranks (engine/parallel/ranks.py), to stop them
+        self.rank_parts: dict = {}  # a rank but 0: what the worker set up on it (`Call`s), closed when it exits
         if self.device.type == "cpu":
             reuse_freed_memory()  # a step's activations are reused, not faulted in again
         self.model = model
@@ -366,8 +367,15 @@ class ModelRunner:
     def follow(self) -> None:
         """A rank other than 0: run rank 0's steps on this shard until it stops or goes.
         Under inference mode for its whole life, as an engine thread."""
-        from engine.parallel.group import Call, Profile, Step, Stop
+        from engine.parallel.group import Call, Profile, Reply, Step, Stop
 
+        try:
+            self._follow(Call, Profile, Reply, Step, Stop)
+        finally:
+            for part in self.rank_parts.values():  # e.g. this rank's KV transport (worker_runtime/tp_kv.py)
+                part.close()
+
+    def _follow(self, Call, Profile, Reply, Step, Stop) -> None:  # noqa: N803 - the message classes
         with torch.inference_mode():
             while True:
                 msg = self.tp.recv()
@@ -378,7 +386,15 @@ class ModelRunner:
                 elif isinstance(msg, Profile):
                     self.profile_run(*msg.args)
                 elif isinstance(msg, Call):
-                    msg.fn(self, *msg.args)
+                    if not msg.reply:
+                        msg.fn(self, *msg.args)
+                        continue
+                    try:
+                        reply = Reply(self.tp.rank, msg.fn(self, *msg.args))
+                    except Exception as e:  # noqa: BLE001 - rank 0 raises it
+                        log.exception("rank %d: %s failed", self.tp.rank, getattr(msg.fn, "__name__", msg.fn))
+                        reply = Reply(self.tp.rank, error=f"{type(e).__name__}: {e}")
+                    self.tp.send_up(reply)
                 else:
                     raise TypeError(f"unexpected message from rank 0: {msg!r}")
 
@@ -500,7 +516,13 @@ class ModelRunner:
 
     def mark_idle(self) -> None:
         """The engine has no work: its cores may be lent (engine/cores.py) and its OpenMP
-        helpers wait at SCHED_IDLE. On the engine thread, between steps."""
+        helpers wait at SCHED_IDLE. On the engine thread, between steps. Rank 0 of a
+        tensor-parallel worker also looks for a rank that is gone, and raises RankLost
+        (the engine then fails as on any step error: the worker is replaced)."""
+        if self.tp is not None and self.tp.leader and (lost := self.tp.check()) is not None:
+            from engine.parallel.comm import RankLost
+
+            raise RankLost(lost)
         if self.ledger is not None:
             self.ledger.idle()
         if self.helpers is not None:

@@ -28,6 +28,7 @@ from kv_transfer.handles import (  # noqa: F401  (re-exported)
     resolve_write,
 )
 from kv_transfer.layout import (  # noqa: F401  (re-exported)
+    HeadSlice,
     KVLayout,
     LayoutMismatch,
     PeerDescriptor,
@@ -138,8 +139,12 @@ class Transport(abc.ABC):
         notify: bytes | None = None,
         after: Sequence[TransferHandle] = (),
         ready: Any = None,
+        heads: HeadSlice | None = None,
     ) -> TransferHandle:
         """Start writing local blocks into the peer's blocks (pairwise); never blocks.
+
+        `heads`: only these KV heads of each block (tensor-parallel ranks whose blocks
+        hold different heads); None moves whole blocks, the same heads on both sides.
 
         `ready`: something with `query() -> bool`, true once the blocks' KV has been
         computed (a CUDA event recorded after the kernels that write it); the

@@ -17,9 +17,10 @@ class FaultyTransport(Transport):
         self.name = inner.name
         self._started: dict[int, float] = {}
 
-    def write_blocks(self, peer, local_block_ids, remote_block_ids, layers=None, notify=None, after=(), ready=None):
+    def write_blocks(self, peer, local_block_ids, remote_block_ids, layers=None, notify=None, after=(), ready=None,
+                     heads=None):
         h = self.inner.write_blocks(peer, local_block_ids, remote_block_ids, layers=layers, notify=notify, after=after,
-                                    ready=ready)
+                                    ready=ready, heads=heads)
         self._started[h.id] = time.monotonic()
         return h
 

@@ -56,8 +56,11 @@ def resolve_write(
     local_block_ids: Sequence[int],
     remote_block_ids: Sequence[int],
     layers: range | None,
+    heads=None,
 ) -> tuple[np.ndarray, np.ndarray, range]:
     """Check a write's arguments; returns (local ids, remote ids, layer range).
+    `heads` (a HeadSlice, or None for whole blocks of the same heads on both sides)
+    must fall within both sides' heads.
 
     Raises TransferError naming the bad argument: a caller bug, not a runtime failure.
     """
@@ -77,6 +80,18 @@ def resolve_write(
         raise TransferError(
             f"write to {peer}: layers {layers} must be a non-empty step-1 range "
             f"within [0, {ours.num_layers})"
+        )
+    if heads is None:
+        if ours.num_kv_heads != theirs.num_kv_heads:
+            raise TransferError(
+                f"write to {peer}: its blocks hold {theirs.num_kv_heads} KV heads, ours {ours.num_kv_heads}: "
+                "name the heads to move (a HeadSlice)"
+            )
+    elif heads.count < 1 or heads.src < 0 or heads.dst < 0 or heads.src + heads.count > ours.num_kv_heads \
+            or heads.dst + heads.count > theirs.num_kv_heads:
+        raise TransferError(
+            f"write to {peer}: heads {tuple(heads)} (src, dst, count) outside our {ours.num_kv_heads} or its "
+            f"{theirs.num_kv_heads} KV heads"
         )
     return local, remote, layers
 

@@ -41,6 +41,16 @@ def new_epoch() -> str:
     return secrets.token_hex(8)
 
 
+class HeadSlice(NamedTuple):
+    """Part of each block a write moves under tensor parallelism: `count` KV heads from
+    our head `src` on into the peer's head `dst` on (each side's own head numbering:
+    the heads its rank holds). None in a write: every head, the same on both sides."""
+
+    src: int
+    dst: int
+    count: int
+
+
 class PeerId(NamedTuple):
     """One incarnation of a peer: a restarted worker keeps `name`, gets a new `epoch`."""
 
@@ -100,13 +110,15 @@ class KVLayout:
         return cls(layers, blocks, size, heads, dim, dtype)
 
     def check_compatible(self, peer: "KVLayout", peer_name: str) -> None:
-        """Raise LayoutMismatch unless blocks can be copied 1:1 between us and `peer`.
+        """Raise LayoutMismatch unless blocks can be copied between us and `peer`.
 
-        Block counts may differ; everything that shapes one block must match.
+        Block counts may differ, and so may the KV heads a block holds (tensor-parallel
+        ranks of different sizes: writes then name the heads they move, `HeadSlice`);
+        everything else that shapes one block must match.
         """
         diffs = [
             f"{f}: ours={getattr(self, f)} theirs={getattr(peer, f)}"
-            for f in ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
+            for f in ("num_layers", "block_size", "head_dim", "dtype")
             if getattr(self, f) != getattr(peer, f)
         ]
         if diffs:

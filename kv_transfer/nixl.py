@@ -197,8 +197,14 @@ class NixlTransport(Transport):
         notify: bytes | None = None,
         after: Sequence[TransferHandle] = (),
         ready: Any = None,
+        heads=None,
     ) -> TransferHandle:
         ours = self._require_registered()
+        if heads is not None:
+            raise TransferError(
+                f"write to {peer}: the NIXL transport moves whole block regions, not some of their KV heads "
+                "(prefill and decode ranks that hold different heads need --transport tcp)"
+            )
         target = self._peers.get(peer.name)
         theirs = target.layout if target is not None else ours
         local, remote, layers = resolve_write(

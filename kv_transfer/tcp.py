@@ -63,6 +63,7 @@ class _Job:
     remote: list[int]
     layers: range
     notify: bytes | None
+    heads: object = None  # HeadSlice or None
 
 
 class _PeerLink:
@@ -159,6 +160,7 @@ class _PeerLink:
     def _send(self, job: _Job) -> TransferStatus:
         regions = self.owner._regions
         n = len(job.remote)
+        layout = self.owner.layout
         header = {
             "kind": "write",
             "id": job.write.handle.id,
@@ -166,9 +168,20 @@ class _PeerLink:
             "layers": [job.layers.start, job.layers.stop],
             "notify": None if job.notify is None else base64.b64encode(job.notify).decode(),
         }
+        h = job.heads
+        region = layout.region_bytes
+        if h is not None:  # [bs, count, hd] of each region: a strided part, gathered
+            header["heads"] = [h.dst, h.count]
+            region = region // layout.num_kv_heads * h.count
         assert self.sock is not None
-        send_message(self.sock, header, len(job.layers) * 2 * n * self.owner.layout.region_bytes)
+        send_message(self.sock, header, len(job.layers) * 2 * n * region)
         for layer in job.layers:  # (layer, k|v, block) order, one layer in memory at a time
+            if h is not None:
+                part = self.owner._heads[layer].index_select(1, job.local)[:, :, :, h.src:h.src + h.count]
+                chunk = self.buffer.take_bytes(part.numel() * part.element_size())
+                chunk.view(part.dtype).view(part.shape).copy_(part)
+                self.sock.sendall(as_bytes(chunk))
+                continue
             chunk = self.buffer.take(n)
             if regions.is_cuda:
                 chunk.copy_(regions[layer].index_select(1, job.local))
@@ -214,7 +227,8 @@ class TcpTransport(Transport):
             raise TransferError("register() was already called: a transport serves one KV tensor")
         layout = KVLayout.of(kv)
         self._regions = region_view(kv, layout)  # [L, 2, N, words]: whole regions
-        self._receiver = KVReceiver(self.config, layout, self._regions)
+        self._heads = kv  # [L, 2, N, block, heads, dim]: for writes of some heads only
+        self._receiver = KVReceiver(self.config, layout, self._regions, kv)
         self._layout = layout
         return layout
 
@@ -264,21 +278,23 @@ class TcpTransport(Transport):
         notify: bytes | None = None,
         after: Sequence[TransferHandle] = (),
         ready: Any = None,
+        heads=None,
     ) -> TransferHandle:
         ours = self.layout
         link = self._links.get(peer.name)
         theirs = link.desc.layout if link is not None else ours
         local, remote, layers = resolve_write(
-            ours, theirs, peer, local_block_ids, remote_block_ids, layers
+            ours, theirs, peer, local_block_ids, remote_block_ids, layers, heads
         )
-        write = self._book.open(peer, len(local) * len(layers) * 2 * ours.region_bytes, after,
+        region = ours.region_bytes if heads is None else ours.region_bytes // ours.num_kv_heads * heads.count
+        write = self._book.open(peer, len(local) * len(layers) * 2 * region, after,
                                 ready if self.config.wait_for_ready else None)
         if link is None or link.id != peer:
             reason = f"peer {peer} is not connected (never added, removed or replaced)"
             self._book.finish(write.handle.id, TransferStatus.failed(reason))
             return write.handle
         ids = torch.from_numpy(local).to(self._regions.device)
-        link.jobs.put(_Job(write, ids, remote.tolist(), layers, notify))
+        link.jobs.put(_Job(write, ids, remote.tolist(), layers, notify, heads))
         return write.handle
 
     def notify(self, peer: PeerId, message: bytes) -> TransferHandle:

@@ -85,6 +85,14 @@ class LayerBuffer:
             self._buf = torch.empty(need, dtype=self._dtype)
         return self._buf[:need].view(2, num_blocks, self._words)
 
+    def take_bytes(self, n: int) -> torch.Tensor:
+        """`n` bytes of the buffer, as uint8 (a write of some heads: its own shape)."""
+        size = self._buf.element_size()
+        words = -(-n // size)
+        if self._buf.numel() < words:
+            self._buf = torch.empty(words, dtype=self._dtype)
+        return self._buf[:words].view(torch.uint8)[:n]
+
 
 def as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")
@@ -93,10 +101,12 @@ def as_bytes(t: torch.Tensor) -> memoryview:
 class KVReceiver:
     """Accepts writes from peers into `regions`, the KV tensor as `region_view`."""
 
-    def __init__(self, config: TransportConfig, layout: KVLayout, regions: torch.Tensor) -> None:
+    def __init__(self, config: TransportConfig, layout: KVLayout, regions: torch.Tensor,
+                 kv: torch.Tensor | None = None) -> None:
         self.config = config
         self.layout = layout
         self.regions = regions
+        self.kv = kv  # [L, 2, N, block, heads, dim]: where writes of some heads land
         self._inbox: list[Notification] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -228,7 +238,14 @@ class _Connection:
         layout = self.rx.layout
         start, stop = header["layers"]
         remote = header["remote"]
-        expected = (stop - start) * 2 * len(remote) * layout.region_bytes
+        heads = header.get("heads")
+        region = layout.region_bytes
+        if heads is not None:
+            dst, count = int(heads[0]), int(heads[1])
+            if count < 1 or dst < 0 or dst + count > layout.num_kv_heads or self.rx.kv is None:
+                return f"heads [{dst}, {dst + count}) outside this worker's {layout.num_kv_heads} KV heads"
+            region = region // layout.num_kv_heads * count
+        expected = (stop - start) * 2 * len(remote) * region
         if payload_len != expected:
             raise ValueError(f"payload of {payload_len} bytes, header implies {expected}")
         if start == stop == 0 and not remote:  # a message only (Transport.notify)
@@ -250,6 +267,22 @@ class _Connection:
         regions = self.rx.regions
         start, stop = header["layers"]
         ids = torch.tensor(header["remote"], dtype=torch.long, device=regions.device)
+        heads = header.get("heads")
+        if heads is not None:
+            kv = self.rx.kv
+            dst, count = int(heads[0]), int(heads[1])
+            shape = (2, len(ids), kv.shape[3], count, kv.shape[5])
+            n = 2 * len(ids) * kv.shape[3] * count * kv.shape[5] * kv.element_size()
+            for layer in range(start, stop):
+                chunk = self.buffer.take_bytes(n)
+                recv_into_exact(self.conn, as_bytes(chunk))
+                part = chunk.view(kv.dtype).view(shape).to(kv.device)
+                kv[layer][:, ids, :, dst:dst + count] = part
+            if kv.is_cuda and stop > start:
+                torch.cuda.current_stream(kv.device).synchronize()
+            if header.get("notify") is not None:
+                self.rx.deliver(Notification(self.peer, base64.b64decode(header["notify"])))
+            return
         for layer in range(start, stop):
             chunk = self.buffer.take(len(ids))
             recv_into_exact(self.conn, as_bytes(chunk))

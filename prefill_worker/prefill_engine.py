@@ -29,9 +29,10 @@ from engine.sequence import FinishReason, Sequence
 from engine.structured import StructuredOutputs, attach_grammar
 from kv_transfer.base import PeerId, TransferError, TransferHandle, Transport, XferState
 from kv_transfer.ledger import Entry, Ledger
-from protos.handoff import gave_up_message, landed_message
+from protos.handoff import gave_up_message, landed_message, shard_message
 from worker_runtime import envs
 from worker_runtime.stats import RateMeter
+from worker_runtime.tp_kv import Pair, WorkerKV
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,8 @@ class PrefillJob:
     arrival: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None
     computed_at: float | None = None
-    handles: list[TransferHandle] = field(default_factory=list)
-    final: TransferHandle | None = None
+    handles: dict[int, list[TransferHandle]] = field(default_factory=dict)  # by decode rank: layer writes so far
+    finals: list[TransferHandle] = field(default_factory=list)  # the last write to each decode rank
     logprobs: TokenLogprobs | None = None
     refused: str | None = None  # why the transport refused one of its writes (the request fails)
 
@@ -81,8 +82,12 @@ class PrefillEngine:
         layerwise: bool = True,
         transfer_timeout_s: float = 15.0,
         structured: StructuredOutputs | None = None,
+        kv: WorkerKV | None = None,
     ) -> None:
+        """`kv`: this worker's ranks' transports and its decode peers by rank
+        (worker_runtime/tp_kv.py); default: `transport` alone, peers of one rank."""
         self.runner = runner
+        self.kv = kv or WorkerKV(transport, runner.model_config.num_kv_heads)
         self.structured = structured
         self.scheduler = scheduler
         self.transport = transport
@@ -144,7 +149,7 @@ class PrefillEngine:
         else:
             self.scheduler.abort(request_id)
             self._resolve(job, PrefillFailed(reason))
-            if not job.handles and job.final is None:
+            if not any(job.handles.values()) and not job.finals:
                 self._tell_nothing_comes(job.peer, request_id, reason)
         return True
 
@@ -193,7 +198,7 @@ class PrefillEngine:
         for seq, _ in out.scheduled:
             job = self.jobs[seq.seq_id]
             job.scheduled_at = job.scheduled_at or now
-        hook = self._layer_hook(finishing) if self.layerwise and finishing else None
+        hook = self._layer_hook(finishing) if finishing and (self.layerwise or self.kv.size > 1) else None
         result = self.runner.execute(out.plan, on_layer_done=hook)
         self.rate.add(result.num_tokens, result.forward_s)
         if self.metrics is not None:
@@ -205,17 +210,27 @@ class PrefillEngine:
         return []
 
     def _layer_hook(self, jobs: list[PrefillJob]):
+        """What runs as each layer's KV is in this rank's cache: this rank's layer writes.
+        Under tensor parallelism it also carries (`rank_writes`) what the other ranks
+        write of the same jobs, which the step sends them (engine/runner.py)."""
+        pairs = {job.seq.seq_id: self._block_pairs(job) for job in jobs}
+
         def on_layer_done(layer: int) -> None:
-            if layer == self.num_layers - 1:
+            if layer == self.num_layers - 1 or not self.layerwise:
                 return  # the last layer goes with the notification, after sampling
             ready = self.runner.compute_marker()  # the layer's kernels may still be queued (CUDA)
             for job in jobs:
-                local, remote = self._block_pairs(job)
-                if local:
-                    handle = self._write(job, local, remote, layers=range(layer, layer + 1), ready=ready)
+                local, remote = pairs[job.seq.seq_id]
+                if not local:
+                    continue
+                for p in self.kv.group_of(job.peer).mine(0):
+                    handle = self._write(job, p, local, remote, layers=range(layer, layer + 1), ready=ready)
                     if handle is not None:
-                        job.handles.append(handle)
+                        job.handles.setdefault(p.dst, []).append(handle)
 
+        on_layer_done.rank_writes = self.kv.rank_writes(
+            [(job.seq.seq_id, job.peer, *pairs[job.seq.seq_id]) for job in jobs if pairs[job.seq.seq_id][0]],
+            self.layerwise, self.num_layers)
         return on_layer_done
 
     def _block_pairs(self, job: PrefillJob) -> tuple[list[int], list[int]]:
@@ -230,21 +245,29 @@ class PrefillEngine:
         local, remote = self._block_pairs(job)
         self.ledger.reserve(seq.seq_id, self.scheduler.cache.block_table(seq.seq_id), peer=job.peer)
         self.ledger.start_writing(seq.seq_id)
-        layers = range(self.num_layers - 1, self.num_layers) if self.layerwise and job.handles else None
-        job.final = self._write(job, local, remote, layers=layers, after=job.handles,
-                                notify=landed_message(seq.seq_id, first, job.logprobs),
-                                ready=self.runner.compute_marker())
+        group = self.kv.group_of(job.peer)
+        ready = self.runner.compute_marker()
+        for p in group.mine(0):
+            earlier = job.handles.get(p.dst, [])
+            layers = range(self.num_layers - 1, self.num_layers) if self.layerwise and earlier else None
+            note = (landed_message(seq.seq_id, first, job.logprobs, shards=group.shards) if p.dst == 0
+                    else shard_message(seq.seq_id))
+            final = self._write(job, p, local, remote, layers=layers, after=earlier, notify=note, ready=ready)
+            if final is not None:
+                job.finals.append(final)
         if job.refused is not None:  # a bad target (the transport checks it): this request fails, not the engine
             log.warning("prefill of %s: the KV write was refused: %s", seq.seq_id, job.refused)
             self.ledger.fail(seq.seq_id, f"the KV write to the decode worker was refused: {job.refused}")
 
-    def _write(self, job: PrefillJob, local: list[int], remote: list[int], **kw) -> TransferHandle | None:
-        """One of `job`'s KV writes; None once the transport has refused one (`job.refused`
-        says why: the request fails when computed, the step goes on)."""
+    def _write(self, job: PrefillJob, pair: Pair, local: list[int], remote: list[int], **kw) -> TransferHandle | None:
+        """One of `job`'s KV writes, to the decode rank of `pair`; None once the transport
+        has refused one (`job.refused` says why: the request fails when computed, the step
+        goes on)."""
         if job.refused is not None:
             return None
         try:
-            return self.transport.write_blocks(job.peer, local, remote, **kw)
+            peer = self.kv.group_of(job.peer).rank_peers[pair.dst]
+            return self.transport.write_blocks(peer, local, remote, heads=pair.heads, **kw)
         except TransferError as e:
             job.refused = str(e)
             return None
@@ -252,16 +275,21 @@ class PrefillEngine:
     def _poll_transfers(self) -> None:
         self.ledger.sweep()
         for rid, job in list(self.jobs.items()):
-            if job.final is None:
+            if not job.finals:
                 continue
-            status = self.transport.poll(job.final)
-            if not status.finished:
+            states = [self.transport.poll(h) for h in job.finals]
+            failed = next((s for s in states if s.finished and s.state is not XferState.DONE), None)
+            if failed is not None:
+                self.ledger.fail(rid, f"KV transfer to the decode worker failed: {failed.reason}")
                 continue
-            if status.state is XferState.DONE:
+            if not all(s.finished for s in states):
+                continue
+            others, reason = self.kv.shards_done(rid, job.peer)  # the other ranks' writes (tensor parallel)
+            if reason is not None:
+                self.ledger.fail(rid, f"KV transfer to the decode worker failed: {reason}")
+            elif others:
                 self.ledger.mark_ready(rid)
                 self.ledger.finish(rid)
-            else:
-                self.ledger.fail(rid, f"KV transfer to the decode worker failed: {status.reason}")
 
     # ---- endings ------------------------------------------------------------------
     def _on_free(self, entry: Entry) -> None:
@@ -269,7 +297,8 @@ class PrefillEngine:
         self.scheduler.end_handoff(entry.request_id, FinishReason.LENGTH if entry.reason == "" else FinishReason.ERROR)
         if job is None:
             return
-        for h in [*job.handles, *([job.final] if job.final else [])]:
+        self.kv.forget(entry.request_id)
+        for h in [*(h for hs in job.handles.values() for h in hs), *job.finals]:
             self.transport.release(h)
         if entry.state.name == "DONE":
             self._resolve(job, self._result(job))

@@ -31,7 +31,7 @@ from worker_runtime.grammar import matcher_for
 from worker_runtime.kv_events import KVEventHub
 from worker_runtime.loop import EngineLoop
 from worker_runtime.rpc import call_metadata, channel, epoch_str, new_epoch, start_server
-from worker_runtime.service import WorkerRpcs, make_transport, process_age_s, tls_note
+from worker_runtime.service import WorkerRpcs, make_worker_kv, process_age_s, tls_note
 from worker_runtime.stats import WorkerStats, engine_fields
 
 log = logging.getLogger(__name__)
@@ -58,8 +58,9 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
         parts = await asyncio.to_thread(build_parts, engine_cfg)
         self.epoch = new_epoch()
         self.endpoint = resolve_host(cfg.host)
-        self.transport = make_transport(cfg, self.epoch, self.endpoint)
-        self.transport.register(parts.runner.kv_cache.kv)
+        self.kv = await asyncio.to_thread(make_worker_kv, cfg, self.epoch, self.endpoint, parts.runner,
+                                          parts.checkpoint.config.num_kv_heads)
+        self.transport = self.kv.transport
         self.engine = PrefillEngine(
             parts.runner,
             Scheduler(parts.scheduler_config, parts.pool, hand_off=True),
@@ -68,6 +69,7 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
             layerwise=cfg.layerwise_transfer,
             transfer_timeout_s=cfg.handoff.transfer_s,
             structured=parts.structured,
+            kv=self.kv,
         )
         self.max_model_len = parts.scheduler_config.max_model_len
         loop = asyncio.get_running_loop()
@@ -106,6 +108,7 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
             await self.server.stop(grace)
         self.loop.stop()
         self.transport.close()
+        self.engine.runner.close()
 
     def stats(self) -> WorkerStats:
         """Any thread: a snapshot read without locks."""
@@ -156,7 +159,7 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
                     f"decode worker {target.worker_id} at {target.address} is now epoch {epoch_str(reply.epoch)}, "
                     f"not {epoch_str(target.epoch)}: it restarted; retry with a fresh reservation"
                 )
-            peer = self.transport.add_peer(reply.descriptor)
+            peer = await asyncio.to_thread(self.kv.add_peer, reply.descriptor)  # each of our ranks to its ranks
             if known is not None:
                 await self.loop.call(self.engine.drop_peer, known[1], f"decode worker {target.worker_id} restarted")
             self._peers[target.worker_id] = (reply.epoch, peer)
@@ -168,7 +171,7 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
             worker_id=self.config.worker_id,
             epoch=self.epoch,
             backend=self.transport.name,
-            descriptor=self.transport.local_descriptor(),
+            descriptor=self.kv.local_descriptor(),
         )
         async with channel(address) as ch:
             stub = pb_grpc.DecodeWorkerStub(ch)

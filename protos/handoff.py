@@ -52,12 +52,18 @@ def prefill_reply(*, first_token: int, logprobs: TokenLogprobs | None, num_cache
     return reply
 
 
-def landed_message(request_id: str, first_token: int, logprobs: TokenLogprobs | None) -> bytes:
-    """KVLanded: the prompt's KV is in D's blocks, and token 0 with it."""
-    msg = pb.KVLanded(request_id=request_id, first_token=first_token)
+def landed_message(request_id: str, first_token: int, logprobs: TokenLogprobs | None, shards: int = 0) -> bytes:
+    """KVLanded: the prompt's KV is in D's blocks, and token 0 with it. `shards`: the
+    tensor-parallel rank pairs' writes that must land too (`shard_message`)."""
+    msg = pb.KVLanded(request_id=request_id, first_token=first_token, shards=shards)
     if logprobs is not None:
         msg.logprobs.CopyFrom(logprobs_to_pb(logprobs))
     return msg.SerializeToString()
+
+
+def shard_message(request_id: str) -> bytes:
+    """KVLanded for one tensor-parallel rank pair's part of a handoff: landed, no token."""
+    return pb.KVLanded(request_id=request_id, shard=True).SerializeToString()
 
 
 def gave_up_message(request_id: str, reason: str) -> bytes:

@@ -192,18 +192,22 @@ class FeedBatch(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[FeedItem, _Mapping]]] = ..., socket_port: _Optional[int] = ..., socket_key: _Optional[bytes] = ...) -> None: ...
 
 class KVLanded(_message.Message):
-    __slots__ = ("request_id", "first_token", "logprobs", "failed", "error")
+    __slots__ = ("request_id", "first_token", "logprobs", "failed", "error", "shards", "shard")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     logprobs: TokenLogprobs
     failed: bool
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., failed: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    shards: int
+    shard: bool
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., failed: _Optional[bool] = ..., error: _Optional[str] = ..., shards: _Optional[int] = ..., shard: _Optional[bool] = ...) -> None: ...
 
 class DecodeTarget(_message.Message):
     __slots__ = ("worker_id", "epoch", "address", "block_ids", "num_cached_tokens")

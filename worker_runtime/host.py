@@ -89,6 +89,10 @@ class WorkerActor:
         device = config.engine.device
         setup_process(device.num_threads, device.cpu_affinity)
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+        if config.engine.parallel.tensor_parallel_size > 1:
+            from worker_runtime.tp_ray import use_placement_group
+
+            use_placement_group(f"tandem-worker-{config.worker_id}")  # its other ranks: actors in its group
         self.host = WorkerHost(config, type(self).service)
         self.address = ""
         self._force: asyncio.Event | None = None
@@ -132,6 +136,7 @@ class WorkerActor:
             "address": self.address,
             "epoch": self.host.worker.epoch,
             "pid": os.getpid(),
+            "tensor_parallel_size": self.host.config.engine.parallel.tensor_parallel_size,
         }
 
     def stop(self) -> bool:

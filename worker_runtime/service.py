@@ -32,14 +32,27 @@ def tls_note(cfg: WorkerConfig) -> str:
     return " with mutual TLS" if cfg.tls is not None else ""
 
 
+def transport_config(cfg: WorkerConfig, epoch: int, endpoint: Endpoint) -> TransportConfig:
+    return TransportConfig(worker_name=cfg.worker_id, epoch=epoch_str(epoch), bind_host=endpoint.bind,
+                           advertise_host=endpoint.advertise, token=cfg.cluster_token, tls=cfg.tls)
+
+
+def make_worker_kv(cfg: WorkerConfig, epoch: int, endpoint: Endpoint, runner, num_kv_heads: int):
+    """The worker's KV transports (worker_runtime/tp_kv.py WorkerKV): rank 0's, registered
+    on its cache, and, under tensor parallelism, one on each other rank like it."""
+    from worker_runtime.tp_kv import WorkerKV
+
+    transport = make_transport(cfg, epoch, endpoint)
+    transport.register(runner.kv_cache.kv)
+    kv = WorkerKV(transport, num_kv_heads, runner.tp)
+    kv.start(transport_config(cfg, epoch, endpoint))
+    return kv
+
+
 def make_transport(cfg: WorkerConfig, epoch: int, endpoint: Endpoint) -> Transport:
     """The configured KV transport, named by worker id and this incarnation's epoch,
     on the worker's endpoint; wrapped with injected faults when TANDEM_FAULTS asks."""
-    transport = create_transport(
-        cfg.transport,
-        TransportConfig(worker_name=cfg.worker_id, epoch=epoch_str(epoch), bind_host=endpoint.bind,
-                        advertise_host=endpoint.advertise, token=cfg.cluster_token, tls=cfg.tls),
-    )
+    transport = create_transport(cfg.transport, transport_config(cfg, epoch, endpoint))
     if cfg.tls is not None and transport.name != "tcp":
         log.warning("%s: cluster TLS covers gRPC, token feeds and the TCP transport; the %s transport's KV "
                     "transfers are not encrypted (use --transport tcp to encrypt them)", cfg.worker_id, transport.name)

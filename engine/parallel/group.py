@@ -22,6 +22,7 @@ import logging
 import pickle
 import secrets
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -60,10 +61,19 @@ class Stop:
 
 @dataclass
 class Call:
-    """Run `fn(runner, *args)` on every rank (for operations on each rank's KV cache)."""
+    """Run `fn(runner, *args)` on every rank (for operations on each rank's KV cache);
+    with `reply`, each rank answers with a `Reply` of what it returned or raised."""
 
     fn: Any
     args: tuple = ()
+    reply: bool = False
+
+
+@dataclass
+class Reply:
+    rank: int
+    value: Any = None
+    error: str | None = None
 
 
 @dataclass
@@ -95,19 +105,81 @@ class TPGroup:
     comm: Communicator
     conns: list[Connection] = field(default_factory=list)
     closed: bool = False
+    # rank 0: what the other ranks sent and nobody has taken yet (`take`), and why a rank is gone
+    inbox: list = field(default_factory=list)
+    lost: str | None = None
+    _read_lock: threading.Lock = field(default_factory=threading.Lock)
+    _send_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def leader(self) -> bool:
         return self.rank == 0
 
     def send(self, msg) -> None:
-        """Rank 0: the same message to every other rank."""
+        """Rank 0: the same message to every other rank (from any thread: the engine's
+        steps, a gRPC handler's `call`)."""
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        for i, c in enumerate(self.conns, start=1):
-            try:
-                c.send_bytes(data)
-            except OSError as e:
-                raise RankLost(f"rank {i} of the tensor-parallel group is gone ({e})") from None
+        with self._send_lock:
+            for i, c in enumerate(self.conns, start=1):
+                try:
+                    c.send_bytes(data)
+                except OSError as e:
+                    raise RankLost(f"rank {i} of the tensor-parallel group is gone ({e})") from None
+
+    def send_up(self, msg) -> None:
+        """A rank: a message to rank 0 (from any of its threads)."""
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            self.conns[0].send_bytes(data)
+
+    def read(self, wait_s: float = 0.0) -> None:
+        """Rank 0: whatever the other ranks sent, into `inbox`, waiting up to `wait_s`
+        for something when nothing is there. A rank whose socket closed or which sent
+        `Failed` sets `lost`."""
+        from multiprocessing.connection import wait as wait_conns
+
+        with self._read_lock:
+            ready = wait_conns(self.conns, wait_s) if wait_s > 0 else [c for c in self.conns if c.poll(0)]
+            for c in ready:
+                i = self.conns.index(c) + 1
+                try:
+                    while c.poll(0):
+                        msg = pickle.loads(c.recv_bytes())
+                        if isinstance(msg, Failed):
+                            self.lost = self.lost or f"rank {i}: {msg.reason}"
+                        else:
+                            self.inbox.append(msg)
+                except (EOFError, OSError):
+                    self.lost = self.lost or f"rank {i} of the tensor-parallel group exited"
+
+    def take(self, kind: type) -> list:
+        """Rank 0: the messages of `kind` read so far, removed from the inbox."""
+        with self._read_lock:
+            got = [m for m in self.inbox if isinstance(m, kind)]
+            if got:
+                self.inbox = [m for m in self.inbox if not isinstance(m, kind)]
+        return got
+
+    def call(self, fn, *args, timeout_s: float = 60.0) -> list:
+        """Rank 0: run `fn(runner, *args)` on every other rank (between steps) and return
+        what each returned, in rank order; an error on any of them raises here."""
+        self.send(Call(fn, args, reply=True))
+        deadline = time.monotonic() + timeout_s
+        replies: dict[int, Reply] = {}
+        while len(replies) < self.size - 1:
+            if self.lost:
+                raise RankLost(self.lost)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RankLost(f"ranks {sorted(set(range(1, self.size)) - set(replies))} did not answer "
+                               f"{getattr(fn, '__name__', fn)} within {timeout_s:.0f} s")
+            self.read(min(left, 0.5))
+            for r in self.take(Reply):
+                replies[r.rank] = r
+        errors = [f"rank {r.rank}: {r.error}" for r in replies.values() if r.error]
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        return [replies[r].value for r in range(1, self.size)]
 
     def recv(self, poll_s: float = 1.0):
         """A rank: the next message from rank 0; None when it went away."""
@@ -122,22 +194,15 @@ class TPGroup:
     def report(self, reason: str) -> None:
         """A rank: tell rank 0 why it is about to exit."""
         try:
-            self.conns[0].send_bytes(pickle.dumps(Failed(self.rank, reason)))
+            self.send_up(Failed(self.rank, reason))
         except OSError:
             pass
 
     def check(self) -> str | None:
         """Rank 0: None while every rank is there, else what happened to the first one
         gone (its own report, or that its socket closed). Never blocks."""
-        for i, c in enumerate(self.conns, start=1):
-            try:
-                if not c.poll(0):
-                    continue
-                msg = pickle.loads(c.recv_bytes())
-                return f"rank {i}: {msg.reason}" if isinstance(msg, Failed) else f"rank {i} sent {msg!r}"
-            except (EOFError, OSError):
-                return f"rank {i} of the tensor-parallel group exited"
-        return None
+        self.read()
+        return self.lost
 
     def close(self) -> None:
         if self.closed:

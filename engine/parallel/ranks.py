@@ -57,8 +57,26 @@ def split_cores(device: DeviceConfig, size: int) -> tuple[DeviceConfig, ...]:
     for r in range(size):
         mine = cores[r * per:(r + 1) * per] or cores[-per:]
         threads = max(1, device.num_threads // size) if device.num_threads else len(mine)
-        out.append(dataclasses.replace(device, cpu_affinity=tuple(mine), num_threads=threads))
+        # no borrowing of other workers' idle cores (engine/cores.py): a rank that ran ahead
+        # on borrowed cores would only wait longer at the next all-reduce for the others
+        out.append(dataclasses.replace(device, cpu_affinity=tuple(mine), num_threads=threads, core_table=None,
+                                       shared_cores=None))
     return tuple(out)
+
+
+_launcher_factory = None
+
+
+def use_launcher(factory) -> None:
+    """What starts this process's workers' other ranks from now on (a callable making a
+    launcher; None: child processes). The worker runtime sets it in a Ray actor that
+    sits in a placement group (worker_runtime/tp_ray.py)."""
+    global _launcher_factory
+    _launcher_factory = factory
+
+
+def default_launcher():
+    return _launcher_factory() if _launcher_factory is not None else LocalRanks()
 
 
 class LocalRanks:
@@ -67,6 +85,10 @@ class LocalRanks:
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
+
+    def place(self, devices: tuple[DeviceConfig, ...]) -> tuple[DeviceConfig, ...]:
+        """Each rank's device as its own process sees it: here, as split."""
+        return devices
 
     def start(self, spec: RankSpec) -> None:
         data = pickle.dumps(spec)

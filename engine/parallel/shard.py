@@ -60,12 +60,18 @@ def kv_heads_per_rank(cfg: ModelConfig, size: int) -> int:
     return max(1, cfg.num_kv_heads // size)
 
 
+
 def kv_heads_of(cfg: ModelConfig, shard: Shard) -> range:
     """The model's KV heads that `shard` holds, in the order its cache stores them."""
-    n = kv_heads_per_rank(cfg, shard.size)
-    if shard.size <= cfg.num_kv_heads:
-        return range(shard.rank * n, (shard.rank + 1) * n)
-    first = shard.rank // (shard.size // cfg.num_kv_heads)
+    return kv_heads_for(cfg.num_kv_heads, shard.size, shard.rank)
+
+
+def kv_heads_for(num_kv_heads: int, size: int, rank: int) -> range:
+    """`kv_heads_of` from the numbers alone."""
+    if size <= num_kv_heads:
+        n = num_kv_heads // size
+        return range(rank * n, (rank + 1) * n)
+    first = rank // (size // num_kv_heads)
     return range(first, first + 1)
 
 

@@ -18,7 +18,7 @@ from engine.config import CacheConfig, ConfigError, EngineConfig
 from engine.kv_cache import layout_for
 from engine.parallel.comm import shm_slot_bytes
 from engine.parallel.group import Rendezvous, TPGroup
-from engine.parallel.ranks import LocalRanks, RankSpec, make_comm, split_cores
+from engine.parallel.ranks import RankSpec, default_launcher, make_comm, split_cores
 from engine.parallel.shard import Shard, check_divisible, local_config
 
 log = logging.getLogger(__name__)
@@ -48,8 +48,10 @@ class StartedRanks:
             raise
         runner.tp = TPGroup(0, self.spec.size, self.comm, conns)
         runner.tp_ranks = self.launcher
-        log.info("%s: tensor parallel over %d ranks (%s all-reduce), the others joined %.1f s after rank 0's "
-                 "shard was ready", self.spec.name, self.spec.size, self.spec.comm[0], time.monotonic() - t0)
+        log.info("tensor parallel over %d ranks (%s all-reduce; each on %s); the others joined %.1f s after rank 0's "
+                 "shard was ready", self.spec.size, self.spec.comm[0],
+                 ", ".join(d.device if not d.cpu_affinity else f"cores {list(d.cpu_affinity)}" for d in self.devices),
+                 time.monotonic() - t0)
 
 
 def start_ranks(config: EngineConfig, ckpt, step_limits: tuple[int, int, int], launcher=None,
@@ -60,7 +62,8 @@ def start_ranks(config: EngineConfig, ckpt, step_limits: tuple[int, int, int], l
     shard = Shard(0, size)
     local = local_config(ckpt.config, shard)
     device = config.device
-    devices = split_cores(device, size)
+    launcher = launcher or default_launcher()
+    devices = launcher.place(split_cores(device, size))
     cache = config.cache
     cuda = device.device.startswith("cuda")
     if not cuda:  # every rank's cache the same number of blocks, decided here
@@ -87,7 +90,6 @@ def start_ranks(config: EngineConfig, ckpt, step_limits: tuple[int, int, int], l
     spec = RankSpec(resolved, size, rendezvous.address, rendezvous.secret, comm_spec, step_limits, devices,
                     par.rank_timeout_s, name)
     comm = make_comm(spec, 0, create=True) if kind == "shm" else None
-    launcher = launcher or LocalRanks()
     launcher.start(spec)
     if comm is None:  # torch.distributed: every rank joins at once
         comm = make_comm(spec, 0)
