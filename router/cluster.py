@@ -31,6 +31,7 @@ from router.view import ClusterView
 from router.worker_client import disaggregated_stream, local_stream
 from router.workers import Worker
 from worker_runtime.config import Role
+from worker_runtime.loop import WORKER_LOST
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,11 @@ class ClusterBackend(Backend):
             try:
                 async with contextlib.aclosing(self._run(this, d, p, reason)) as run:
                     async for batch in run:
+                        if batch.finished and batch.error and batch.error.startswith(WORKER_LOST):
+                            if batch.token_ids:  # the worker failed, not the request: move it, what came kept
+                                emitted.extend(batch.token_ids)
+                                yield dataclasses.replace(batch, finished=False, finish_reason=None, error=None)
+                            raise BackendError(f"decode worker {d.worker_id}: {batch.error}", 503, retry_after=1.0)
                         emitted.extend(batch.token_ids)
                         yield batch
                         if batch.finished:

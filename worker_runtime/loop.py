@@ -25,6 +25,14 @@ class EngineDead(RuntimeError):
     pass
 
 
+# How a worker's requests end when one of its tensor-parallel ranks is gone (the engine
+# raised engine.parallel.comm.RankLost): a fault of the worker, not of any request, so
+# routers move such requests to another worker as they do when a worker process dies
+# (router/cluster.py). Other engine failures stay errors: a request that broke one
+# engine must not go on to break the next.
+WORKER_LOST = "worker lost a tensor-parallel rank: "
+
+
 class EngineLoop:
     def __init__(
         self,
@@ -51,6 +59,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.error: str | None = None
+        self.lost_rank = False  # the failure was a tensor-parallel rank gone (WORKER_LOST)
         self.idle_tick_s = 0.05
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -103,7 +112,8 @@ class EngineLoop:
                     self.deliver(self._step())
         except Exception as e:
             log.exception("%s step failed", self._name)
-            self.error = f"{self._name} failure: {type(e).__name__}: {e}"
+            self.lost_rank = type(e).__name__ == "RankLost"
+            self.error = f"{WORKER_LOST if self.lost_rank else ''}{self._name} failure: {type(e).__name__}: {e}"
             self._on_fatal(self.error)
 
     def _drain(self, wait: float) -> bool:

@@ -1,0 +1,218 @@
+"""Tensor-parallel workers across processes: prefill and decode workers whose ranks hold
+different KV heads hand prompts off exactly (every pairing of 1 and 2 ranks, KV heads
+split and replicated, Llama and Qwen2), through chunked prefills and prefix hits, with
+n-gram speculation on a 2-rank decode worker; and through HTTP under `tandem serve`,
+where each worker's ranks are Ray actors in one placement group: colocated with
+preemptions, disaggregated, and a rank killed mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+
+from engine.sampling_params import SamplingParams
+from router.backend import GenerateRequest
+from router.worker_client import disaggregated_stream
+from tests.cluster.test_disagg import assert_clean
+from tests.cluster.test_serve import serve  # noqa: F401 - the fixture
+from tests.model.conftest import _write_hf
+from tests.oracle import hf_greedy, random_prompts
+from worker_runtime.client import wait_ready
+
+pytestmark = pytest.mark.cluster
+
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, model_path):
+    """Random Llama (2 KV heads: split by 2 ranks; 1 KV head: held by both) and Qwen2
+    (q/k/v biases), the built-in tokenizer; and the trained built-in model."""
+    root = tmp_path_factory.mktemp("tp-ckpts")
+    return {"llama-kv2": _write_hf("llama", root / "llama-kv2", model_path),
+            "llama-kv1": _write_hf("llama", root / "llama-kv1", model_path, kv_heads=1),
+            "qwen2": _write_hf("qwen2", root / "qwen2", model_path),
+            "builtin": model_path}
+
+
+def handoff_prompts():
+    """Lengths around the 16-token blocks, a 160-token prompt (three 64-token chunks),
+    and two that share its first 64 tokens (prefix hits on both workers)."""
+    ps = random_prompts([1, 5, 16, 17, 33, 160], seed=22)
+    return ps + [ps[-1][:64] + tail for tail in random_prompts([3, 20], seed=23)]
+
+
+@pytest.mark.parametrize("name,p_tp,d_tp,spec", [
+    ("llama-kv2", 2, 1, None), ("llama-kv2", 1, 2, None), ("llama-kv2", 2, 2, None),
+    ("llama-kv1", 2, 2, None), ("llama-kv1", 1, 2, None), ("qwen2", 2, 1, None),
+    ("builtin", 1, 2, "ngram"),
+])
+async def test_prefill_and_decode_ranks_of_any_pairing_hand_off_exactly(spawn, checkpoints, name, p_tp, d_tp,
+                                                                          spec):
+    model = str(checkpoints[name])
+    common = ("--model", model, "--block-size", "16")
+    d_args = (*common, "--tensor-parallel-size", str(d_tp))
+    if spec:
+        d_args += ("--speculative-method", spec, "--no-adaptive-speculation")
+    d = spawn("decode", "decode-0", args=d_args)
+    p = spawn("prefill", "prefill-0", args=(*common, "--tensor-parallel-size", str(p_tp),
+                                             "--max-num-batched-tokens", "64"))
+    dc, pc = d.client(), p.client()
+    await wait_ready(dc)
+    await wait_ready(pc)
+    prompts = handoff_prompts()
+    reqs = [GenerateRequest(f"r{i}", pr, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
+            for i, pr in enumerate(prompts)]
+    outs = await asyncio.gather(*(with_usage(disaggregated_stream(pc, dc, r, fallback_local=False)) for r in reqs))
+    for i, (pr, (out, _)) in enumerate(zip(prompts, outs)):
+        assert out == hf_greedy(model, pr, NEW, ignore_eos=True), f"request {i}"
+    assert (await pc.stats()).prefix_cache_hits > 0
+    if spec:  # the trained model repeats itself: drafts verified on both decode ranks, and kept
+        assert sum(last.accepted_tokens for _, last in outs) > 0
+    await assert_clean(dc, pc)
+
+
+async def with_usage(stream):
+    """(token ids, the last batch: its usage)."""
+    out, last = [], None
+    async for b in stream:
+        out += b.token_ids
+        last = b
+    return out, last
+
+
+def complete(url: str, model: str, prompt: list[int], n: int = NEW) -> dict:
+    body = {"model": os.path.basename(model), "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def rank_pids() -> list[int]:
+    """The processes of tensor-parallel ranks run as Ray actors (worker_runtime/tp_ray.py)."""
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if p.info["cmdline"] and p.info["cmdline"][0].startswith("ray::RankActor")]
+
+
+async def stream_to_end(client: httpx.AsyncClient, model: str, prompt: list[int], n: int, started: asyncio.Event):
+    """(token ids, the error event's message or None); the stream must end with [DONE]."""
+    body = {"model": os.path.basename(model), "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    ids, error, done = [], None, False
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    error = chunk["error"]["message"]
+                    continue
+                ids.extend(chunk["choices"][0]["token_ids"] or [])
+                if len(ids) >= 20:
+                    started.set()
+    assert done, "the stream ended without [DONE]"
+    return ids, error
+
+
+def test_colocated_ranks_through_http_and_a_rank_killed_mid_stream(serve, checkpoints):
+    """One decode worker of 2 ranks holding the one KV head twice, its cache small enough
+    to preempt, prefills chunked at 64 tokens: HTTP answers equal transformers'. Then
+    rank 1's process is killed under three streams: the worker fails and is replaced,
+    every stream ends with its whole answer, moved to the new worker as when a worker
+    process dies (tokens exact across the move), and the new worker answers exactly with
+    none of its blocks held."""
+    model = str(checkpoints["llama-kv1"])
+    srv = serve("--colocated", "--decode", "1", "--tensor-parallel-size", "2", "--model", model,
+                "--block-size", "16", "--num-blocks", "24", "--max-num-batched-tokens", "64")
+    [worker] = srv.pools()["decode"]["workers"]
+    assert worker["tensor_parallel_size"] == 2
+    prompts = random_prompts([9, 100, 130, 70, 33], seed=61)
+    prompts.append(prompts[1][:96] + [11, 12])  # a prefix hit on the 100-token prompt's blocks
+
+    async def all_at_once():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+            async def one(p):
+                body = {"model": os.path.basename(model), "prompt": p, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                        "return_token_ids": True}
+                r = await c.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()
+            first = await one(prompts[1])  # cached, then the one that shares its prefix, then the rest at once
+            hit = await one(prompts[5])
+            return [first, hit, *await asyncio.gather(*(one(p) for p in prompts[:1] + prompts[2:5]))]
+
+    answers = asyncio.run(all_at_once())
+    for i, a in zip([1, 5, 0, 2, 3, 4], answers):
+        assert a["choices"][0]["token_ids"] == hf_greedy(model, prompts[i], 40, ignore_eos=True), f"prompt {i}"
+    assert answers[1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
+    assert srv.metrics("http://" + worker["metrics"] + "/metrics")["tandem:num_preemptions_total"] > 0
+
+    ranks = rank_pids()
+    assert len(ranks) == 1, ranks
+    long = random_prompts([20, 25, 30], seed=62)
+    expect = [hf_greedy(model, p, 150, ignore_eos=True) for p in long]
+
+    async def kill_under_streams():
+        started = asyncio.Event()
+        async with httpx.AsyncClient(base_url=srv.url, timeout=180) as c:
+            tasks = [asyncio.create_task(stream_to_end(c, model, p, 150, started)) for p in long]
+            await asyncio.wait_for(started.wait(), 60)
+            os.kill(ranks[0], signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+    results = asyncio.run(kill_under_streams())
+    for (ids, error), want in zip(results, expect):  # whole, and exact across the move to the new worker
+        assert error is None and ids == want, (error, len(ids))
+    log = open(srv.log_path).read()
+    assert "worker lost a tensor-parallel rank" in log and "migrating" in log
+
+    deadline = time.monotonic() + 120
+    while True:  # the replacement, routable
+        workers = srv.pools()["decode"]["workers"]
+        if [w["worker_id"] for w in workers if w["routable"]] and workers[0]["worker_id"] != worker["worker_id"]:
+            break
+        assert time.monotonic() < deadline, workers
+        time.sleep(0.5)
+    assert complete(srv.url, model, long[0], 30)["choices"][0]["token_ids"] == expect[0][:30]
+    new = srv.pools()["decode"]["workers"][0]
+    assert new["tensor_parallel_size"] == 2 and len(rank_pids()) == 1
+
+    async def clean():
+        from worker_runtime.client import WorkerClient
+
+        from tests.cluster.test_serve import TOKEN
+        c = WorkerClient(new["worker_id"], "decode", new["address"], TOKEN)
+        try:
+            assert (await c.check_integrity()).healthy
+            deadline = time.monotonic() + 10
+            while (s := await c.stats()).num_running or s.num_free_blocks != s.num_blocks:
+                assert time.monotonic() < deadline, s
+                await asyncio.sleep(0.1)
+        finally:
+            await c.close()
+
+    asyncio.run(clean())
+
+
+def test_disaggregated_ranks_through_http(serve, checkpoints):
+    """Prefill worker of 2 ranks, decode worker of 1, Qwen2: HTTP answers equal transformers'."""
+    model = str(checkpoints["qwen2"])
+    srv = serve("--prefill", "1", "--decode", "1", "--prefill-tensor-parallel-size", "2", "--model", model,
+                "--block-size", "16", "--local-prefill-threshold", "0", "--transport", "tcp")
+    pools = srv.pools()
+    assert [w["tensor_parallel_size"] for w in pools["prefill"]["workers"]] == [2]
+    assert [w["tensor_parallel_size"] for w in pools["decode"]["workers"]] == [1]
+    prompts = random_prompts([7, 40, 90], seed=63)
+    for p in prompts:
+        assert complete(srv.url, model, p)["choices"][0]["token_ids"] == hf_greedy(model, p, NEW, ignore_eos=True)
+    assert srv.metrics()["tandem:kv_transfer_bytes_total"] > 0  # prefilled on the 2 ranks, handed off
