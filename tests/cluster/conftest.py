@@ -29,3 +29,24 @@ def spawn(tmp_path, model_path):
     yield _spawn
     for w in procs:
         w.stop()
+
+
+@pytest.fixture
+def serve(tmp_path, model_path):
+    """serve(*args) -> a ready `tandem serve` (tests/cluster/test_serve.py Serve); all stopped at teardown."""
+    from tests.cluster.test_serve import Serve
+
+    started: list[Serve] = []
+
+    def _start(*args: str) -> Serve:
+        s = Serve(list(args), tmp_path / f"serve-{len(started)}.log")
+        started.append(s)
+        return s
+
+    yield _start
+    for s in started:
+        died = s.proc.poll() if s.proc is not None else None  # None too once a test stopped it
+        s.stop()
+        if died is not None:  # it exited before the test stopped it: show why (in the failure report)
+            print(f"tandem serve exited by itself with {died}; the end of its log:")
+            print("".join(open(s.log_path).readlines()[-60:]))

@@ -54,24 +54,6 @@ class Serve(TandemServer):
         return out
 
 
-@pytest.fixture
-def serve(tmp_path, model_path):
-    started: list[Serve] = []
-
-    def _start(*args: str) -> Serve:
-        s = Serve(list(args), tmp_path / f"serve-{len(started)}.log")
-        started.append(s)
-        return s
-
-    yield _start
-    for s in started:
-        died = s.proc.poll() if s.proc is not None else None  # None too once a test stopped it
-        s.stop()
-        if died is not None:  # it exited before the test stopped it: show why (in the failure report)
-            print(f"tandem serve exited by itself with {died}; the end of its log:")
-            print("".join(open(s.log_path).readlines()[-60:]))
-
-
 def test_openai_sdk_and_metrics_on_a_disaggregated_cluster(serve, model_path, tmp_path):
     """The cluster runs with mutual TLS (a CA of the test's own): every path below (the
     KV transfer over TCP, gRPC, the token feeds of the streams) is encrypted, and a

@@ -21,10 +21,10 @@ from engine.sampling_params import SamplingParams
 from router.backend import GenerateRequest
 from router.worker_client import disaggregated_stream
 from tests.cluster.test_disagg import assert_clean
-from tests.cluster.test_serve import serve  # noqa: F401 - the fixture
+from tests.cluster.test_serve import TOKEN
 from tests.model.conftest import _write_hf
 from tests.oracle import hf_greedy, random_prompts
-from worker_runtime.client import wait_ready
+from worker_runtime.client import WorkerClient, wait_ready
 
 pytestmark = pytest.mark.cluster
 
@@ -142,8 +142,8 @@ def test_colocated_ranks_through_http_and_a_rank_killed_mid_stream(serve, checkp
     async def all_at_once():
         async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
             async def one(p):
-                body = {"model": os.path.basename(model), "prompt": p, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
-                        "return_token_ids": True}
+                body = {"model": os.path.basename(model), "prompt": p, "max_tokens": 40, "temperature": 0,
+                        "ignore_eos": True, "return_token_ids": True}
                 r = await c.post("/v1/completions", json=body)
                 assert r.status_code == 200, r.text
                 return r.json()
@@ -188,9 +188,6 @@ def test_colocated_ranks_through_http_and_a_rank_killed_mid_stream(serve, checkp
     assert new["tensor_parallel_size"] == 2 and len(rank_pids()) == 1
 
     async def clean():
-        from worker_runtime.client import WorkerClient
-
-        from tests.cluster.test_serve import TOKEN
         c = WorkerClient(new["worker_id"], "decode", new["address"], TOKEN)
         try:
             assert (await c.check_integrity()).healthy
