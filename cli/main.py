@@ -375,13 +375,18 @@ def _run_status(args) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    columns = ["worker", "role", "state", "address", "running", "waiting", "awaiting KV", "KV usage",
+    columns = ["worker", "role", "state", "TP", "address", "running", "waiting", "awaiting KV", "KV usage",
                "queued prefill", "in flight"]
-    rows = [(w["worker_id"], role, w["state"], w["address"], w.get("running", ""), w.get("waiting", ""),
+    rows = [(w["worker_id"], role, w["state"], w.get("tensor_parallel_size", 1), w["address"], w.get("running", ""),
+             w.get("waiting", ""),
              w.get("awaiting_kv", ""), f"{w['kv_usage']:.1%}" if "kv_usage" in w else "",
              w.get("queued_prefill_tokens", ""), w["in_flight"])
             for role, pool in data["pools"].items() for w in pool["workers"]]
     console = _print_table(columns, rows, title=f"tandem at {args.url}")
+    for pool in data["pools"].values():
+        for w in pool["workers"]:
+            if w.get("ranks"):
+                console.print(f"{w['worker_id']} ranks: " + "; ".join(w["ranks"]))
     console.print(
         "targets: "
         + ", ".join(f"{r} {p['ready']}/{p['target']} ready" for r, p in data["pools"].items())

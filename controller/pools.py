@@ -117,6 +117,7 @@ class PoolWorker:
     pid: int = 0
     pg: object = None  # a tensor-parallel worker's placement group (its ranks' bundles), removed with it
     tp_size: int = 1
+    ranks: list = field(default_factory=list)  # where each tensor-parallel rank runs (the worker's own account)
     stats: WorkerStats | None = None  # the worker's own account, read every stats_interval_s
     failures: int = 0  # consecutive failed health checks
     last_answer: float = field(default_factory=time.monotonic)  # when it last answered a check
@@ -137,6 +138,7 @@ class PoolWorker:
             "metrics": self.metrics_address,
             "pid": self.pid,
             "tensor_parallel_size": self.tp_size,
+            "ranks": self.ranks,
         }
         if s is not None:
             d |= {
@@ -226,7 +228,8 @@ class PoolManager:
         except Exception as e:  # noqa: BLE001 - gone, or not answering: not adopted
             log.warning("%s: found by name but not adopted (%s)", worker_id, e)
             return None
-        w = PoolWorker(worker_id, role, actor, pid=info["pid"], tp_size=info.get("tensor_parallel_size", 1))
+        w = PoolWorker(worker_id, role, actor, pid=info["pid"], tp_size=info.get("tensor_parallel_size", 1),
+                       ranks=info.get("ranks", []))
         if w.tp_size > 1:
             try:
                 w.pg = await asyncio.to_thread(ray.util.get_placement_group, placement_group_name(worker_id))
@@ -382,7 +385,8 @@ class PoolManager:
             w.client = WorkerClient(worker_id, role, address, self.config.template.cluster_token)
             health = await wait_ready(w.client, timeout=60)
             w.epoch, w.metrics_address = health.epoch, health.metrics_address
-            w.pid = (await asyncio.wait_for(actor.info.remote(), 30))["pid"]
+            info = await asyncio.wait_for(actor.info.remote(), 30)
+            w.pid, w.ranks = info["pid"], info.get("ranks", [])
             w.stats = await w.client.stats()
         except Exception as e:
             cause = getattr(e, "cause", None) or e  # a Ray task error carries the worker's own exception

@@ -137,7 +137,12 @@ class WorkerActor:
             "epoch": self.host.worker.epoch,
             "pid": os.getpid(),
             "tensor_parallel_size": self.host.config.engine.parallel.tensor_parallel_size,
+            "ranks": self._ranks(),
         }
+
+    def _ranks(self) -> list[str]:
+        runner = getattr(getattr(getattr(self.host, "worker", None), "engine", None), "runner", None)
+        return runner.rank_info() if runner is not None else []
 
     def stop(self) -> bool:
         self.host.stop()

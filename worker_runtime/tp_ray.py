@@ -43,6 +43,7 @@ class RayRanks:
         self.gpus = got.get("GPU", 0)
         self.cpus = got.get("CPU", 0)
         self.actors: list = []
+        self.pid_refs: list = []
         self.runs: list = []
 
     def place(self, devices):
@@ -61,6 +62,7 @@ class RayRanks:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
             ).remote()
             self.actors.append(actor)
+            self.pid_refs.append(actor.pid.remote())  # before `run`, which holds the actor for good
             self.runs.append(actor.run.remote(spec, rank))
 
     def failed(self) -> str | None:
@@ -79,7 +81,7 @@ class RayRanks:
     def pids(self) -> list[int]:
         import ray
 
-        return ray.get([a.pid.remote() for a in self.actors], timeout=30)
+        return ray.get(self.pid_refs, timeout=5)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         import ray

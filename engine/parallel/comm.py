@@ -43,6 +43,10 @@ class RankLost(CommError):
 class Communicator(abc.ABC):
     rank: int
     size: int
+    # all-reduce calls and the seconds spent in them, waits for the other ranks included
+    # (a step's collective share: `tandem:worker_allreduce_seconds`, bench/lab/tp.py)
+    calls: int = 0
+    seconds: float = 0.0
 
     @abc.abstractmethod
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,6 +117,7 @@ class ShmComm(Communicator):
         return v
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
         flat = x.view(-1)
         per = self.slot_bytes // x.element_size()
         for start in range(0, flat.numel(), per):
@@ -126,6 +131,8 @@ class ShmComm(Communicator):
             torch.add(slots[0, :n], slots[1, :n], out=part)
             for r in range(2, self.size):
                 part.add_(slots[r, :n])
+        self.calls += 1
+        self.seconds += time.perf_counter() - t0
         return x
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -204,7 +211,10 @@ class TorchComm(Communicator):
         self._dist = dist
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()  # on CUDA the time to queue it: NCCL runs on the stream
         self._dist.all_reduce(x)
+        self.calls += 1
+        self.seconds += time.perf_counter() - t0
         return x
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:

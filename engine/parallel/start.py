@@ -48,6 +48,7 @@ class StartedRanks:
             raise
         runner.tp = TPGroup(0, self.spec.size, self.comm, conns)
         runner.tp_ranks = self.launcher
+        runner.tp_devices = self.devices
         log.info("tensor parallel over %d ranks (%s all-reduce; each on %s); the others joined %.1f s after rank 0's "
                  "shard was ready", self.spec.size, self.spec.comm[0],
                  ", ".join(d.device if not d.cpu_affinity else f"cores {list(d.cpu_affinity)}" for d in self.devices),

@@ -1,5 +1,5 @@
 """deploy/: the Helm chart, linted and rendered by Helm's own library (helm-python-sdk)
-for three values files; every rendered object validated against the Kubernetes API
+for four values files (one of them a 70B model's tensor-parallel workers); every rendered object validated against the Kubernetes API
 schemas (kubernetes-validate), the RayCluster against KubeRay's CRD schema and the
 monitoring objects against the Prometheus Operator's (named releases, tests/data); bad
 values refused with a message naming the value; the chart's monitoring files identical
@@ -40,8 +40,32 @@ def render(values: dict) -> list[dict]:
             for d in yaml.safe_load_all(text) if d]
 
 
-def test_there_are_three_values_files_gpu_cpu_and_large():
-    assert {p.name for p in VALUES} == {"gpu-values.yaml", "cpu-small-values.yaml", "large-values.yaml"}
+def test_there_are_four_values_files_gpu_cpu_large_and_70b():
+    assert {p.name for p in VALUES} == {"gpu-values.yaml", "cpu-small-values.yaml", "large-values.yaml",
+                                        "llama-70b-values.yaml"}
+
+
+def test_tensor_parallel_workers_get_pods_of_that_many_gpus_and_the_controller_the_sizes():
+    """A worker of N ranks: one pod with gpus x N GPUs, Ray told it has N of them and N
+    units of the pool's resource (one bundle a rank of the worker's placement group);
+    the controller's config names each pool's size."""
+    docs = render(yaml.safe_load((CHART / "ci" / "llama-70b-values.yaml").read_text()))
+    rc = next(d for d in docs if d["kind"] == "RayCluster")
+    groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
+    for role in ("prefill", "decode"):
+        g = groups[role]
+        assert g["rayStartParams"]["num-gpus"] == "4"
+        assert json.loads(json.loads(g["rayStartParams"]["resources"])) == {f"tandem_{role}": 4}
+        res = g["template"]["spec"]["containers"][0]["resources"]
+        assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == 4
+    cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-config"))
+    controller = yaml.safe_load(cm["data"]["controller.yaml"])
+    assert controller["prefill-tensor-parallel-size"] == controller["decode-tensor-parallel-size"] == 4
+    assert controller["num-gpus-per-worker"] == 1 and controller["transport"] == "nixl"
+    # the default: one rank, one GPU a pod
+    groups = {g["groupName"]: g for g in next(d for d in render(yaml.safe_load(
+        (CHART / "ci" / "gpu-values.yaml").read_text())) if d["kind"] == "RayCluster")["spec"]["workerGroupSpecs"]}
+    assert groups["decode"]["rayStartParams"]["num-gpus"] == "1"
 
 
 @pytest.mark.parametrize("values_file", VALUES, ids=lambda p: p.name)

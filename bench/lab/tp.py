@@ -1,0 +1,145 @@
+"""Tensor parallelism on one host, offline: one engine at TP=1 (N threads) against TP=2
+(N/2 threads a rank), the same model and requests, and the all-reduce's share of the
+steps (rank 0's time in all-reduces, waits for rank 1 included, over its step time).
+
+    python -m bench.lab.tp MODEL_DIR OUT [--dtype bfloat16] [--cores 0,1] [--batch 64]
+                           [--prompt-len 256] [--output-len 128] [--rounds 2]
+
+Two loads: one stream (a prompt, then its tokens one step at a time: ms a token) and a
+batch of `--batch` prompts at once (output tokens a second). The sizes alternate round
+by round (`--rounds`), so a noisy host hits both alike. OUT/report.md and OUT/runs.json.
+The served figures come from `python -m bench.lab.peers side-by-side ... --tandem-args
+"--tensor-parallel-size 2"` (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def run_once(model: str, tp: int, dtype: str, cores: tuple[int, ...], batch: int, prompt_len: int,
+             output_len: int) -> dict:
+    import torch
+
+    from decode_worker.llm_engine import LLMEngine
+    from engine.config import CacheConfig, DeviceConfig, EngineConfig, ParallelConfig, SchedulerConfig
+    from engine.sampling_params import SamplingParams
+
+    os.sched_setaffinity(0, set(cores))
+    config = EngineConfig(model=model, dtype=dtype, cache=CacheConfig(block_size=64, kv_cache_memory_gb=2.0),
+                          scheduler=SchedulerConfig(max_num_seqs=max(batch, 1), max_num_batched_tokens=2048,
+                                                    max_model_len=prompt_len + output_len + 8),
+                          device=DeviceConfig(num_threads=len(cores), cpu_affinity=cores),
+                          parallel=ParallelConfig(tensor_parallel_size=tp))
+    engine = LLMEngine.from_config(config)
+    comm = engine.runner.comm
+    g = torch.Generator().manual_seed(0)
+    out = {"tp": tp, "threads_per_rank": len(cores) // tp, "dtype": dtype}
+    try:
+        with torch.inference_mode():
+            for label, n in (("warmup", 2), ("one_stream", 1), ("batch", batch)):
+                params = SamplingParams(max_tokens=output_len if label != "warmup" else 8, temperature=0,
+                                        ignore_eos=True)
+                for i in range(n):
+                    engine.add_request(f"{label}-{i}", torch.randint(5, 8000, (prompt_len,), generator=g).tolist(),
+                                       params)
+                first_done, decode_s, decode_tokens, ar0, t_start = None, 0.0, 0, None, time.perf_counter()
+                while engine.has_work():
+                    t0 = time.perf_counter()
+                    before = comm.seconds if comm is not None else 0.0
+                    events = engine.step()
+                    dt = time.perf_counter() - t0
+                    toks = sum(1 for e in events if e.token_id is not None)
+                    if first_done is None:  # prefill steps: until every sequence has its first token
+                        if all(len(s.output_ids) > 0 for s in engine.seqs.values()):
+                            first_done, ar0 = time.perf_counter(), 0.0
+                        continue
+                    decode_s += dt
+                    decode_tokens += toks
+                    ar0 += (comm.seconds - before) if comm is not None else 0.0
+                if label == "warmup":
+                    continue
+                out[label] = {"decode_s": round(decode_s, 4), "decode_tokens": decode_tokens,
+                              "ms_per_step": round(1000 * decode_s / max(1, decode_tokens / n), 3),
+                              "tokens_per_s": round(decode_tokens / decode_s, 1) if decode_s else 0.0,
+                              "allreduce_s": round(ar0 or 0.0, 4),
+                              "allreduce_share": round((ar0 or 0.0) / decode_s, 4) if decode_s else 0.0,
+                              "wall_s": round(time.perf_counter() - t_start, 2)}
+        out["allreduce_calls"] = comm.calls if comm is not None else 0
+    finally:
+        engine.runner.close()
+    return out
+
+
+def cpu_name() -> str:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.lab.tp", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model")
+    p.add_argument("out", type=Path)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--cores", default=",".join(map(str, sorted(os.sched_getaffinity(0)))))
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)  # a child: one run of this TP size
+    a = p.parse_args(argv)
+    cores = tuple(int(c) for c in a.cores.split(","))
+    if a.one:
+        print(json.dumps(run_once(a.model, a.one, a.dtype, cores, a.batch, a.prompt_len, a.output_len)))
+        return 0
+    import subprocess
+
+    a.out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for r in range(a.rounds):
+        for tp in (1, 2):  # each run a process of its own: no state shared between them
+            cmd = [sys.executable, "-m", "bench.lab.tp", a.model, str(a.out), "--dtype", a.dtype, "--cores", a.cores,
+                   "--batch", str(a.batch), "--prompt-len", str(a.prompt_len), "--output-len", str(a.output_len),
+                   "--one", str(tp)]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+            if done.returncode != 0:
+                print(done.stderr[-3000:], file=sys.stderr)
+                return 1
+            run = json.loads(done.stdout.strip().splitlines()[-1])
+            run["round"] = r
+            runs.append(run)
+            print(json.dumps(run), flush=True)
+    (a.out / "runs.json").write_text(json.dumps(runs, indent=1) + "\n")
+    lines = [f"# tensor parallelism offline: {Path(a.model).name}, {a.dtype}", "",
+             f"Machine: {cpu_name()}, cores {a.cores}; {a.rounds} rounds, TP=1 and TP=2 in turn, each a process.",
+             f"Loads: one stream of {a.prompt_len} in / {a.output_len} out; a batch of {a.batch} such requests at once.",
+             "Decode steps only (the prefill step excluded). all-reduce share: rank 0's seconds in all-reduces "
+             "(waits for rank 1 included) over its decode seconds.", "",
+             "| TP | threads a rank | one stream ms/token | its all-reduce share | batch tok/s | its all-reduce share |",
+             "|---|---|---|---|---|---|"]
+    for tp in (1, 2):
+        mine = [x for x in runs if x["tp"] == tp]
+        ms = [x["one_stream"]["ms_per_step"] for x in mine]
+        bt = [x["batch"]["tokens_per_s"] for x in mine]
+        s1 = [x["one_stream"]["allreduce_share"] for x in mine]
+        sb = [x["batch"]["allreduce_share"] for x in mine]
+        lines.append(f"| {tp} | {mine[0]['threads_per_rank']} | {' / '.join(f'{v:.2f}' for v in ms)} "
+                     f"(median {statistics.median(ms):.2f}) | {' / '.join(f'{v:.1%}' for v in s1)} | "
+                     f"{' / '.join(f'{v:.0f}' for v in bt)} (median {statistics.median(bt):.0f}) | "
+                     f"{' / '.join(f'{v:.1%}' for v in sb)} |")
+    (a.out / "report.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
