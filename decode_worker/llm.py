@@ -12,7 +12,14 @@ import torch
 from tqdm import tqdm
 
 from decode_worker.llm_engine import EngineConfig, LLMEngine, TokenEvent
-from engine.config import CacheConfig, DeviceConfig, SchedulerConfig, SpeculativeConfig, default_block_size
+from engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    default_block_size,
+)
 from engine.events import TokenLogprobs
 from engine.output import TextStream
 from engine.sampling_params import SamplingParams
@@ -55,8 +62,9 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, scheduler: str = "continuous", device: str = "cpu",
                  num_threads: int | None = None, attention_backend: str = "auto", seed: int | None = None,
-                 speculative_config: dict | SpeculativeConfig | None = None) -> None:
-        """`speculative_config`: vLLM's shape, e.g. {"method": "ngram", "num_speculative_tokens": 4}."""
+                 speculative_config: dict | SpeculativeConfig | None = None, tensor_parallel_size: int = 1) -> None:
+        """`speculative_config`: vLLM's shape, e.g. {"method": "ngram", "num_speculative_tokens": 4}.
+        `tensor_parallel_size`: ranks the model is split across (child processes; `close` ends them)."""
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig(**speculative_config)
         config = EngineConfig(
@@ -72,6 +80,7 @@ class LLM:
             device=DeviceConfig(device=device, num_threads=num_threads, attention_backend=attention_backend),
             seed=seed,
             speculative=speculative_config or SpeculativeConfig(),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         )
         if num_threads:
             import torch
@@ -80,6 +89,16 @@ class LLM:
         self.engine = LLMEngine.from_config(config)
         self.tokenizer = self.engine.checkpoint.tokenizer
         self._next_id = 0
+
+    def close(self) -> None:
+        """End the other ranks of a tensor-parallel engine (they end with this process anyway)."""
+        self.engine.runner.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -60,7 +60,7 @@ def build_parts(config: EngineConfig, checkpoint=None, launcher=None) -> EngineP
 
         ranks = start_ranks(config, ckpt, step_limits, launcher)
         model = build_model(ckpt, ranks.devices[0].device, ranks.shard)
-        model.set_tensor_parallel(ranks.comm)
+        model.set_tensor_parallel(ranks.comm, config.parallel.vocab_parallel_head)
         t1 = time.monotonic()
         runner = ModelRunner(model, ranks.model_config, ranks.cache, ranks.devices[0], sampler_seed=config.seed,
                              step_limits=step_limits, snapshot=snapshot, comm=ranks.comm)
@@ -73,16 +73,17 @@ def build_parts(config: EngineConfig, checkpoint=None, launcher=None) -> EngineP
     t2 = time.monotonic()
     pool = BlockPool(runner.kv_cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
     kv_bytes = runner.kv_cache.kv.numel() * runner.kv_cache.kv.element_size()
-    log.info("engine: %s (%s) weights loaded in %.2f s; %d KV blocks of %d tokens (%.0f MiB) and the %s "
+    per_rank = f" a rank (of {tp})" if tp > 1 else ""
+    log.info("engine: %s (%s) weights loaded in %.2f s; %d KV blocks of %d tokens (%.0f MiB%s) and the %s "
              "attention kernel in %.2f s", ckpt.path, ckpt.config.dtype, t1 - t0, pool.num_blocks, pool.block_size,
-             kv_bytes / 2**20, runner.backend.name, t2 - t1)
+             kv_bytes / 2**20, per_rank, runner.backend.name, t2 - t1)
     budget = KVBudget(pool.num_blocks, pool.block_size, kv_bytes // max(1, pool.num_blocks), sched.max_num_seqs,
                       sched.expected_context_len or sched.max_model_len)
     if sched.expected_context_len is not None and not budget.fits:
-        log.warning("KV budget: %s. Expect preemptions at full load: lower --max-num-seqs to %d, or give the "
-                    "cache more memory (--kv-cache-memory-gb / --num-blocks)", budget, budget.seqs_that_fit)
+        log.warning("KV budget%s: %s. Expect preemptions at full load: lower --max-num-seqs to %d, or give the "
+                    "cache more memory (--kv-cache-memory-gb / --num-blocks)", per_rank, budget, budget.seqs_that_fit)
     else:
-        log.info("KV budget: %s", budget)
+        log.info("KV budget%s: %s", per_rank, budget)
     eos = frozenset(ckpt.config.eos_token_ids)
     return EngineParts(ckpt, runner, pool, sched, eos,
                        StructuredOutputs.for_checkpoint(ckpt.path, eos, config.grammar))

@@ -320,6 +320,10 @@ class ParallelConfig:
     # the ranks' all-reduce: auto (shared memory on CPU, NCCL on CUDA), shm, or torch
     # (torch.distributed: gloo on CPU, NCCL on CUDA)
     comm: str = "auto"
+    # the LM head's rows split across the ranks and its logits gathered on rank 0, which
+    # samples (when the ranks divide the vocabulary); False: every rank holds it whole
+    # and rank 0 alone computes it (docs/performance.md has both)
+    vocab_parallel_head: bool = True
     rank_timeout_s: float = 60.0  # the longest one collective waits for a rank
     start_timeout_s: float = 600.0  # the longest rank 0 waits for the others to load their shards
 

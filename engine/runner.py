@@ -446,7 +446,12 @@ class ModelRunner:
             after = _Followed(rows, tokens)
         b = self._prepare(plan, after)
         hook = None if msg.writes is None else msg.writes.hook(self)
-        self._forward(plan, b, hook)
+        hidden = self._forward(plan, b, hook)
+        if self.model.vocab_comm is not None:  # rank 0 gathers the logits of every head shard, in this order
+            if any(w.prompt_targets for w in plan.prefills):
+                self._prompt_logprobs(plan, hidden)
+            if b.sample_ids:
+                self.model.compute_logits(hidden[b.logits_index])
 
     def _execute(self, plan: StepPlan, on_layer_done: Callable[[int], None] | None) -> StepResult:
         t0 = time.perf_counter()
@@ -463,6 +468,8 @@ class ModelRunner:
         plain = len(b.logits_index) == len(b.sample_ids)  # no speculative rows to verify
         greedy = plain and Sampler.plain_greedy(b.sample_rows)  # the head's own dtype will do
         logits = self.model.compute_logits(hidden[b.logits_index], fp32=not greedy)
+        if logits is None:  # a rank other than 0 of a vocab-parallel head (profile_run): no sampling here
+            return StepResult({}, {}, time.perf_counter() - t0, plan.num_tokens, prompt_lps)
         if plain:
             out: SamplerOutput = self.sampler(logits, b.sample_rows)
             return StepResult(
@@ -494,7 +501,10 @@ class ModelRunner:
             for s in range(0, len(w.prompt_targets), _PROMPT_LOGPROB_ROWS):  # bounded [rows, vocab] floats
                 targets = list(w.prompt_targets[s: s + _PROMPT_LOGPROB_ROWS])
                 rows = hidden[offset + s: offset + s + len(targets)]
-                lp = self.model.compute_logits(rows).float().log_softmax(dim=-1)
+                logits = self.model.compute_logits(rows)
+                if logits is None:  # a rank other than 0 of a vocab-parallel head: its share only
+                    continue
+                lp = logits.float().log_softmax(dim=-1)
                 chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])
                 rank = (lp > chosen).sum(dim=-1) + 1
                 top_v, top_i = lp.topk(max(k, 1), dim=-1)

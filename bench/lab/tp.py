@@ -24,7 +24,7 @@ from pathlib import Path
 
 
 def run_once(model: str, tp: int, dtype: str, cores: tuple[int, ...], batch: int, prompt_len: int,
-             output_len: int) -> dict:
+             output_len: int, vocab_parallel: bool = True) -> dict:
     import torch
 
     from decode_worker.llm_engine import LLMEngine
@@ -36,11 +36,12 @@ def run_once(model: str, tp: int, dtype: str, cores: tuple[int, ...], batch: int
                           scheduler=SchedulerConfig(max_num_seqs=max(batch, 1), max_num_batched_tokens=2048,
                                                     max_model_len=prompt_len + output_len + 8),
                           device=DeviceConfig(num_threads=len(cores), cpu_affinity=cores),
-                          parallel=ParallelConfig(tensor_parallel_size=tp))
+                          parallel=ParallelConfig(tensor_parallel_size=tp, vocab_parallel_head=vocab_parallel))
     engine = LLMEngine.from_config(config)
     comm = engine.runner.comm
     g = torch.Generator().manual_seed(0)
-    out = {"tp": tp, "threads_per_rank": len(cores) // tp, "dtype": dtype}
+    out = {"tp": tp, "threads_per_rank": len(cores) // tp, "dtype": dtype,
+           "head": "vocab-parallel" if engine.runner.model.vocab_comm is not None else "whole"}
     try:
         with torch.inference_mode():
             for label, n in (("warmup", 2), ("one_stream", 1), ("batch", batch)):
@@ -96,20 +97,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)  # a child: one run of this TP size
+    p.add_argument("--whole-head", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     cores = tuple(int(c) for c in a.cores.split(","))
     if a.one:
-        print(json.dumps(run_once(a.model, a.one, a.dtype, cores, a.batch, a.prompt_len, a.output_len)))
+        print(json.dumps(run_once(a.model, a.one, a.dtype, cores, a.batch, a.prompt_len, a.output_len,
+                                  not a.whole_head)))
         return 0
     import subprocess
 
     a.out.mkdir(parents=True, exist_ok=True)
     runs = []
     for r in range(a.rounds):
-        for tp in (1, 2):  # each run a process of its own: no state shared between them
+        for tp, whole in ((1, False), (2, False), (2, True)):  # each run a process of its own
             cmd = [sys.executable, "-m", "bench.lab.tp", a.model, str(a.out), "--dtype", a.dtype, "--cores", a.cores,
                    "--batch", str(a.batch), "--prompt-len", str(a.prompt_len), "--output-len", str(a.output_len),
-                   "--one", str(tp)]
+                   "--one", str(tp), *(["--whole-head"] if whole else [])]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
             if done.returncode != 0:
                 print(done.stderr[-3000:], file=sys.stderr)
@@ -120,19 +123,23 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(run), flush=True)
     (a.out / "runs.json").write_text(json.dumps(runs, indent=1) + "\n")
     lines = [f"# tensor parallelism offline: {Path(a.model).name}, {a.dtype}", "",
-             f"Machine: {cpu_name()}, cores {a.cores}; {a.rounds} rounds, TP=1 and TP=2 in turn, each a process.",
-             f"Loads: one stream of {a.prompt_len} in / {a.output_len} out; a batch of {a.batch} such requests at once.",
-             "Decode steps only (the prefill step excluded). all-reduce share: rank 0's seconds in all-reduces "
-             "(waits for rank 1 included) over its decode seconds.", "",
-             "| TP | threads a rank | one stream ms/token | its all-reduce share | batch tok/s | its all-reduce share |",
-             "|---|---|---|---|---|---|"]
-    for tp in (1, 2):
-        mine = [x for x in runs if x["tp"] == tp]
+             f"Machine: {cpu_name()}, cores {a.cores}; {a.rounds} rounds, TP=1 and TP=2 in turn, "
+             "each a process.",
+             f"Loads: one stream of {a.prompt_len} in / {a.output_len} out; a batch of {a.batch} such requests "
+             "at once.",
+             "Decode steps only (the prefill step excluded). all-reduce share: rank 0's seconds in collectives "
+             "(all-reduces; waits for rank 1 included) over its decode seconds. LM head: split by vocabulary "
+             "(its logits gathered on rank 0) or whole on every rank (rank 0 alone computes it).", "",
+             "| TP | LM head | threads a rank | one stream ms/token | its all-reduce share | batch tok/s "
+             "| its all-reduce share |",
+             "|---|---|---|---|---|---|---|"]
+    for tp, head in ((1, "whole"), (2, "vocab-parallel"), (2, "whole")):
+        mine = [x for x in runs if x["tp"] == tp and x["head"] == head]
         ms = [x["one_stream"]["ms_per_step"] for x in mine]
         bt = [x["batch"]["tokens_per_s"] for x in mine]
         s1 = [x["one_stream"]["allreduce_share"] for x in mine]
         sb = [x["batch"]["allreduce_share"] for x in mine]
-        lines.append(f"| {tp} | {mine[0]['threads_per_rank']} | {' / '.join(f'{v:.2f}' for v in ms)} "
+        lines.append(f"| {tp} | {head} | {mine[0]['threads_per_rank']} | {' / '.join(f'{v:.2f}' for v in ms)} "
                      f"(median {statistics.median(ms):.2f}) | {' / '.join(f'{v:.1%}' for v in s1)} | "
                      f"{' / '.join(f'{v:.0f}' for v in bt)} (median {statistics.median(bt):.0f}) | "
                      f"{' / '.join(f'{v:.1%}' for v in sb)} |")

@@ -217,13 +217,28 @@ class LlamaForCausalLM(nn.Module):
         # the compiled CPU kernels (engine/cpu_kernels), set by ModelRunner on CPU; None: torch operators
         self.cpu_ops = None
         self.tp = None  # the tensor-parallel group's Communicator (set_tensor_parallel)
+        self.vocab_comm = None  # set when the LM head is vocab-parallel: its logits are gathered on rank 0
 
-    def set_tensor_parallel(self, comm) -> None:
+    def set_tensor_parallel(self, comm, vocab_parallel: bool = True) -> None:
         """Sum the row-parallel layers' partial outputs over `comm`'s ranks (this model
-        holds one rank's shard: engine/parallel/shard.py)."""
+        holds one rank's shard: engine/parallel/shard.py). With `vocab_parallel` (and a
+        vocabulary the ranks divide), this rank keeps its 1/size of the LM head's rows
+        (a tied head: a view of the embedding's rows) and `compute_logits` gathers the
+        ranks' columns on rank 0, which alone samples; the others get None."""
         self.tp = comm
         for layer in self.layers:
             layer.self_attn.tp = layer.mlp.tp = comm
+        vocab, size = self.cfg.vocab_size, comm.size
+        if not vocab_parallel or size == 1 or vocab % size:
+            return
+        n = vocab // size
+        rows = slice(comm.rank * n, (comm.rank + 1) * n)
+        with torch.no_grad():
+            w = self.embed_tokens.weight[rows] if self.lm_head is None else self.lm_head.weight[rows].clone()
+        head = nn.Linear(self.cfg.hidden_size, n, bias=False, device="meta", dtype=w.dtype)
+        head.weight = nn.Parameter(w, requires_grad=False)
+        self.lm_head = head
+        self.vocab_comm = comm
 
     def forward(
         self,
@@ -299,9 +314,15 @@ class LlamaForCausalLM(nn.Module):
                                for x in (layer.self_attn.qkv_proj, layer.self_attn.o_proj))
         return self._stack
 
-    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
-        """[S, hidden] -> [S, V], float32 unless `fp32` is False (then the model's dtype)."""
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor | None:
+        """[S, hidden] -> [S, V], float32 unless `fp32` is False (then the model's dtype).
+        A vocab-parallel head (`set_tensor_parallel`): every rank must call it, at the same
+        point of the same step; rank 0 gets the logits, the others None."""
         logits = F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
+        if self.vocab_comm is not None:
+            logits = self.vocab_comm.gather_cols(logits)
+            if logits is None:
+                return None
         return logits.float() if fp32 else logits
 
     @torch.no_grad()

@@ -11,7 +11,7 @@ Two implementations of one small interface (`Communicator`):
   against the few microseconds of this one (docs/performance.md); a step of the small
   Llama makes 24 of them.
 * `TorchComm`: torch.distributed, NCCL on CUDA (gloo on CPU, kept for comparison:
-  `TANDEM_TP_COMM=gloo`).
+  `ParallelConfig(comm="torch")`).
 
 Every wait is bounded (`timeout_s`) and, on the shared-memory path, notices a rank whose
 process is gone within about a second: `RankLost` says which.
@@ -57,6 +57,11 @@ class Communicator(abc.ABC):
         """`src`'s `x` into every rank's `x`, in place."""
 
     device: torch.device = torch.device("cpu")
+
+    def gather_cols(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0: the ranks' `x` [S, n] side by side, [S, size * n] (rank r's in columns
+        r*n..); the other ranks: None. A vocab-parallel LM head's logits."""
+        raise NotImplementedError
 
     def all_min(self, value: int) -> int:
         """The smallest of the ranks' `value`s (each rank's broadcast in turn: for a few
@@ -134,6 +139,25 @@ class ShmComm(Communicator):
         self.calls += 1
         self.seconds += time.perf_counter() - t0
         return x
+
+    def gather_cols(self, x: torch.Tensor) -> torch.Tensor | None:
+        x = x.contiguous()
+        rows, n = x.shape
+        out = torch.empty(rows, n * self.size, dtype=x.dtype) if self.rank == 0 else None
+        per = max(1, self.slot_bytes // max(1, n * x.element_size()))
+        if n * x.element_size() > self.slot_bytes:
+            raise CommError(f"a row of {n} logits does not fit a {self.slot_bytes}-byte slot")
+        for start in range(0, rows, per):
+            part = x[start:start + per]
+            k = part.shape[0]
+            self._seq += 1
+            slots = self._slots(self._seq % 2, x.dtype)
+            slots[self.rank, :k * n].copy_(part.view(-1))
+            self._counters[self.rank] = self._seq
+            self._wait_all(self._seq)
+            if out is not None:
+                out[start:start + k].view(k, self.size, n).copy_(slots[:, :k * n].view(self.size, k, n).transpose(0, 1))
+        return out
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         flat = x.view(-1)
@@ -221,13 +245,24 @@ class TorchComm(Communicator):
         self._dist.broadcast(x, src)
         return x
 
+    def gather_cols(self, x: torch.Tensor) -> torch.Tensor | None:
+        x = x.contiguous()
+        rows, n = x.shape
+        every = torch.empty(self.size * rows, n, dtype=x.dtype, device=x.device)
+        # all_gather_single from torch 2.13 on; all_gather_into_tensor before (same arguments)
+        (getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor)(every, x)
+        if self.rank != 0:
+            return None
+        return every.view(self.size, rows, n).transpose(0, 1).reshape(rows, self.size * n)
+
     def close(self) -> None:
         if self._dist.is_initialized():
             self._dist.destroy_process_group()
 
 
-def shm_slot_bytes(max_tokens: int, hidden: int, itemsize: int) -> int:
+def shm_slot_bytes(max_tokens: int, hidden: int, itemsize: int, row: int = 0) -> int:
     """A slot that holds one step's widest all-reduce (a whole step's hidden states),
-    capped at 16 MiB (larger tensors go in pieces)."""
-    return max(4096, min(16 << 20, max_tokens * hidden * itemsize))
+    capped at 16 MiB (larger tensors go in pieces), and at least 8 rows of `row` bytes
+    (a rank's share of a row of logits)."""
+    return max(4096, 8 * row, min(16 << 20, max_tokens * hidden * itemsize))
 

@@ -158,7 +158,7 @@ def run_rank(spec: RankSpec, rank: int) -> int:
         ckpt = load_checkpoint(cfg.model or builtin_model_path(), dtype=cfg.dtype)
         shard = Shard(rank, spec.size)
         model = build_model(ckpt, device.device, shard)
-        model.set_tensor_parallel(comm)
+        model.set_tensor_parallel(comm, cfg.parallel.vocab_parallel_head)
         cache: CacheConfig = cfg.cache
         runner = ModelRunner(model, local_config(ckpt.config, shard), cache, device, sampler_seed=cfg.seed,
                              step_limits=spec.step_limits, comm=comm)

@@ -82,7 +82,8 @@ def start_ranks(config: EngineConfig, ckpt, step_limits: tuple[int, int, int], l
             raise ConfigError("the shared-memory all-reduce is for CPU ranks; CUDA ranks use NCCL")
         itemsize = torch.tensor([], dtype=getattr(torch, ckpt.config.dtype)).element_size()
         path = f"/dev/shm/tandem-tp-{os.getpid()}-{secrets.token_hex(4)}"
-        comm_spec = ("shm", path, shm_slot_bytes(step_limits[0], ckpt.config.hidden_size, itemsize))
+        comm_spec = ("shm", path, shm_slot_bytes(step_limits[0], ckpt.config.hidden_size, itemsize,
+                                                 row=-(-ckpt.config.vocab_size // size) * itemsize))
     else:
         store = tempfile.mkdtemp(prefix="tandem-tp-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         comm_spec = ("torch", f"file://{store}/store")

@@ -31,12 +31,12 @@ def llama_kv1_dir(tmp_path_factory, builtin_dir):
     return _write_hf("llama", tmp_path_factory.mktemp("hf-llama-kv1"), builtin_dir, kv_heads=1)
 
 
-def tp_engine(path, size=2, spec=None, comm="auto", blocks=40):
+def tp_engine(path, size=2, spec=None, comm="auto", blocks=40, vocab_parallel=True):
     return LLMEngine.from_config(EngineConfig(
         model=str(path), cache=CacheConfig(block_size=16, num_blocks=blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=1024),
         speculative=SpeculativeConfig(method=spec, adaptive=False) if spec else SpeculativeConfig(),
-        parallel=ParallelConfig(tensor_parallel_size=size, comm=comm)))
+        parallel=ParallelConfig(tensor_parallel_size=size, comm=comm, vocab_parallel_head=vocab_parallel)))
 
 
 def run(engine: LLMEngine, prompts, params):
@@ -87,15 +87,35 @@ def test_two_ranks_match_transformers(which, spec, request):
         engine.runner.close()
 
 
-def test_torch_distributed_all_reduce_gives_the_same_tokens(llama_dir):
-    """gloo in place of the shared-memory all-reduce (the comparison docs/performance.md makes)."""
-    engine = tp_engine(llama_dir, comm="torch", blocks=64)
+@pytest.mark.parametrize("comm,vocab_parallel", [("torch", True), ("shm", False)], ids=["gloo", "whole-head"])
+def test_gloo_and_a_head_on_every_rank_give_the_same_tokens(llama_dir, comm, vocab_parallel):
+    """gloo in place of the shared-memory collectives (the comparison docs/performance.md
+    makes), and the LM head whole on every rank instead of split by vocabulary; prompt
+    logprobs too, which rank 0 computes from gathered logits."""
+    engine = tp_engine(llama_dir, comm=comm, blocks=64, vocab_parallel=vocab_parallel)
     try:
+        assert (engine.runner.model.vocab_comm is not None) == vocab_parallel
         prompts = random_prompts([9, 70], seed=5)
         got, _ = run(engine, prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         assert got == [hf_greedy(llama_dir, p, 8, ignore_eos=True) for p in prompts]
+        got = prompt_logprobs(engine, prompts[1])
+        want = prompt_logprobs(tp_engine(llama_dir, size=1, blocks=64), prompts[1])  # one rank, the same weights
+        assert [lp.token_id for lp in got] == [lp.token_id for lp in want] and len(got) == len(prompts[1]) - 1
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(got, want)) < 1e-4
+        assert [lp.top[0][0] for lp in got] == [lp.top[0][0] for lp in want]
     finally:
         engine.runner.close()
+
+
+def prompt_logprobs(engine: LLMEngine, prompt: list[int]):
+    engine.add_request("lp", prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
+    out = None
+    for _ in range(1000):
+        if not engine.has_work():
+            break
+        for ev in engine.step():
+            out = ev.prompt_logprobs or out
+    return [lp for lp in out if lp is not None]
 
 
 def test_a_rank_that_dies_fails_the_next_step_with_its_reason(llama_dir):

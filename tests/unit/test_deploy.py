@@ -1,6 +1,6 @@
 """deploy/: the Helm chart, linted and rendered by Helm's own library (helm-python-sdk)
-for four values files (one of them a 70B model's tensor-parallel workers); every rendered object validated against the Kubernetes API
-schemas (kubernetes-validate), the RayCluster against KubeRay's CRD schema and the
+for four values files (one a 70B model's tensor-parallel workers); every rendered object
+validated against the Kubernetes API schemas (kubernetes-validate), the RayCluster against KubeRay's CRD schema and the
 monitoring objects against the Prometheus Operator's (named releases, tests/data); bad
 values refused with a message naming the value; the chart's monitoring files identical
 to deploy/monitoring's; the Dockerfiles parsed and their install steps the README's."""
