@@ -8,9 +8,9 @@ Per decoder layer, rank r of N holds:
   and v are column-parallel (rows of their weights), o_proj row-parallel (its columns);
 * the MLP: gate and up column-parallel, down row-parallel, over the intermediate size
   I/N;
-* the embedding, the norms and the LM head: whole, on every rank. Rank 0 alone computes
-  logits and samples (engine/runner.py), so the head costs no collective; a
-  vocab-parallel head would read 1/N of its weight a rank at the price of a gather.
+* the embedding and the norms: whole, on every rank; the LM head is split by vocabulary
+  after loading (engine/models/llama.py `set_tensor_parallel`) and its logits gathered
+  on rank 0, which alone samples (engine/runner.py).
 
 A row-parallel output is a partial sum: the layer all-reduces it (engine/models/llama.py),
 and its bias is added once, on rank 0. The KV cache of a rank holds its KV heads only, so
