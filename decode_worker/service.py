@@ -95,12 +95,7 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
             "Engine steps planned and launched while the step before ran on the device (asynchronous "
             "scheduling); against tandem:worker_step_seconds_count, the share of steps that overlapped.",
             lambda: self.engine.steps_ahead)
-        if (comm := self.engine.runner.comm) is not None:  # tensor parallel: the all-reduces' share of the steps
-            self.metrics.add_counter(
-                "tandem:worker_allreduce_seconds",
-                "Seconds rank 0 of this tensor-parallel worker spent in all-reduces, waits for the other ranks "
-                "included; against tandem:worker_step_seconds_sum, their share of the steps.",
-                lambda: comm.seconds)
+        self.add_parallel_metrics(self.engine.runner)
         if cfg.metrics_port is not None:
             self.metrics.serve(self.endpoint.bind, cfg.metrics_port, self.endpoint.advertise)
         self.aengine.start(loop)

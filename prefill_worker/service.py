@@ -76,12 +76,7 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
         self.kv_events = KVEventHub(parts.pool, cfg.worker_id, self.epoch, loop)
         self.metrics = self.make_metrics()
         self.engine.metrics = self.metrics
-        if (comm := self.engine.runner.comm) is not None:  # tensor parallel: the all-reduces' share of the steps
-            self.metrics.add_counter(
-                "tandem:worker_allreduce_seconds",
-                "Seconds rank 0 of this tensor-parallel worker spent in all-reduces, waits for the other ranks "
-                "included; against tandem:worker_step_seconds_sum, their share of the steps.",
-                lambda: comm.seconds)
+        self.add_parallel_metrics(self.engine.runner)
         if cfg.metrics_port is not None:
             self.metrics.serve(self.endpoint.bind, cfg.metrics_port, self.endpoint.advertise)
         self.loop = EngineLoop(self._step, self._wait_s, lambda _: None, self._on_fatal, name="prefill-engine",

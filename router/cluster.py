@@ -30,8 +30,7 @@ from router.policy import RoutingConfig, WorkerView, choose_decode, plan
 from router.view import ClusterView
 from router.worker_client import disaggregated_stream, local_stream
 from router.workers import Worker
-from worker_runtime.config import Role
-from worker_runtime.loop import WORKER_LOST
+from worker_runtime.config import WORKER_LOST, Role
 
 log = logging.getLogger(__name__)
 

@@ -18,6 +18,14 @@ from kv_transfer.tls import ClusterTLS
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+# How a worker's requests end when one of its tensor-parallel ranks is gone (the engine
+# raised engine.parallel.comm.RankLost; worker_runtime/loop.py): a fault of the worker,
+# not of any request, so routers move such requests to another worker as they do when a
+# worker process dies (router/cluster.py). Other engine failures stay errors: a request
+# that broke one engine must not go on to break the next.
+WORKER_LOST = "worker lost a tensor-parallel rank: "
+
+
 class Role(str, enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"

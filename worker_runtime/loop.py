@@ -18,19 +18,14 @@ import queue
 import threading
 from typing import Callable
 
+from worker_runtime.config import WORKER_LOST
+
 log = logging.getLogger(__name__)
 
 
 class EngineDead(RuntimeError):
     pass
 
-
-# How a worker's requests end when one of its tensor-parallel ranks is gone (the engine
-# raised engine.parallel.comm.RankLost): a fault of the worker, not of any request, so
-# routers move such requests to another worker as they do when a worker process dies
-# (router/cluster.py). Other engine failures stay errors: a request that broke one
-# engine must not go on to break the next.
-WORKER_LOST = "worker lost a tensor-parallel rank: "
 
 
 class EngineLoop:

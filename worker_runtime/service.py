@@ -70,6 +70,17 @@ class WorkerRpcs(abc.ABC):
     EngineLoop), and defines `stats()` (its WorkerStats, built in one place) and
     `check_integrity()` (run on the engine thread)."""
 
+    def add_parallel_metrics(self, runner) -> None:
+        """Tensor parallel (rank 0): its time in all-reduces, against its step time."""
+        comm = runner.comm
+        if comm is None:
+            return
+        self.metrics.add_counter(
+            "tandem:worker_allreduce_seconds",
+            "Seconds rank 0 of this tensor-parallel worker spent in all-reduces, waits for the other ranks "
+            "included; against tandem:worker_step_seconds_sum, their share of the steps.",
+            lambda: comm.seconds)
+
     @abc.abstractmethod
     def stats(self) -> WorkerStats:
         """This worker's load now; any thread (a lock-free snapshot)."""

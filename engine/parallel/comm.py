@@ -121,21 +121,29 @@ class ShmComm(Communicator):
             self._views[key] = v
         return v
 
+    def _exchange(self, part: torch.Tensor, write: bool = True) -> torch.Tensor:
+        """One round: this rank's `part` (flat) into its slot of the next set (unless not
+        `write`), its counter bumped, every rank waited for; the set's slots, [size, n]."""
+        n = part.numel()
+        self._seq += 1
+        slots = self._slots(self._seq % 2, part.dtype)
+        if write:
+            slots[self.rank, :n].copy_(part)
+        self._counters[self.rank] = self._seq
+        self._wait_all(self._seq)
+        return slots[:, :n]
+
+    def _pieces(self, flat: torch.Tensor):
+        per = self.slot_bytes // flat.element_size()
+        return (flat[start:start + per] for start in range(0, flat.numel(), per))
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
-        flat = x.view(-1)
-        per = self.slot_bytes // x.element_size()
-        for start in range(0, flat.numel(), per):
-            part = flat[start:start + per]
-            n = part.numel()
-            self._seq += 1
-            slots = self._slots(self._seq % 2, x.dtype)
-            slots[self.rank, :n].copy_(part)
-            self._counters[self.rank] = self._seq
-            self._wait_all(self._seq)
-            torch.add(slots[0, :n], slots[1, :n], out=part)
+        for part in self._pieces(x.view(-1)):
+            slots = self._exchange(part)
+            torch.add(slots[0], slots[1], out=part)
             for r in range(2, self.size):
-                part.add_(slots[r, :n])
+                part.add_(slots[r])
         self.calls += 1
         self.seconds += time.perf_counter() - t0
         return x
@@ -150,29 +158,16 @@ class ShmComm(Communicator):
         for start in range(0, rows, per):
             part = x[start:start + per]
             k = part.shape[0]
-            self._seq += 1
-            slots = self._slots(self._seq % 2, x.dtype)
-            slots[self.rank, :k * n].copy_(part.view(-1))
-            self._counters[self.rank] = self._seq
-            self._wait_all(self._seq)
+            slots = self._exchange(part.reshape(-1))
             if out is not None:
-                out[start:start + k].view(k, self.size, n).copy_(slots[:, :k * n].view(self.size, k, n).transpose(0, 1))
+                out[start:start + k].view(k, self.size, n).copy_(slots.view(self.size, k, n).transpose(0, 1))
         return out
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        flat = x.view(-1)
-        per = self.slot_bytes // x.element_size()
-        for start in range(0, flat.numel(), per):
-            part = flat[start:start + per]
-            n = part.numel()
-            self._seq += 1
-            slots = self._slots(self._seq % 2, x.dtype)
-            if self.rank == src:
-                slots[src, :n].copy_(part)
-            self._counters[self.rank] = self._seq
-            self._wait_all(self._seq)
+        for part in self._pieces(x.view(-1)):
+            slots = self._exchange(part, write=self.rank == src)
             if self.rank != src:
-                part.copy_(slots[src, :n])
+                part.copy_(slots[src])
         return x
 
     def _wait_all(self, seq: int) -> None:

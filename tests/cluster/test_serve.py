@@ -229,6 +229,21 @@ async def assert_workers_clean(srv: Serve, after_s: float) -> None:
             assert leaked == 0, f"{w['worker_id']} leaks {leaked} blocks"
 
 
+async def worker_settles_clean(w: dict, within_s: float = 10.0) -> None:
+    """Worker `w` (an /admin/pools entry) passes CheckIntegrity and, within `within_s`
+    (the last step's release lands just after the last token), runs nothing and holds
+    no KV block."""
+    c = WorkerClient(w["worker_id"], w["role"], w["address"], TOKEN)
+    try:
+        assert (await c.check_integrity()).healthy
+        deadline = time.monotonic() + within_s
+        while (s := await c.stats()).num_running or s.num_free_blocks != s.num_blocks:
+            assert time.monotonic() < deadline, s
+            await asyncio.sleep(0.1)
+    finally:
+        await c.close()
+
+
 async def _wait_for(cond, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -753,19 +768,7 @@ def _migration_on_sigkill(srv: Serve, model_path) -> None:
     log = open(srv.log_path).read()
     assert re.search(rf"on {killed['worker_id']} failed .*; migrating", log), log[-3000:]
     survivor = next(w for w in workers if w["worker_id"] != killed["worker_id"])
-
-    async def survivor_clean() -> None:
-        c = WorkerClient(survivor["worker_id"], "decode", survivor["address"], TOKEN)
-        try:
-            assert (await c.check_integrity()).healthy
-            deadline = time.monotonic() + 10  # the last step's release lands just after the last token
-            while (s := await c.stats()).num_running or s.num_free_blocks != s.num_blocks:
-                assert time.monotonic() < deadline, s
-                await asyncio.sleep(0.1)
-        finally:
-            await c.close()
-
-    asyncio.run(survivor_clean())
+    asyncio.run(worker_settles_clean(survivor))
 
 
 def test_random_requests_get_an_answer_or_a_400_never_a_5xx(serve):

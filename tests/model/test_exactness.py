@@ -17,19 +17,24 @@ LENGTHS = [1, 7, 15, 16, 17, 32, 33, 50, 95]
 NEW = 12
 
 
-def run(engine: LLMEngine, prompts, params):
-    """Greedy-decode every prompt to the end; `params` is one SamplingParams or one each."""
+def run(engine: LLMEngine, prompts, params, usage: list | None = None):
+    """Greedy-decode every prompt to the end; `params` is one SamplingParams or one each.
+    `usage`: filled with each request's Usage, in prompt order."""
     each = params if isinstance(params, list) else [params] * len(prompts)
     for i, (p, sp) in enumerate(zip(prompts, each)):
         engine.add_request(str(i), p, sp)
-    out = {str(i): [] for i in range(len(prompts))}
+    out, used = {str(i): [] for i in range(len(prompts))}, {}
     for _ in range(10_000):
         if not engine.has_work():
             break
         for ev in engine.step():
             if ev.token_id is not None:
                 out[ev.seq_id].append(ev.token_id)
+            if ev.usage is not None:
+                used[ev.seq_id] = ev.usage
     engine.check_integrity()
+    if usage is not None:
+        usage.extend(used.get(str(i)) for i in range(len(prompts)))
     return [out[str(i)] for i in range(len(prompts))]
 
 

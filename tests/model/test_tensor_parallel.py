@@ -18,6 +18,7 @@ from engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerCo
 from engine.parallel.comm import RankLost
 from engine.sampling_params import SamplingParams
 from tests.model.conftest import _write_hf
+from tests.model.test_exactness import run as run_to_end
 from tests.oracle import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.model
@@ -40,20 +41,9 @@ def tp_engine(path, size=2, spec=None, comm="auto", blocks=40, vocab_parallel=Tr
 
 
 def run(engine: LLMEngine, prompts, params):
-    """Every prompt to its end: (token ids, usage) per prompt; then the leak check."""
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    out, usage = {str(i): [] for i in range(len(prompts))}, {}
-    for _ in range(10_000):
-        if not engine.has_work():
-            break
-        for ev in engine.step():
-            if ev.token_id is not None:
-                out[ev.seq_id].append(ev.token_id)
-            if ev.usage is not None:
-                usage[ev.seq_id] = ev.usage
-    engine.check_integrity()
-    return [out[str(i)] for i in range(len(prompts))], [usage[str(i)] for i in range(len(prompts))]
+    """(token ids, usage) per prompt (tests/model/test_exactness.py's run, which also checks for leaks)."""
+    usage: list = []
+    return run_to_end(engine, prompts, params, usage), usage
 
 
 def prompts_with_cases():
@@ -138,3 +128,29 @@ def test_a_model_the_ranks_cannot_split_is_refused_with_the_numbers(llama_dir):
 
     with pytest.raises(ConfigError, match="does not divide the model's 4 attention heads"):
         tp_engine(llama_dir, size=3)
+
+
+def test_planned_ahead_steps_and_a_grammar_under_two_ranks(builtin_dir):
+    """Asynchronous scheduling (steps planned on tokens not yet read back: rank 1 gets
+    them with the plan) gives transformers' tokens; a regex-constrained request, masked
+    on rank 0 alone, gives text the regex matches."""
+    import re
+
+    from engine.sampling_params import GuidedSpec
+
+    engine = LLMEngine.from_config(EngineConfig(
+        model=str(builtin_dir), cache=CacheConfig(block_size=16, num_blocks=128),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=1024,
+                                  async_scheduling=True),
+        parallel=ParallelConfig(tensor_parallel_size=2)))
+    try:
+        assert engine.async_scheduling
+        prompts = random_prompts([12, 40, 70], seed=8)
+        got, _ = run(engine, prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+        assert got == [hf_greedy(builtin_dir, p, 20, ignore_eos=True) for p in prompts]
+        assert engine.steps_ahead > 0
+        spec = GuidedSpec("regex", r"[0-9]{3}-[a-z]{2,5}")
+        [ids], _ = run(engine, [prompts[0]], SamplingParams(max_tokens=20, temperature=0, guided=spec))
+        assert re.fullmatch(spec.value, engine.checkpoint.tokenizer.decode(ids)), ids
+    finally:
+        engine.runner.close()
