@@ -70,18 +70,38 @@ class WorkerProc:
 def spawn_worker(role: str, worker_id: str, log_dir: Path, transport: str = "tcp", port: int = 0,
                  faults: str = "", args: tuple[str, ...] = (), num_blocks: int = 256) -> WorkerProc:
     """Start one worker process and wait (bounded) for its READY line."""
+    return start_worker(role, worker_id, log_dir, transport, port, faults, args, num_blocks).ready()
+
+
+@dataclass
+class StartingWorker:
+    """A worker process started, its READY line not yet read (`ready` waits for it):
+    several workers' starts (imports, weights, ranks) overlap."""
+
+    role: str
+    worker_id: str
+    proc: subprocess.Popen
+    log: Path
+
+    def ready(self) -> WorkerProc:
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if sel.select(timeout=0.5):
+                line = self.proc.stdout.readline()
+                if line.startswith("READY "):
+                    return WorkerProc(self.role, self.worker_id, self.proc, line.split()[1], self.log)
+        self.proc.kill()
+        raise RuntimeError(f"{self.role} worker {self.worker_id} did not start: {self.log.read_text()[-3000:]}")
+
+
+def start_worker(role: str, worker_id: str, log_dir: Path, transport: str = "tcp", port: int = 0,
+                 faults: str = "", args: tuple[str, ...] = (), num_blocks: int = 256) -> StartingWorker:
+    """Start one worker process; its `ready()` waits (bounded) for its READY line."""
     log = Path(log_dir) / f"{worker_id}-{int(time.time() * 1000) % 10**8}.log"
     env = {**os.environ, "TANDEM_FAULTS": faults}
     cmd = [sys.executable, "-m", f"{role}_worker", "--worker-id", worker_id, "--transport", transport,
            "--port", str(port), "--num-threads", "1", "--num-blocks", str(num_blocks), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, env=env)
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        if sel.select(timeout=0.5):
-            line = proc.stdout.readline()
-            if line.startswith("READY "):
-                return WorkerProc(role, worker_id, proc, line.split()[1], log)
-    proc.kill()
-    raise RuntimeError(f"{role} worker {worker_id} did not start: {log.read_text()[-3000:]}")
+    return StartingWorker(role, worker_id, proc, log)

@@ -193,12 +193,8 @@ class ShmComm(Communicator):
             pid = int(self._pids[r])
             if pid <= 0:
                 continue
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                raise RankLost(f"rank {r} (pid {pid}) of the tensor-parallel group is gone") from None
-            except PermissionError:
-                pass
+            if not _alive(pid):
+                raise RankLost(f"rank {r} (pid {pid}) of the tensor-parallel group is gone")
 
     def close(self) -> None:
         self._views.clear()
@@ -213,6 +209,22 @@ class ShmComm(Communicator):
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` still runs: a killed child not yet reaped (a zombie, as a
+    rank started by `LocalRanks` is until its parent waits for it) counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except OSError:
+        return True
 
 
 class TorchComm(Communicator):

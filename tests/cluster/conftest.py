@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine.models.builtin import builtin_model_path
-from worker_runtime.process import WorkerProc, spawn_worker
+from worker_runtime.process import WorkerProc, spawn_worker, start_worker
 
 
 @pytest.fixture(scope="session")
@@ -26,6 +26,20 @@ def spawn(tmp_path, model_path):
         procs.append(w)
         return w
 
+    def _together(*specs: tuple[str, str, dict]) -> list[WorkerProc]:
+        """Several workers at once, each (role, worker_id, kw): their starts overlap."""
+        starting = [start_worker(role, worker_id, tmp_path, **kw) for role, worker_id, kw in specs]
+        ready = []
+        try:
+            for s in starting:
+                ready.append(s.ready())
+        finally:
+            procs.extend(ready)
+            for s in starting[len(ready):]:
+                s.proc.kill()
+        return ready
+
+    _spawn.together = _together
     yield _spawn
     for w in procs:
         w.stop()

@@ -61,8 +61,8 @@ async def assert_clean(*clients, timeout=10.0):
 
 async def started(spawn, decode_args=(), transport="tcp", **prefill):
     """A decode worker and a prefill worker, both ready: (decode, prefill, their clients)."""
-    d = spawn("decode", "decode-0", transport=transport, args=decode_args)
-    p = spawn("prefill", "prefill-0", transport=transport, **prefill)
+    d, p = spawn.together(("decode", "decode-0", {"transport": transport, "args": decode_args}),
+                          ("prefill", "prefill-0", {"transport": transport, **prefill}))
     dc, pc = d.client(), p.client()
     await wait_ready(dc)
     await wait_ready(pc)
@@ -77,8 +77,9 @@ AHEAD = ("--async-scheduling", "--metrics-port", "0")
 @pytest.mark.parametrize("transport,decode_args", [("tcp", ()), ("nixl", ()), ("tcp", AHEAD)],
                          ids=["tcp", "nixl", "tcp-async"])
 async def test_sixteen_concurrent_requests_match_transformers(spawn, model_path, transport, decode_args):
-    d = spawn("decode", "decode-0", transport=transport, args=decode_args)
-    p = spawn("prefill", "prefill-0", transport=transport, args=("--max-num-batched-tokens", "128"))
+    d, p = spawn.together(("decode", "decode-0", dict(transport=transport, args=decode_args)),
+                          ("prefill", "prefill-0", dict(transport=transport,
+                                                        args=("--max-num-batched-tokens", "128"))))
     dc, pc = d.client(), p.client()
     decode_info = await wait_ready(dc)
     await wait_ready(pc)
@@ -106,8 +107,9 @@ async def test_sixteen_concurrent_requests_match_transformers(spawn, model_path,
 
 
 async def test_prefill_worker_killed_mid_prefill(spawn, model_path):
-    d = spawn("decode", "decode-0", args=QUARANTINE)
-    p = spawn("prefill", "prefill-0", faults="prefill_step_delay_s=0.25", args=("--max-num-batched-tokens", "32"))
+    d, p = spawn.together(("decode", "decode-0", dict(args=QUARANTINE)),
+                          ("prefill", "prefill-0", dict(faults="prefill_step_delay_s=0.25",
+                                                        args=("--max-num-batched-tokens", "32"))))
     dc, pc = d.client(), p.client()
     await wait_ready(dc)
     await wait_ready(pc)
@@ -130,8 +132,8 @@ async def test_prefill_worker_killed_mid_prefill(spawn, model_path):
 
 
 async def test_injected_transfer_failure(spawn, model_path):
-    d = spawn("decode", "decode-0", args=QUARANTINE)
-    p = spawn("prefill", "prefill-0", faults="fail_transfers=1")
+    d, p = spawn.together(("decode", "decode-0", dict(args=QUARANTINE)),
+                          ("prefill", "prefill-0", dict(faults="fail_transfers=1")))
     dc, pc = d.client(), p.client()
     await wait_ready(dc)
     await wait_ready(pc)
@@ -287,8 +289,9 @@ async def test_a_reservation_cancelled_before_it_was_sent_is_not_quarantined(spa
     """A Decode stream cancelled while the decode worker is still making its reservation:
     the reservation never reached the router, so no prefill worker can write into it, and
     its blocks are freed at once rather than held for the quarantine (60 s here)."""
-    d = spawn("decode", "decode-0", faults="reserve_delay_s=0.6", args=("--reservation-quarantine-s", "60"))
-    p = spawn("prefill", "prefill-0")
+    d, p = spawn.together(("decode", "decode-0", dict(faults="reserve_delay_s=0.6",
+                                                      args=("--reservation-quarantine-s", "60"))),
+                          ("prefill", "prefill-0", {}))
     dc, pc = d.client(), p.client()
     await wait_ready(dc)
     await wait_ready(pc)
@@ -304,8 +307,8 @@ async def test_a_reservation_cancelled_before_it_was_sent_is_not_quarantined(spa
 
 
 async def test_decode_worker_restarted_on_the_same_address(spawn, model_path):
-    d = spawn("decode", "decode-0")
-    p = spawn("prefill", "prefill-0")
+    d, p = spawn.together(("decode", "decode-0", {}),
+                          ("prefill", "prefill-0", {}))
     dc, pc = d.client(), p.client()
     await wait_ready(dc)
     await wait_ready(pc)
@@ -417,8 +420,8 @@ async def test_router_streams_through_the_feed(spawn, model_path):
     read their tokens from it; the results equal transformers'."""
     from router import token_feed
 
-    d = spawn("decode", "decode-0")
-    p = spawn("prefill", "prefill-0")
+    d, p = spawn.together(("decode", "decode-0", {}),
+                          ("prefill", "prefill-0", {}))
     dc, pc = d.client(), p.client()
     await wait_ready(dc)
     await wait_ready(pc)

@@ -20,12 +20,14 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from router.backend import GenerateRequest
-from router.worker_client import disaggregated_stream
+from router.worker_client import disaggregated_stream, local_stream
 from tests.cluster.test_disagg import assert_clean
 from tests.cluster.test_serve import worker_settles_clean
+from tests.cluster.test_transport import _nixl_works
 from tests.model.conftest import _write_hf
 from tests.oracle import hf_greedy, random_prompts
 from worker_runtime.client import wait_ready
+from worker_runtime.config import WORKER_LOST
 
 pytestmark = pytest.mark.cluster
 
@@ -50,21 +52,24 @@ def handoff_prompts():
     return ps + [ps[-1][:64] + tail for tail in random_prompts([3, 20], seed=23)]
 
 
-@pytest.mark.parametrize("name,p_tp,d_tp,spec", [
-    ("llama-kv2", 2, 1, None), ("llama-kv2", 1, 2, None), ("llama-kv2", 2, 2, None),
-    ("llama-kv1", 2, 2, None), ("llama-kv1", 1, 2, None), ("qwen2", 2, 1, None),
-    ("builtin", 1, 2, "ngram"),
+@pytest.mark.parametrize("name,p_tp,d_tp,spec,transport", [
+    ("llama-kv2", 2, 1, None, "tcp"), ("llama-kv2", 1, 2, None, "tcp"), ("llama-kv2", 2, 2, None, "tcp"),
+    ("llama-kv1", 2, 2, None, "tcp"), ("llama-kv1", 1, 2, None, "tcp"), ("qwen2", 2, 1, None, "tcp"),
+    ("builtin", 1, 2, "ngram", "tcp"),
+    ("llama-kv2", 2, 2, None, "nixl"),  # ranks holding the same heads: whole blocks, rank to rank
 ])
 async def test_prefill_and_decode_ranks_of_any_pairing_hand_off_exactly(spawn, checkpoints, name, p_tp, d_tp,
-                                                                          spec):
+                                                                          spec, transport):
+    if transport == "nixl" and (why := _nixl_works()):
+        pytest.skip(why)
     model = str(checkpoints[name])
     common = ("--model", model, "--block-size", "16")
     d_args = (*common, "--tensor-parallel-size", str(d_tp))
     if spec:
         d_args += ("--speculative-method", spec, "--no-adaptive-speculation")
-    d = spawn("decode", "decode-0", args=d_args)
-    p = spawn("prefill", "prefill-0", args=(*common, "--tensor-parallel-size", str(p_tp),
-                                             "--max-num-batched-tokens", "64"))
+    d, p = spawn.together(("decode", "decode-0", {"transport": transport, "args": d_args}),
+                          ("prefill", "prefill-0", {"transport": transport, "args": (
+                              *common, "--tensor-parallel-size", str(p_tp), "--max-num-batched-tokens", "64")}))
     dc, pc = d.client(), p.client()
     await wait_ready(dc)
     await wait_ready(pc)
@@ -79,6 +84,62 @@ async def test_prefill_and_decode_ranks_of_any_pairing_hand_off_exactly(spawn, c
         assert sum(last.accepted_tokens for _, last in outs) > 0
     await assert_clean(dc, pc)
 
+
+
+def rank_children(worker) -> list[psutil.Process]:
+    """The live rank processes (`python -m engine.parallel.rank`) of a worker run on its own."""
+    out = []
+    for c in psutil.Process(worker.proc.pid).children():
+        try:
+            if c.status() != psutil.STATUS_ZOMBIE and "engine.parallel.rank" in " ".join(c.cmdline()):
+                out.append(c)
+        except psutil.Error:  # gone, or killed and not yet reaped
+            pass
+    return out
+
+
+async def test_a_rank_killed_on_either_side(spawn, checkpoints):
+    """A prefill rank killed mid-prefill: the prefill fails with the reason, the prompt is
+    prefilled on the decode worker instead and its tokens are exact, the decode side holds
+    no block, and the prefill worker reports itself unhealthy (its controller would
+    replace it). Then a decode rank killed mid-stream: the stream ends with the
+    worker-lost error (a router moves such requests, test above), and the decode worker
+    reports itself unhealthy."""
+    model = str(checkpoints["llama-kv2"])
+    common = ("--model", model, "--block-size", "16", "--tensor-parallel-size", "2")
+    d, p = spawn.together(("decode", "decode-0", {"args": (*common, "--reservation-quarantine-s", "1")}),
+                          ("prefill", "prefill-0", {"faults": "prefill_step_delay_s=0.2",
+                                                    "args": (*common, "--max-num-batched-tokens", "32")}))
+    dc, pc = d.client(), p.client()
+    await wait_ready(dc)
+    await wait_ready(pc)
+    [prompt] = random_prompts([320], seed=64)  # 10 chunks of 32 at 0.2 s each
+    req = GenerateRequest("long", prompt, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
+    task = asyncio.create_task(with_usage(disaggregated_stream(pc, dc, req, fallback_local=True)))
+    deadline = time.monotonic() + 30
+    while (await pc.stats()).num_running != 1:
+        assert time.monotonic() < deadline, "the prefill never started"
+        await asyncio.sleep(0.02)
+    [rank] = rank_children(p)
+    rank.kill()
+    out, _ = await asyncio.wait_for(task, 60)
+    assert out == hf_greedy(model, prompt, NEW, ignore_eos=True)  # prefilled on the decode worker instead
+    await assert_clean(dc)  # the abandoned reservation's quarantine (1 s) over: every block free
+    health = await pc.health()
+    assert not health.healthy and "RankLost" in health.error, health
+
+    req = GenerateRequest("stream", prompt[:20], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+    got, error, killed = [], None, False
+    async for batch in local_stream(dc, req):
+        got += batch.token_ids
+        error = batch.error or error
+        if len(got) >= 20 and not killed:
+            [rank] = rank_children(d)
+            rank.kill()
+            killed = True
+    assert error and error.startswith(WORKER_LOST) and len(got) < 400, (error, len(got))
+    assert got == hf_greedy(model, prompt[:20], len(got), ignore_eos=True)
+    assert not (await dc.health()).healthy
 
 async def with_usage(stream):
     """(token ids, the last batch: its usage)."""
