@@ -4,6 +4,12 @@ steps (rank 0's time in all-reduces, waits for rank 1 included, over its step ti
 
     python -m bench.lab.tp MODEL_DIR OUT [--dtype bfloat16] [--cores 0,1] [--batch 64]
                            [--prompt-len 256] [--output-len 128] [--rounds 2]
+    python -m bench.lab.tp --allreduce OUT [--cores 0,1]
+
+`--allreduce`: the collective alone, two processes pinned a core each: tandem's
+shared-memory all-reduce against gloo's (torch.distributed), 1, 16 and 256 rows of 768
+values in bf16 and fp32, the mean of 2,000 calls (gloo: 500) after a warm-up; OUT/allreduce.md
+and OUT/allreduce.json.
 
 Two loads: one stream (a prompt, then its tokens one step at a time: ms a token) and a
 batch of `--batch` prompts at once (output tokens a second). The sizes alternate round
@@ -78,6 +84,70 @@ def run_once(model: str, tp: int, dtype: str, cores: tuple[int, ...], batch: int
     return out
 
 
+def _allreduce_rank(rank: int, kind: str, core: int, where: str, results) -> None:
+    import torch
+
+    from engine.parallel.comm import ShmComm, TorchComm
+
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    if kind == "shm":
+        comm = ShmComm(where, rank, 2, 4 << 20, create=rank == 0) if rank == 0 else None
+        if rank == 1:
+            while not os.path.exists(where):
+                time.sleep(0.01)
+            time.sleep(0.1)
+            comm = ShmComm(where, 1, 2, 4 << 20)
+    else:
+        comm = TorchComm(f"file://{where}", rank, 2, torch.device("cpu"))
+    calls = 2000 if kind == "shm" else 500
+    for dtype in (torch.bfloat16, torch.float32):
+        for rows in (1, 16, 256):
+            x = torch.full((rows, 768), rank + 1.0, dtype=dtype)
+            for _ in range(50):
+                comm.all_reduce(x)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                comm.all_reduce(x)
+            us = (time.perf_counter() - t0) / calls * 1e6
+            x.fill_(rank + 1.0)
+            comm.all_reduce(x)
+            if rank == 0:
+                results.put({"comm": kind, "dtype": str(dtype).removeprefix("torch."), "rows": rows,
+                             "us_per_call": round(us, 1), "sum_ok": bool((x == 3.0).all())})
+    comm.close()
+
+
+def allreduce(out: Path, cores: tuple[int, ...]) -> int:
+    import multiprocessing as mp
+    import tempfile
+
+    ctx = mp.get_context("spawn")
+    rows = []
+    for kind in ("shm", "gloo"):
+        results = ctx.Queue()
+        where = (f"/dev/shm/tandem-bench-{os.getpid()}" if kind == "shm"
+                 else tempfile.mkdtemp(prefix="tandem-bench-") + "/store")
+        procs = [ctx.Process(target=_allreduce_rank, args=(r, kind, cores[r % len(cores)], where, results))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(600)
+        while not results.empty():
+            rows.append(results.get())
+        if kind == "shm" and os.path.exists(where):
+            os.unlink(where)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "allreduce.json").write_text(json.dumps(rows, indent=1) + "\n")
+    lines = [f"# all-reduce between two ranks, a core each ({cpu_name()}, cores {','.join(map(str, cores[:2]))})", "",
+             "| comm | dtype | rows of 768 | us a call | sum right |", "|---|---|---|---|---|"]
+    lines += [f"| {r['comm']} | {r['dtype']} | {r['rows']} | {r['us_per_call']} | {r['sum_ok']} |" for r in rows]
+    (out / "allreduce.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if rows and all(r["sum_ok"] for r in rows) else 1
+
+
 def cpu_name() -> str:
     for line in open("/proc/cpuinfo"):
         if line.startswith("model name"):
@@ -88,8 +158,9 @@ def cpu_name() -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.lab.tp", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model")
-    p.add_argument("out", type=Path)
+    p.add_argument("model", nargs="?")
+    p.add_argument("out", type=Path, nargs="?")
+    p.add_argument("--allreduce", type=Path, default=None, metavar="OUT", help="the collective alone (see above)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--cores", default=",".join(map(str, sorted(os.sched_getaffinity(0)))))
     p.add_argument("--batch", type=int, default=64)
@@ -100,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--whole-head", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     cores = tuple(int(c) for c in a.cores.split(","))
+    if a.allreduce is not None:
+        return allreduce(a.allreduce, cores)
+    if a.model is None or a.out is None:
+        p.error("MODEL_DIR and OUT are needed (or --allreduce OUT)")
     if a.one:
         print(json.dumps(run_once(a.model, a.one, a.dtype, cores, a.batch, a.prompt_len, a.output_len,
                                   not a.whole_head)))

@@ -6,10 +6,10 @@ Two implementations of one small interface (`Communicator`):
   into a shared-memory slot, a counter bump, a wait for the other ranks' counters and a
   sum of the slots, every rank adding them in the same order so that all ranks hold
   bit-identical results (the residual stream is replicated: it must not drift apart).
-  gloo's all-reduce over loopback TCP took 1.0-2.2 ms a call for 1-256 rows of 768
-  floats with two one-thread ranks on the 2-core Xeon (AMX) of the thirty-fifth round,
-  against the few microseconds of this one (docs/performance.md); a step of the small
-  Llama makes 24 of them.
+  gloo's all-reduce over loopback TCP took 0.9-2.0 ms a call for 1-256 rows of 768
+  values with two one-thread ranks on the 2-core Xeon (AMX) of the thirty-fifth round,
+  against 13-134 µs for this one (docs/performance.md); a step of the small Llama makes
+  24 of them.
 * `TorchComm`: torch.distributed, NCCL on CUDA (gloo on CPU, kept for comparison:
   `ParallelConfig(comm="torch")`).
 
