@@ -54,7 +54,8 @@ def handoff_prompts():
 
 @pytest.mark.parametrize("name,p_tp,d_tp,spec,transport", [
     ("llama-kv2", 2, 1, None, "tcp"), ("llama-kv2", 1, 2, None, "tcp"), ("llama-kv2", 2, 2, None, "tcp"),
-    ("llama-kv1", 2, 2, None, "tcp"), ("llama-kv1", 1, 2, None, "tcp"), ("qwen2", 2, 1, None, "tcp"),
+    ("llama-kv1", 2, 1, None, "tcp"), ("llama-kv1", 1, 2, None, "tcp"), ("llama-kv1", 2, 2, None, "tcp"),
+    ("qwen2", 2, 1, None, "tcp"), ("qwen2", 1, 2, None, "tcp"), ("qwen2", 2, 2, None, "tcp"),
     ("builtin", 1, 2, "ngram", "tcp"),
     ("llama-kv2", 2, 2, None, "nixl"),  # ranks holding the same heads: whole blocks, rank to rank
 ])
