@@ -236,6 +236,7 @@ class TorchComm(Communicator):
         import torch.distributed as dist
 
         self.rank, self.size, self.device = rank, size, device
+        self._init_method = init_method
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
@@ -265,6 +266,12 @@ class TorchComm(Communicator):
     def close(self) -> None:
         if self._dist.is_initialized():
             self._dist.destroy_process_group()
+        store = self._init_method.removeprefix("file://")
+        folder = os.path.dirname(store)
+        if self.rank == 0 and os.path.basename(folder).startswith("tandem-tp-"):  # made by engine/parallel/start.py
+            import shutil
+
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def shm_slot_bytes(max_tokens: int, hidden: int, itemsize: int, row: int = 0) -> int:

@@ -46,6 +46,11 @@ class StartedRanks:
             self.comm.close()
             self.launcher.stop(0)
             raise
+        if self.spec.comm[0] == "shm":  # every rank has it mapped now: its name can go, so that no
+            try:                        # rank killed later leaves the file behind in /dev/shm
+                os.unlink(self.spec.comm[1])
+            except FileNotFoundError:
+                pass
         runner.tp = TPGroup(0, self.spec.size, self.comm, conns)
         runner.tp_ranks = self.launcher
         runner.tp_devices = self.devices
