@@ -32,6 +32,8 @@ from engine.graphs import DecodeGraphs, cuda_capture
 from engine.kv_cache import KVCache, layout_for
 from engine.memory import CudaMemory, KVSizing, MemorySnapshot, profile_plan, reuse_freed_memory
 from engine.models.packed import can_pack, pack_linears, plain_kernel_ops, plain_linears
+from engine.parallel.comm import RankLost
+from engine.parallel.group import Call, Profile, Reply, Step, Stop, plan_for_ranks
 from engine.plan import PENDING, SampleRow, SeqWork, StepPlan  # noqa: F401 (re-exported)
 from engine.sampler import DeviceSample, Sampler, SamplerOutput
 
@@ -246,8 +248,6 @@ class ModelRunner:
         """One step of the largest shape the scheduler may plan (engine/memory.py), on a
         scratch KV cache just big enough; returns the scratch cache's bytes."""
         if self._leading():
-            from engine.parallel.group import Profile
-
             self.tp.send(Profile((num_tokens, max_num_seqs, max_model_len)))
             with self._alone():
                 return self.profile_run(num_tokens, max_num_seqs, max_model_len)
@@ -332,8 +332,6 @@ class ModelRunner:
 
     def rank_info(self) -> list[str]:
         """Rank 0: each rank's place, "rank R: DEVICE (pid P)", for operators (`tandem status`)."""
-        import os
-
         devices = getattr(self, "tp_devices", None) or ()
         if self.tp is None or not devices:
             return []
@@ -368,8 +366,6 @@ class ModelRunner:
             self._solo = saved
 
     def _send_step(self, plan: StepPlan, after: Launched | None = None, writes=None) -> None:
-        from engine.parallel.group import Step, plan_for_ranks
-
         msg = Step(plan_for_ranks(plan), writes=writes)
         if after is not None and any(w.token_ids[0] == PENDING for w in plan.decodes):
             if self.device.type == "cuda":  # the tokens stay on the device: a broadcast right after this message
@@ -383,15 +379,13 @@ class ModelRunner:
     def follow(self) -> None:
         """A rank other than 0: run rank 0's steps on this shard until it stops or goes.
         Under inference mode for its whole life, as an engine thread."""
-        from engine.parallel.group import Call, Profile, Reply, Step, Stop
-
         try:
-            self._follow(Call, Profile, Reply, Step, Stop)
+            self._follow()
         finally:
             for part in self.rank_parts.values():  # e.g. this rank's KV transport (worker_runtime/tp_kv.py)
                 part.close()
 
-    def _follow(self, Call, Profile, Reply, Step, Stop) -> None:  # noqa: N803 - the message classes
+    def _follow(self) -> None:
         with torch.inference_mode():
             while True:
                 msg = self.tp.recv()
@@ -565,8 +559,6 @@ class ModelRunner:
         tensor-parallel worker also looks for a rank that is gone, and raises RankLost
         (the engine then fails as on any step error: the worker is replaced)."""
         if self.tp is not None and self.tp.leader and (lost := self.tp.check()) is not None:
-            from engine.parallel.comm import RankLost
-
             raise RankLost(lost)
         if self.ledger is not None:
             self.ledger.idle()

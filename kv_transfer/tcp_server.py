@@ -276,17 +276,12 @@ class _Connection:
             for layer in range(start, stop):
                 chunk = self.buffer.take_bytes(n)
                 recv_into_exact(self.conn, as_bytes(chunk))
-                part = chunk.view(kv.dtype).view(shape).to(kv.device)
-                kv[layer][:, ids, :, dst:dst + count] = part
-            if kv.is_cuda and stop > start:
-                torch.cuda.current_stream(kv.device).synchronize()
-            if header.get("notify") is not None:
-                self.rx.deliver(Notification(self.peer, base64.b64decode(header["notify"])))
-            return
-        for layer in range(start, stop):
-            chunk = self.buffer.take(len(ids))
-            recv_into_exact(self.conn, as_bytes(chunk))
-            regions[layer].index_copy_(1, ids, chunk.to(regions.device))
+                kv[layer][:, ids, :, dst:dst + count] = chunk.view(kv.dtype).view(shape).to(kv.device)
+        else:
+            for layer in range(start, stop):
+                chunk = self.buffer.take(len(ids))
+                recv_into_exact(self.conn, as_bytes(chunk))
+                regions[layer].index_copy_(1, ids, chunk.to(regions.device))
         if regions.is_cuda and stop > start:
             torch.cuda.current_stream(regions.device).synchronize()
         if header.get("notify") is not None:

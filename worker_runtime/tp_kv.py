@@ -30,6 +30,7 @@ decode side's reservation to its lease, as any lost write does.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import logging
 import threading
@@ -294,8 +295,6 @@ class WorkerKV:
 
     def start(self, config: TransportConfig) -> None:
         """Give every other rank a transport like ours (named `<worker>.r<rank>`)."""
-        import dataclasses
-
         ours = self.transport.local_descriptor()
         self.descriptors = [ours]
         if self.group is None or self.size == 1:
@@ -368,9 +367,6 @@ class WorkerKV:
             for m in self.group.take(Notes):
                 notes += [Notification(PeerId(name, epoch), data) for name, epoch, data in m.notes]
         return self.landings.add(notes)
-
-    def close(self) -> None:
-        self.transport.close()
 
 
 def _setup_rank(runner, kind: str, configs: list, num_kv_heads: int) -> bytes:

@@ -42,7 +42,7 @@ def iter_tensors(checkpoint: Checkpoint, shard: Shard = Shard()) -> Iterator[tup
                         return part[rows.start:rows.stop]
                     return part[:, cols.start:cols.stop]
 
-                yield name, shard_tensor(name, get, tuple(part.get_shape()), checkpoint.config, shard).to(dtype)
+                yield name, shard_tensor(name, get, checkpoint.config, shard).to(dtype)
 
 
 def build_model(checkpoint: Checkpoint, device: str | torch.device = "cpu", shard: Shard = Shard()) -> LlamaForCausalLM:

@@ -58,10 +58,10 @@ class Communicator(abc.ABC):
 
     device: torch.device = torch.device("cpu")
 
+    @abc.abstractmethod
     def gather_cols(self, x: torch.Tensor) -> torch.Tensor | None:
         """Rank 0: the ranks' `x` [S, n] side by side, [S, size * n] (rank r's in columns
         r*n..); the other ranks: None. A vocab-parallel LM head's logits."""
-        raise NotImplementedError
 
     def all_min(self, value: int) -> int:
         """The smallest of the ranks' `value`s (each rank's broadcast in turn: for a few

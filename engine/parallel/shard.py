@@ -85,13 +85,11 @@ def local_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
                                intermediate_size=cfg.intermediate_size // shard.size)
 
 
-# row blocks (output features) of the column-parallel weights; columns of the row-parallel ones
-_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-_ROW = ("o_proj", "down_proj")
+_ROW = ("o_proj", "down_proj")  # row-parallel: a rank holds columns of their weights
 
 
-def shard_tensor(name: str, get, shape: tuple[int, ...], cfg: ModelConfig, shard: Shard) -> torch.Tensor:
-    """Rank `shard`'s part of the checkpoint tensor `name` (HF naming) of `shape`.
+def shard_tensor(name: str, get, cfg: ModelConfig, shard: Shard) -> torch.Tensor:
+    """Rank `shard`'s part of the checkpoint tensor `name` (HF naming).
     `get(rows, cols)` reads a slice (ranges, or None for all) without reading the rest,
     as safetensors' `get_slice` does."""
     if shard.size == 1:
@@ -99,7 +97,7 @@ def shard_tensor(name: str, get, shape: tuple[int, ...], cfg: ModelConfig, shard
     parts = name.split(".")
     proj, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
     hd = cfg.head_dim
-    if proj in ("q_proj",):
+    if proj == "q_proj":
         n = cfg.num_heads // shard.size * hd
         rows = range(shard.rank * n, (shard.rank + 1) * n)
         return get(rows, None)

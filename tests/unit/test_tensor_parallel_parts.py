@@ -58,11 +58,11 @@ def test_row_parallel_slices_and_a_bias_added_once():
         return lambda rows, cols: t[:, cols.start:cols.stop] if cols is not None else (
             t[rows.start:rows.stop] if rows is not None else t)
 
-    parts = [shard_tensor("model.layers.0.self_attn.o_proj.weight", get_of(w), tuple(w.shape), c, Shard(r, 2))
+    parts = [shard_tensor("model.layers.0.self_attn.o_proj.weight", get_of(w), c, Shard(r, 2))
              for r in range(2)]
     assert torch.equal(torch.cat(parts, dim=1), w)
     b = torch.ones(c.hidden_size)
-    biases = [shard_tensor("model.layers.0.mlp.down_proj.bias", get_of(b), tuple(b.shape), c, Shard(r, 2))
+    biases = [shard_tensor("model.layers.0.mlp.down_proj.bias", get_of(b), c, Shard(r, 2))
               for r in range(2)]
     assert torch.equal(biases[0] + biases[1], b)
 
