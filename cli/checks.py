@@ -21,14 +21,15 @@ class CommandError(Exception):
         self.code = code
 
 
-def check_model(path: str | Path, need_chat_template: bool = False) -> None:
+def check_model(path: str | Path, need_chat_template: bool = False, quantization: str | None = None) -> None:
     """Raise CommandError when `path` is not a checkpoint tandem can serve (missing,
     a file missing or unreadable, an unsupported architecture, tensors that do not
-    match the config) or, with `need_chat_template`, when it has no chat template."""
+    match the config, a quantization it does not load or that `quantization` contradicts)
+    or, with `need_chat_template`, when it has no chat template."""
     from engine.models.checkpoint import CheckpointError, load_checkpoint
 
     try:
-        ckpt = load_checkpoint(path)
+        ckpt = load_checkpoint(path, quantization=quantization)
     except CheckpointError as e:
         raise CommandError(str(e)) from None
     if need_chat_template and ckpt.tokenizer.chat_template is None:

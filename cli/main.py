@@ -370,14 +370,23 @@ def _print_table(columns: list[str], rows: list[tuple], title: str):
     return console
 
 
+def _weights(w: dict) -> str:
+    """A worker's weights for the status table: their dtype, or int8 / fp8 and how the
+    scales go (per channel, tensor, group or block)."""
+    if not w.get("weights"):
+        return ""
+    return f"{w['weights']}/{w['weight_scales']}" if w.get("weight_scales") else w["weights"]
+
+
 def _run_status(args) -> int:
     data = _admin_request(args, "GET")
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    columns = ["worker", "role", "state", "TP", "address", "running", "waiting", "awaiting KV", "KV usage",
-               "queued prefill", "in flight"]
-    rows = [(w["worker_id"], role, w["state"], w.get("tensor_parallel_size", 1), w["address"], w.get("running", ""),
+    columns = ["worker", "role", "state", "TP", "weights", "KV dtype", "address", "running", "waiting", "awaiting KV",
+               "KV usage", "queued prefill", "in flight"]
+    rows = [(w["worker_id"], role, w["state"], w.get("tensor_parallel_size", 1), _weights(w),
+             w.get("kv_cache_dtype", ""), w["address"], w.get("running", ""),
              w.get("waiting", ""),
              w.get("awaiting_kv", ""), f"{w['kv_usage']:.1%}" if "kv_usage" in w else "",
              w.get("queued_prefill_tokens", ""), w["in_flight"])

@@ -50,6 +50,11 @@ def worker_actor_name(worker_id: str) -> str:
     return WORKER_NAME_PREFIX + worker_id
 
 
+def _model_of(info: dict) -> dict:
+    """The model dtypes in a worker's `info()` (worker_runtime/metrics.py model_dtypes)."""
+    return {k: info[k] for k in ("dtype", "weights", "weight_scales", "quantization", "kv_cache_dtype") if k in info}
+
+
 def placement_group_name(worker_id: str) -> str:
     """The placement group holding a tensor-parallel worker's ranks (found by name on adoption)."""
     return worker_actor_name(worker_id) + "-ranks"
@@ -118,6 +123,7 @@ class PoolWorker:
     pg: object = None  # a tensor-parallel worker's placement group (its ranks' bundles), removed with it
     tp_size: int = 1
     ranks: list = field(default_factory=list)  # where each tensor-parallel rank runs (the worker's own account)
+    model: dict = field(default_factory=dict)  # what its weights and KV cache are stored as (metrics.model_dtypes)
     stats: WorkerStats | None = None  # the worker's own account, read every stats_interval_s
     failures: int = 0  # consecutive failed health checks
     last_answer: float = field(default_factory=time.monotonic)  # when it last answered a check
@@ -139,6 +145,7 @@ class PoolWorker:
             "pid": self.pid,
             "tensor_parallel_size": self.tp_size,
             "ranks": self.ranks,
+            **self.model,
         }
         if s is not None:
             d |= {
@@ -229,7 +236,7 @@ class PoolManager:
             log.warning("%s: found by name but not adopted (%s)", worker_id, e)
             return None
         w = PoolWorker(worker_id, role, actor, pid=info["pid"], tp_size=info.get("tensor_parallel_size", 1),
-                       ranks=info.get("ranks", []))
+                       ranks=info.get("ranks", []), model=_model_of(info))
         if w.tp_size > 1:
             try:
                 w.pg = await asyncio.to_thread(ray.util.get_placement_group, placement_group_name(worker_id))
@@ -386,7 +393,7 @@ class PoolManager:
             health = await wait_ready(w.client, timeout=60)
             w.epoch, w.metrics_address = health.epoch, health.metrics_address
             info = await asyncio.wait_for(actor.info.remote(), 30)
-            w.pid, w.ranks = info["pid"], info.get("ranks", [])
+            w.pid, w.ranks, w.model = info["pid"], info.get("ranks", []), _model_of(info)
             w.stats = await w.client.stats()
         except Exception as e:
             cause = getattr(e, "cause", None) or e  # a Ray task error carries the worker's own exception

@@ -62,14 +62,17 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, scheduler: str = "continuous", device: str = "cpu",
                  num_threads: int | None = None, attention_backend: str = "auto", seed: int | None = None,
-                 speculative_config: dict | SpeculativeConfig | None = None, tensor_parallel_size: int = 1) -> None:
+                 speculative_config: dict | SpeculativeConfig | None = None, tensor_parallel_size: int = 1,
+                 quantization: str | None = None) -> None:
         """`speculative_config`: vLLM's shape, e.g. {"method": "ngram", "num_speculative_tokens": 4}.
-        `tensor_parallel_size`: ranks the model is split across (child processes; `close` ends them)."""
+        `tensor_parallel_size`: ranks the model is split across (child processes; `close` ends them).
+        `quantization`: "int8" or "fp8", the linear weights quantized as they load (`--quantization`)."""
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig(**speculative_config)
         config = EngineConfig(
             model=model,
             dtype=dtype,
+            quantization=quantization,
             cache=CacheConfig(block_size=block_size or default_block_size(device), num_blocks=num_blocks,
                               kv_cache_memory_gb=kv_cache_memory_gb,
                               gpu_memory_utilization=gpu_memory_utilization,

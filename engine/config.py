@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.quantization.scheme import WeightQuant
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
@@ -84,6 +86,9 @@ class ModelConfig:
     # Mistral / Qwen2 sliding-window attention is not implemented: contexts are capped
     # at the window instead (engine/build.py), where full attention is the same thing.
     sliding_window: int | None = None
+    # quantized linear weights (engine/quantization): the checkpoint's own, or made as it
+    # loads under --quantization; None: weights in `dtype`
+    quant: WeightQuant | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -378,6 +383,7 @@ class EngineConfig:
 
     model: str | None = None  # local HF checkpoint dir; None = the built-in model
     dtype: str | None = None  # None/"auto": the checkpoint's
+    quantization: str | None = None  # --quantization int8|fp8 (None: as the checkpoint is)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)

@@ -35,6 +35,7 @@ from engine.models.packed import can_pack, pack_linears, plain_kernel_ops, plain
 from engine.parallel.comm import RankLost
 from engine.parallel.group import Call, Profile, Reply, Step, Stop, plan_for_ranks
 from engine.plan import PENDING, SampleRow, SeqWork, StepPlan  # noqa: F401 (re-exported)
+from engine.quantization.linear import use_cpu_kernels
 from engine.sampler import DeviceSample, Sampler, SamplerOutput
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,7 @@ class ModelRunner:
             plain_linears(model, plain_ops, model.embed_tokens.weight if model.lm_head is None else None)
         if self.device.type == "cpu" and hasattr(model, "cpu_ops"):
             model.cpu_ops = fused_cpu_ops()
+            use_cpu_kernels(model, model.cpu_ops)
         self.model_config = model_config
         self.block_size = cache_config.block_size
         self.backend: AttentionBackend = get_backend(device_config.attention_backend, self.device)

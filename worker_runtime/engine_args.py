@@ -43,6 +43,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="local Hugging Face checkpoint dir (default: the built-in model)")
     g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    g.add_argument("--quantization", "-q", default=None, choices=("int8", "fp8"),
+                   help="quantize the checkpoint's linear weights as they load (each decoder layer's and an LM head "
+                   "of its own), one symmetric scale per output channel: int8, or fp8 (e4m3); activations stay in "
+                   "--dtype. A checkpoint quantized as published (fp8, compressed-tensors) is detected from its "
+                   "config.json without this flag")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
@@ -106,6 +111,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=a.model,
         dtype=None if a.dtype == "auto" else a.dtype,
+        quantization=a.quantization,
         cache=CacheConfig(block_size=a.block_size or default_block_size(a.device), num_blocks=a.num_blocks,
                           kv_cache_memory_gb=a.kv_cache_memory_gb,
                           gpu_memory_utilization=a.gpu_memory_utilization, cpu_kv_fraction=a.cpu_kv_fraction,

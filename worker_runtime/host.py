@@ -27,6 +27,7 @@ from worker_runtime.args import add_worker_args, worker_config_from_args
 from worker_runtime.config import LOG_FORMAT, Role, WorkerConfig
 from worker_runtime.engine_args import add_engine_args, engine_config_from_args
 from worker_runtime.gcheap import freeze_startup_heap
+from worker_runtime.metrics import model_dtypes
 from worker_runtime.rpc import use_cluster_tls
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,13 @@ class WorkerActor:
             "pid": os.getpid(),
             "tensor_parallel_size": self.host.config.engine.parallel.tensor_parallel_size,
             "ranks": self._ranks(),
+            **self._model(),
         }
+
+    def _model(self) -> dict:
+        """What the weights and the KV cache are stored as (once the engine is made)."""
+        runner = getattr(getattr(getattr(self.host, "worker", None), "engine", None), "runner", None)
+        return model_dtypes(runner) if runner is not None else {}
 
     def _ranks(self) -> list[str]:
         runner = getattr(getattr(getattr(self.host, "worker", None), "engine", None), "runner", None)

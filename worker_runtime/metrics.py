@@ -133,13 +133,21 @@ class WorkerMetrics:
         log.info("metrics at http://%s/metrics", self.address)
         return self.address
 
-    def runtime_info(self, transport_requested: str, transport_backend: str, cpu_kernels: str | None) -> None:
+    def runtime_info(self, transport_requested: str, transport_backend: str, cpu_kernels: str | None,
+                     model: dict | None = None) -> None:
         """What this worker runs on, as 1-valued gauges: the KV transport it asked for
         and the one it got (`tandem:kv_transfer_backend`; requested auto and got tcp is
         NIXL's fallback, which deploy/monitoring alerts on), and on CPU the build of the
         kernels it loaded (`tandem:worker_cpu_kernels`: amx, avx512_bf16, avx512, avx2,
-        generic, or none where they did not load)."""
+        generic, or none where they did not load); and what the model's weights and KV
+        cache are stored as (`tandem:worker_model_info`, from `model_dtypes`)."""
         lab = ["worker_id", "role"]
+        if model:
+            Gauge("tandem:worker_model_info", "What this worker's model computes in (dtype), stores its linear "
+                  "weights as (weights: the dtype, int8 or fp8; weight_scales: how their scales go) and its KV "
+                  "cache as (1).", lab + ["dtype", "weights", "weight_scales", "kv_cache_dtype"],
+                  registry=self.registry).labels(*self.labels, model["dtype"], model["weights"],
+                                                 model["weight_scales"], model["kv_cache_dtype"]).set(1)
         Gauge("tandem:kv_transfer_backend", "The KV transport this worker asked for and the one it runs (1).",
               lab + ["requested", "backend"], registry=self.registry).labels(
                   *self.labels, transport_requested, transport_backend).set(1)
@@ -185,3 +193,15 @@ def _serve_text_format(registry: CollectorRegistry, host: str, port: int) -> Thr
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server
+
+
+def model_dtypes(runner) -> dict:
+    """What a runner's model is stored as: the dtype it computes in, its linear weights
+    (that dtype, or int8 / fp8), how their scales go (channel, tensor, group, block, or
+    "" unquantized), the whole quantization in words, and the KV cache's dtype."""
+    cfg = runner.model_config
+    quant = cfg.quant
+    return {"dtype": cfg.dtype, "weights": quant.method if quant else cfg.dtype,
+            "weight_scales": quant.strategy if quant else "",
+            "quantization": quant.describe() if quant else None,
+            "kv_cache_dtype": str(runner.kv_cache.kv.dtype).removeprefix("torch.")}

@@ -13,7 +13,7 @@ from protos import tandem_pb2 as pb
 from worker_runtime import envs
 from worker_runtime.addresses import Endpoint
 from worker_runtime.config import WorkerConfig
-from worker_runtime.metrics import WorkerMetrics
+from worker_runtime.metrics import WorkerMetrics, model_dtypes
 from worker_runtime.rpc import epoch_str
 from worker_runtime.stats import WorkerStats
 
@@ -98,7 +98,7 @@ class WorkerRpcs(abc.ABC):
             from engine.cpu_kernels import build
 
             kernels = build.loaded_build() or "none"
-        metrics.runtime_info(self.config.transport, self.transport.name, kernels)
+        metrics.runtime_info(self.config.transport, self.transport.name, kernels, model_dtypes(self.engine.runner))
         return metrics
 
     async def Stats(self, request, context):

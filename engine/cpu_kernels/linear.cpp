@@ -50,6 +50,7 @@
 #endif
 #include "amx.h"
 #include "simd.h"
+#include "tile_layout.h"
 
 namespace {
 
@@ -201,16 +202,6 @@ void rows(const BFloat16* x, const BFloat16* W, const BFloat16* b, BFloat16* y, 
 #if TANDEM_AMX
 constexpr int64_t kPanel = 32;  // output features a panel: two B tiles
 
-// tmm0, tmm1: C of x's first 16 rows (features 0-15, 16-31); tmm2, tmm3: C of the next
-// r1 rows; tmm4, tmm5: A, those rows' 32 inputs; tmm6, tmm7: B, the panel's two tiles
-inline void configure_linear_tiles(int r0, int r1) {
-  tandem_amx::TileConfig cfg;
-  for (int t : {0, 1, 4}) cfg.rows[t] = static_cast<uint8_t>(r0), cfg.colsb[t] = 64;
-  for (int t : {2, 3, 5}) cfg.rows[t] = static_cast<uint8_t>(r1), cfg.colsb[t] = r1 ? 64 : 0;
-  for (int t : {6, 7}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  _tile_loadconfig(&cfg);
-}
-
 // rows x 16 fp32 sums (row stride 16) + bias -> bf16 y (row stride ldy)
 inline void store_rows(const float* c, const BFloat16* b, BFloat16* y, int64_t ldy, int rows) {
   const __m512 bias = b == nullptr ? _mm512_setzero_ps()
@@ -240,36 +231,11 @@ void tile_panels(const BFloat16* x, const BFloat16* Wt, const BFloat16* b, BFloa
       const int rows = static_cast<int>(std::min<int64_t>(32, M - 32 * blk));
       const int r0 = std::min(rows, 16), r1 = rows - r0;
       if (r0 * 32 + r1 != configured) {
-        configure_linear_tiles(r0, r1);
+        tandem_amx::configure_2x2(r0, r1);
         configured = r0 * 32 + r1;
       }
-      const BFloat16* xa = x + 32 * blk * K;
-      _tile_zero(0);
-      _tile_zero(1);
-      if (r1) {
-        _tile_zero(2);
-        _tile_zero(3);
-      }
-      for (int64_t s = 0; s < steps; ++s) {
-        const BFloat16* bt = wp + s * 1024;
-        for (int64_t l = 0; l < ahead && next < next_end; ++l, next += 64) _mm_prefetch(next, _MM_HINT_T2);
-        _tile_loadd(4, xa + 32 * s, lda);
-        _tile_loadd(6, bt, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(7, bt + 512, 64);
-        _tile_dpbf16ps(1, 4, 7);
-        if (r1) {
-          _tile_loadd(5, xa + 16 * K + 32 * s, lda);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
-      }
-      _tile_stored(0, c[0], 64);
-      _tile_stored(1, c[1], 64);
-      if (r1) {
-        _tile_stored(2, c[2], 64);
-        _tile_stored(3, c[3], 64);
-      }
+      tandem_amx::block_2x2<false>(reinterpret_cast<const char*>(x + 32 * blk * K), lda,
+                                   reinterpret_cast<const char*>(wp), steps, r1, c, next, next_end, ahead);
       BFloat16* yo = y + 32 * blk * N + p * kPanel;
       const BFloat16* bo = b == nullptr ? nullptr : b + p * kPanel;
       store_rows(c[0], bo, yo, N, r0);
@@ -503,18 +469,7 @@ at::Tensor tile_pack_linear_weight(const at::Tensor& weight) {
               "tile_pack_linear_weight: both dimensions must be multiples of 32, not [", N, ", ", K, "]");
   const at::Tensor w = weight.contiguous();
   at::Tensor out = at::empty({N / 32, K / 32, 2, 16, 32}, w.options());
-  const BFloat16* src = w.data_ptr<BFloat16>();
-  BFloat16* dst = out.data_ptr<BFloat16>();
-  at::parallel_for(0, N / 32, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t s = 0; s < K / 32; ++s)
-        for (int64_t t = 0; t < 2; ++t)
-          for (int64_t kp = 0; kp < 16; ++kp)
-            for (int64_t n = 0; n < 16; ++n)
-              for (int64_t e = 0; e < 2; ++e)
-                dst[((((p * (K / 32) + s) * 2 + t) * 16 + kp) * 16 + n) * 2 + e] =
-                    src[(p * 32 + t * 16 + n) * K + s * 32 + kp * 2 + e];
-  });
+  tandem_tiles::pack<2>(w.data_ptr<BFloat16>(), out.data_ptr<BFloat16>(), N, K);
   return out;
 }
 

@@ -19,11 +19,15 @@ from safetensors import SafetensorError, safe_open
 
 from engine.config import ConfigError, ModelConfig
 from engine.models.shapes import expected_shapes
+from engine.quantization import scheme as quant_scheme
 from engine.tokenizer import Tokenizer, TokenizerError, merged_eos_ids
 
 INDEX_FILE = "model.safetensors.index.json"
-# Tensors some checkpoints carry that the model recomputes.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Tensors some checkpoints carry that the model recomputes, or does not use: activation
+# scales of a quantized checkpoint (tandem's activations stay in the model's dtype) and
+# KV-cache scales.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".input_scale", ".k_scale", ".v_scale", ".kv_scale")
+_FLOAT_DTYPES = ("F32", "BF16", "F16")
 
 
 class CheckpointError(ValueError):
@@ -41,10 +45,16 @@ class Checkpoint:
     tokenizer: Tokenizer
     # tensor name -> shard file (absolute path), grouped by shard
     tensor_files: dict[str, Path]
+    # the HF names of the linear layers whose weights the checkpoint stores quantized
+    # (`config.quant` says how): e.g. "model.layers.0.self_attn.q_proj"; empty for an
+    # unquantized checkpoint, even under --quantization (every linear layer is then)
+    quantized: frozenset[str] = frozenset()
 
 
-def load_checkpoint(path: str | Path, dtype: str | None = None) -> Checkpoint:
-    """Read and validate the checkpoint at `path`; `dtype` overrides config.json's.
+def load_checkpoint(path: str | Path, dtype: str | None = None, quantization: str | None = None) -> Checkpoint:
+    """Read and validate the checkpoint at `path`; `dtype` overrides config.json's;
+    `quantization` ("int8", "fp8") quantizes an unquantized checkpoint as it loads
+    (engine/quantization/scheme.py).
 
     Raises CheckpointError naming what is wrong and where.
     """
@@ -58,6 +68,11 @@ def load_checkpoint(path: str | Path, dtype: str | None = None) -> Checkpoint:
     hf_config = _read_json(path, "config.json", required=True)
     generation_config = _read_json(path, "generation_config.json", required=False)
     config = _model_config(path, hf_config, generation_config, dtype)
+    try:
+        quant = quant_scheme.resolve(quant_scheme.from_hf(hf_config), quantization)
+    except quant_scheme.QuantizationError as e:
+        raise CheckpointError(f"{path}: {e}") from e
+    config = dataclasses.replace(config, quant=quant)
     if not (path / "tokenizer.json").is_file():
         raise CheckpointError(
             f"{path}: missing tokenizer.json (tandem needs a fast-tokenizer file)"
@@ -66,9 +81,10 @@ def load_checkpoint(path: str | Path, dtype: str | None = None) -> Checkpoint:
         tokenizer = Tokenizer.from_dir(path)
     except (TokenizerError, ValueError, OSError) as e:
         raise CheckpointError(f"{path}: cannot load the tokenizer: {e}") from e
-    tensor_files, shapes = _tensor_files(path)
-    _check_shapes(path, config, tensor_files, shapes)
-    return Checkpoint(path, config, hf_config, generation_config, tokenizer, tensor_files)
+    tensor_files, shapes, dtypes = _tensor_files(path)
+    quantized = _check_quantized(path, config, tensor_files, shapes, dtypes)
+    _check_shapes(path, config, tensor_files, shapes, quantized)
+    return Checkpoint(path, config, hf_config, generation_config, tokenizer, tensor_files, quantized)
 
 
 def _read_json(path: Path, name: str, required: bool) -> dict[str, Any]:
@@ -101,8 +117,9 @@ def _model_config(
     return dataclasses.replace(config, eos_token_ids=eos, bos_token_id=bos)
 
 
-def _tensor_files(path: Path) -> tuple[dict[str, Path], dict[str, tuple[int, ...]]]:
-    """Map every tensor name to its shard (from the index when there is one) and shape."""
+def _tensor_files(path: Path) -> tuple[dict[str, Path], dict[str, tuple[int, ...]], dict[str, str]]:
+    """Map every tensor name to its shard (from the index when there is one), shape and
+    dtype (as safetensors names it: F32, BF16, F8_E4M3, I8, ...)."""
     index = path / INDEX_FILE
     if index.is_file():
         weight_map = _read_json(path, INDEX_FILE, required=True).get("weight_map")
@@ -120,32 +137,80 @@ def _tensor_files(path: Path) -> tuple[dict[str, Path], dict[str, tuple[int, ...
             raise CheckpointError(f"{path}: no *.safetensors weight files{hint}")
     files: dict[str, Path] = {}
     shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
     for shard in shards:
-        for name, shape in _shard_shapes(path / shard).items():
-            files[name], shapes[name] = path / shard, shape
+        for name, (shape, dt) in _shard_shapes(path / shard).items():
+            files[name], shapes[name], dtypes[name] = path / shard, shape, dt
     if index.is_file():
         absent = sorted(n for n, s in weight_map.items() if files.get(n) != path / s)
         if absent:
             raise CheckpointError(
                 f"{index}: tensor(s) not found in the shard it names: {_some(absent)}"
             )
-    return files, shapes
+    return files, shapes, dtypes
 
 
-def _shard_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+def _shard_shapes(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     try:
         with safe_open(str(file), framework="numpy") as f:  # headers only: no torch needed
-            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+            out = {}
+            for name in f.keys():
+                part = f.get_slice(name)
+                out[name] = tuple(part.get_shape()), part.get_dtype()
+            return out
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{file}: not a readable safetensors file: {e}") from e
 
 
+def _check_quantized(path: Path, config: ModelConfig, files: dict[str, Path], shapes: dict[str, tuple[int, ...]],
+                     dtypes: dict[str, str]) -> frozenset[str]:
+    """The linear layers a checkpoint stores in 8 bits, each checked: a quantization_config
+    that says so, the same method, a scale of the right shape beside it. Names the tensor
+    at fault."""
+    quant = config.quant
+    quantized = set()
+    for name, dt in dtypes.items():
+        if dt not in quant_scheme.STORED:
+            continue
+        where = f"{files[name]}: tensor {name!r} is stored as {dt}"
+        if not (quant_scheme.linear_name(name) or name == "lm_head.weight"):
+            raise CheckpointError(f"{where}; only linear layers (and the LM head) may be quantized")
+        if quant is None or quant.online:
+            raise CheckpointError(f"{where} but config.json has no quantization_config saying how to read it")
+        if quant_scheme.STORED[dt] != quant.method:
+            raise CheckpointError(f"{where} but quantization_config declares {quant.method} weights")
+        prefix = name.removesuffix(".weight")
+        scale = f"{prefix}.{quant.scale_name}"
+        if scale not in shapes:
+            raise CheckpointError(f"{path}: missing tensor {scale!r}, the scale of the {dt} weight {name!r}")
+        n, k = shapes[name]
+        want = quant.scale_shape(n, k)
+        if not (shapes[scale] == want or (want == () and shapes[scale] == (1,))):
+            raise CheckpointError(f"{files[scale]}: tensor {scale!r} has shape {shapes[scale]}, expected {want} "
+                                  f"for {quant.describe()} of a {n}x{k} weight")
+        if dtypes[scale] not in _FLOAT_DTYPES:
+            raise CheckpointError(f"{files[scale]}: tensor {scale!r} is stored as {dtypes[scale]}; a scale must be "
+                                  f"one of {', '.join(_FLOAT_DTYPES)}")
+        quantized.add(prefix)
+    if quant is not None and not quant.online:
+        for i in range(config.num_layers):  # q, k and v are one fused layer: all quantized or none
+            qkv = [f"model.layers.{i}.self_attn.{p}_proj" in quantized for p in "qkv"]
+            if any(qkv) and not all(qkv):
+                raise CheckpointError(f"{path}: layer {i}'s q, k and v projections are not all quantized alike")
+        if not quantized:
+            raise CheckpointError(f"{path}: config.json declares {quant.describe()} but no tensor is stored in 8 bits")
+    return frozenset(quantized)
+
+
 def _check_shapes(
-    path: Path, config: ModelConfig, files: dict[str, Path], shapes: dict[str, tuple[int, ...]]
+    path: Path, config: ModelConfig, files: dict[str, Path], shapes: dict[str, tuple[int, ...]],
+    quantized: frozenset[str] = frozenset(),
 ) -> None:
     """Every expected tensor present with its expected shape, nothing unexpected."""
     expected = expected_shapes(config)
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if config.quant is not None:
+        optional |= {f"{p}.{config.quant.scale_name}" for p in quantized}
     unexpected = sorted(
         n
         for n in shapes

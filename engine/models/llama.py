@@ -22,6 +22,8 @@ from engine.config import ModelConfig, RopeScaling
 from engine.models.packed import SMALL_BATCH_ROWS, TILE_ROWS
 from engine.models.shapes import expected_shapes  # noqa: F401 - re-exported
 
+_EIGHT_BIT = (torch.int8, torch.float8_e4m3fn)  # quantized weights (engine/quantization)
+
 
 class WeightError(ValueError):
     """A checkpoint tensor is missing, unexpected or of the wrong shape."""
@@ -233,11 +235,14 @@ class LlamaForCausalLM(nn.Module):
             return
         n = vocab // size
         rows = slice(comm.rank * n, (comm.rank + 1) * n)
-        with torch.no_grad():
-            w = self.embed_tokens.weight[rows] if self.lm_head is None else self.lm_head.weight[rows].clone()
-        head = nn.Linear(self.cfg.hidden_size, n, bias=False, device="meta", dtype=w.dtype)
-        head.weight = nn.Parameter(w, requires_grad=False)
-        self.lm_head = head
+        if self.lm_head is not None and hasattr(self.lm_head, "weight_scale"):  # quantized: its scales' rows too
+            self.lm_head = self.lm_head.rows(rows)
+        else:
+            with torch.no_grad():
+                w = self.embed_tokens.weight[rows] if self.lm_head is None else self.lm_head.weight[rows].clone()
+            head = nn.Linear(self.cfg.hidden_size, n, bias=False, device="meta", dtype=w.dtype)
+            head.weight = nn.Parameter(w, requires_grad=False)
+            self.lm_head = head
         self.vocab_comm = comm
 
     def forward(
@@ -327,8 +332,11 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v. Checks names and shapes."""
+        """Copy HF-named tensors in, fusing q/k/v. Checks names, shapes and, for the
+        quantized layers (`self.quantized`, set by the loader), dtypes and scales."""
         expected = expected_shapes(self.cfg)
+        for prefix in getattr(self, "quantized", ()):
+            expected[f"{prefix}.weight_scale"] = tuple(self._param_slice(f"{prefix}.weight_scale").shape)
         seen: set[str] = set()
         for name, t in tensors:
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
@@ -337,7 +345,10 @@ class LlamaForCausalLM(nn.Module):
                 raise WeightError(f"unexpected tensor {name!r} in checkpoint")
             if tuple(t.shape) != expected[name]:
                 raise WeightError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {expected[name]}")
-            self._param_slice(name).copy_(t)
+            target = self._param_slice(name)
+            if (t.dtype in _EIGHT_BIT) != (target.dtype in _EIGHT_BIT):
+                raise WeightError(f"tensor {name!r} is {t.dtype}, where the model holds {target.dtype}")
+            target.copy_(t)
             seen.add(name)
         missing = sorted(set(expected) - seen)
         if missing:
@@ -349,8 +360,8 @@ class LlamaForCausalLM(nn.Module):
             return self.embed_tokens.weight
         if name == "model.norm.weight":
             return self.norm.weight
-        if name == "lm_head.weight":
-            return self.lm_head.weight
+        if name.startswith("lm_head."):
+            return getattr(self.lm_head, name.removeprefix("lm_head."))
         parts = name.split(".")  # model.layers.{i}.{group}[.{proj}].{kind}
         layer, group, kind = self.layers[int(parts[2])], parts[3], parts[-1]
         if group in ("input_layernorm", "post_attention_layernorm"):

@@ -9,9 +9,12 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
+from engine.config import ConfigError
 from engine.models.checkpoint import Checkpoint
 from engine.models.llama import LlamaForCausalLM, Rotary
-from engine.parallel.shard import Shard, local_config, shard_tensor
+from engine.parallel.shard import Shard, local_config, shard_scale, shard_tensor
+from engine.quantization.linear import QuantLinear, quantize, spread_scale
+from engine.quantization.scheme import linear_name
 
 
 def torch_dtype(checkpoint: Checkpoint) -> torch.dtype:
@@ -22,14 +25,27 @@ def torch_dtype(checkpoint: Checkpoint) -> torch.dtype:
 def iter_tensors(checkpoint: Checkpoint, shard: Shard = Shard()) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) for every tensor, file by file, in `config.dtype`: the
     part of it tensor-parallel rank `shard` holds (engine/parallel/shard.py), read
-    without reading the rest."""
+    without reading the rest.
+
+    A quantized linear layer (config.quant) yields its 8-bit weight and, as
+    `<layer>.weight_scale`, its scales as [rows, groups] fp32 (per-tensor and block
+    scales spread to rows, engine/quantization/linear.py). Online quantization
+    quantizes the whole checkpoint tensor, then shards it."""
     dtype = torch_dtype(checkpoint)
+    cfg, quant = checkpoint.config, checkpoint.config.quant
+    scales = {f"{p}.{quant.scale_name}" for p in checkpoint.quantized} if quant is not None else set()
     by_file: dict[Path, list[str]] = {}
     for name, file in checkpoint.tensor_files.items():
-        by_file.setdefault(file, []).append(name)
+        if name not in scales and not name.endswith((".input_scale", ".k_scale", ".v_scale", ".kv_scale")):
+            by_file.setdefault(file, []).append(name)
     for file, names in by_file.items():
         with safe_open(str(file), framework="pt") as f:
             for name in names:
+                prefix = name.removesuffix(".weight")
+                if prefix in checkpoint.quantized or (quant is not None and quant.online and (
+                        linear_name(name) or name == "lm_head.weight")):
+                    yield from _quantized(checkpoint, f, name, shard)
+                    continue
                 if shard.size == 1:
                     yield name, f.get_tensor(name).to(dtype)
                     continue
@@ -42,7 +58,29 @@ def iter_tensors(checkpoint: Checkpoint, shard: Shard = Shard()) -> Iterator[tup
                         return part[rows.start:rows.stop]
                     return part[:, cols.start:cols.stop]
 
-                yield name, shard_tensor(name, get, checkpoint.config, shard).to(dtype)
+                yield name, shard_tensor(name, get, cfg, shard).to(dtype)
+
+
+def _quantized(checkpoint: Checkpoint, f, name: str, shard: Shard):
+    """(name, q) and (`<layer>.weight_scale`, scales) of rank `shard`."""
+    quant, cfg = checkpoint.config.quant, checkpoint.config
+    prefix = name.removesuffix(".weight")
+    if quant.online:
+        q, scale = quantize(f.get_tensor(name), quant.method)
+    else:
+        q = f.get_tensor(name)
+        with safe_open(str(checkpoint.tensor_files[f"{prefix}.{quant.scale_name}"]), framework="pt") as sf:
+            stored = sf.get_tensor(f"{prefix}.{quant.scale_name}")
+        scale = spread_scale(stored, quant.strategy, q.shape[0], q.shape[1], quant.block)
+    group = quant.group_size(q.shape[1])
+    yield name, shard_tensor(name, lambda rows, cols: _part(q, rows, cols), cfg, shard)
+    yield f"{prefix}.weight_scale", shard_scale(name, scale, group, q.shape[1], cfg, shard)
+
+
+def _part(t: torch.Tensor, rows, cols) -> torch.Tensor:
+    if rows is not None:
+        t = t[rows.start:rows.stop]
+    return t if cols is None else t[:, cols.start:cols.stop]
 
 
 def build_model(checkpoint: Checkpoint, device: str | torch.device = "cpu", shard: Shard = Shard()) -> LlamaForCausalLM:
@@ -56,11 +94,52 @@ def build_model(checkpoint: Checkpoint, device: str | torch.device = "cpu", shar
     cfg = local_config(checkpoint.config, shard)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, rotary=False).to(torch_dtype(checkpoint))
+        if cfg.quant is not None:
+            quantize_modules(model, checkpoint, shard)
     _materialize(model, device)
     with torch.device(device):
         model.rotary = Rotary(cfg)  # its cos/sin tables are computed, not loaded
     model.load_weights(iter_tensors(checkpoint, shard))
     return model.eval()
+
+
+def quantize_modules(model: LlamaForCausalLM, checkpoint: Checkpoint, shard: Shard = Shard()) -> int:
+    """Make the linear layers that load quantized QuantLinears (on the meta device, before
+    the weights): under --quantization every decoder linear layer and an LM head of its
+    own (a tied one is the embedding, which stays as it is), else those the checkpoint
+    stores in 8 bits. Returns how many; sets `model.quantized`, their HF names."""
+    quant = checkpoint.config.quant
+    names = set()
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        for hf, parent, attr in ((p + "self_attn.q_proj", layer.self_attn, "qkv_proj"),
+                                 (p + "self_attn.o_proj", layer.self_attn, "o_proj"),
+                                 (p + "mlp.gate_proj", layer.mlp, "gate_proj"),
+                                 (p + "mlp.up_proj", layer.mlp, "up_proj"),
+                                 (p + "mlp.down_proj", layer.mlp, "down_proj")):
+            if not (quant.online or hf in checkpoint.quantized):
+                continue
+            module = getattr(parent, attr)
+            k = module.in_features
+            whole = k * (shard.size if attr in ("o_proj", "down_proj") else 1)  # the checkpoint row's columns
+            group = quant.group_size(whole)
+            if group >= whole:
+                group = k  # one scale a row: the rank's columns of it share the row's scale
+            elif k % group:
+                raise ConfigError(f"--tensor-parallel-size {shard.size} splits {hf}'s {whole} input columns into "
+                                  f"runs of {k}, which do not hold whole groups of {group} sharing a scale")
+            setattr(parent, attr, QuantLinear(k, module.out_features, module.bias is not None, quant.method, group,
+                                              bias_dtype=None if module.bias is None else module.bias.dtype))
+            names.add(hf)
+            if attr == "qkv_proj":
+                names |= {p + "self_attn.k_proj", p + "self_attn.v_proj"}
+    head = model.lm_head
+    if head is not None and (quant.online or "lm_head" in checkpoint.quantized):
+        model.lm_head = QuantLinear(head.in_features, head.out_features, False, quant.method,
+                                    quant.group_size(head.in_features))
+        names.add("lm_head")
+    model.quantized = frozenset(names)
+    return len(names)
 
 
 def _materialize(model: torch.nn.Module, device: torch.device) -> None:

@@ -114,3 +114,21 @@ def shard_tensor(name: str, get, cfg: ModelConfig, shard: Shard) -> torch.Tensor
         n = (cfg.num_heads * hd if proj == "o_proj" else cfg.intermediate_size) // shard.size
         return get(None, range(shard.rank * n, (shard.rank + 1) * n))
     return get(None, None)  # embedding, norms, LM head: every rank holds them whole
+
+
+def shard_scale(name: str, scale: torch.Tensor, group: int, k: int, cfg: ModelConfig, shard: Shard) -> torch.Tensor:
+    """Rank `shard`'s part of the scales [N, G] of the quantized weight `name` (a [N, k]
+    weight, `group` columns a scale): the rows it holds of a column-parallel layer; of a
+    row-parallel one, the scale columns of the weight columns it holds (with one scale a
+    row, the whole of it)."""
+    def get(rows, cols):
+        if rows is not None:
+            return scale[rows.start:rows.stop]
+        if cols is None or scale.shape[1] == 1:
+            return scale
+        if cols.start % group:
+            raise ConfigError(f"--tensor-parallel-size {shard.size} splits {name}'s {k} columns at {cols.start}, "
+                              f"inside a group of {group} that shares a scale")
+        return scale[:, cols.start // group:-(-cols.stop // group)]
+
+    return shard_tensor(name, get, cfg, shard).contiguous()

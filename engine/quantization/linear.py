@@ -1,0 +1,157 @@
+"""Quantized linear layers: W held as 8-bit values q [N, K] (int8 or float8_e4m3fn) and
+fp32 scales [N, G] (engine/quantization/scheme.py), activations in the model's dtype.
+
+On CPU the compiled kernel (engine/cpu_kernels/quant_linear.cpp) reads q and the
+scales as they are and never writes a dequantized copy of W: at decode sizes it
+streams the 8-bit weights once per step (half the bytes of bf16), widening them to
+fp32 in registers; on AMX CPUs larger bf16 steps go through the tile unit, a panel of
+32 output rows made bf16 at a time in L2. Elsewhere (CUDA for now, CPUs without the
+kernels, fp16 models) the layer dequantizes W for the call and runs F.linear: correct,
+and no faster than the unquantized model.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3 value
+INT8_MAX = 127.0  # symmetric: -127..127, as llama.cpp's Q8_0 and vLLM's int8 do
+STORAGE = {"int8": torch.int8, "fp8": FP8}
+
+
+def quantize(w: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (q [N, K], scale [N, 1] fp32), one symmetric scale per row: the row's
+    largest magnitude maps to the format's largest value. A zero row gets scale 1."""
+    w = w.float()
+    top = INT8_MAX if method == "int8" else FP8_MAX
+    scale = w.abs().amax(dim=1, keepdim=True) / top
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if method == "int8":
+        q = torch.round(w / scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    else:
+        q = (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q [N, K] and scale [N, G] -> W [N, K] in `dtype` (the product taken in fp32)."""
+    w = q.float()
+    if scale.shape[1] > 1:
+        scale = scale.repeat_interleave(group, dim=1)[:, :w.shape[1]]
+    return (w * scale).to(dtype)
+
+
+def spread_scale(scale: torch.Tensor, strategy: str, n: int, k: int, block: tuple[int, int] | None) -> torch.Tensor:
+    """A checkpoint's scale of a [n, k] weight as stored -> [n, G] fp32, one row per row
+    of W (G = 1 per channel or tensor)."""
+    s = scale.float()
+    if strategy == "tensor":
+        return s.reshape(1, 1).expand(n, 1).contiguous()
+    if strategy == "channel":
+        return s.reshape(n, 1).contiguous()
+    if strategy == "group":
+        return s.contiguous()
+    return s.repeat_interleave(block[0], dim=0)[:n].contiguous()  # block: each row its block's scales
+
+
+class QuantLinear(nn.Module):
+    """`y = x @ (q * scale).T + b`; `group` K values share a scale column (K: one
+    scale per output channel). Built on the meta device by the loader and filled by
+    `load_weights` like nn.Linear (`weight`, `weight_scale`, `bias`)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, method: str, group: int,
+                 bias_dtype: torch.dtype | None = None, device=None) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.method, self.group = in_features, out_features, method, group
+        groups = -(-in_features // group)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=STORAGE[method], device=device),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(out_features, groups, dtype=torch.float32, device=device),
+                                         requires_grad=False)
+        self.bias = None if not bias else nn.Parameter(torch.empty(out_features, dtype=bias_dtype, device=device),
+                                                       requires_grad=False)
+        self._ops = None  # the compiled CPU kernels, set by `use_kernels`
+        self._sums = None  # int8, one scale a row: each row's sum of q, for the W8A8 kernel (bf16 x)
+        self.tiles = False  # `weight` holds q in the tile unit's order (quant_pack_int8), not row-major
+
+    def use_kernels(self, ops, dtype: torch.dtype | None = None) -> None:
+        """Run on `ops.quant_linear` (engine/cpu_kernels) from now on; None: F.linear.
+        int8 weights with one scale a row then take bf16 activations as int8 too (W8A8:
+        the kernel quantizes each row of x, one scale a row); fp32 activations, fp8 or
+        group-scaled weights stay weight-only. With a bf16 model (`dtype`) on a CPU with
+        AMX, such a layer's q is laid out once in the tile unit's order, in place of the
+        row-major one (the same bytes), which the kernel reads at every batch size."""
+        self._ops = ops
+        if ops is None or self.weight.dtype != torch.int8 or self.weight_scale.shape[1] != 1:
+            return
+        self._sums = self.weight.sum(dim=1, dtype=torch.int32)
+        if (dtype == torch.bfloat16 and hasattr(ops, "quant_pack_int8") and ops.quant_tiles_supported()
+                and self.out_features % 32 == 0 and self.in_features % 64 == 0):
+            self.weight = nn.Parameter(ops.quant_pack_int8(self.weight.data), requires_grad=False)
+            self.tiles = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiles:
+            shape = x.shape
+            x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+            y = x2.new_empty(x2.shape[0], self.out_features)
+            self._ops.quant_linear_tiles(y, x2, self.weight, self.weight_scale, self.bias, self._sums)
+            return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        if self._ops is not None and x.dtype in (torch.bfloat16, torch.float32) and x.is_cpu:
+            shape = x.shape
+            x2 = x.reshape(-1, self.in_features).contiguous()
+            y = x2.new_empty(x2.shape[0], self.out_features)
+            self._ops.quant_linear(y, x2, self.weight, self.weight_scale, self.group, self.bias,
+                                   self._sums if x.dtype == torch.bfloat16 else None)
+            return y.reshape(*shape[:-1], self.out_features)
+        w = dequantize(self.weight, self.weight_scale, self.group, x.dtype)
+        return F.linear(x, w, self.bias)
+
+    def rows(self, rows: slice) -> "QuantLinear":
+        """A layer of these output rows (their weights and scales copied), before
+        `use_kernels` lays them out."""
+        assert not self.tiles
+        n = len(range(*rows.indices(self.out_features)))
+        out = QuantLinear(self.in_features, n, self.bias is not None, self.method, self.group, device="meta")
+        out.weight = nn.Parameter(self.weight[rows].clone(), requires_grad=False)
+        out.weight_scale = nn.Parameter(self.weight_scale[rows].clone(), requires_grad=False)
+        if self.bias is not None:
+            out.bias = nn.Parameter(self.bias[rows].clone(), requires_grad=False)
+        out._ops = self._ops
+        out._sums = None if self._sums is None else self._sums[rows].clone()
+        return out
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.weight, self.weight_scale, self.group, dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"{self.method}, group={self.group}")
+
+
+def use_cpu_kernels(model: nn.Module, ops) -> int:
+    """Point every QuantLinear of `model` at the compiled kernels `ops` (when they have
+    the quantized kernel), for the model's dtype; returns how many run on it. Logs which
+    path runs."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if not layers:
+        return 0
+    if ops is None or not hasattr(ops, "quant_linear"):
+        log.warning("%d quantized linear layers dequantize their weights at every call: the CPU kernels are not "
+                    "available here", len(layers))
+        return 0
+    dtype = model.embed_tokens.weight.dtype if hasattr(model, "embed_tokens") else None
+    for m in layers:
+        m.use_kernels(ops, dtype)
+    tiles = sum(m.tiles for m in layers)
+    log.info("%d %s linear layers on the quantized kernel (%s; %d in the tile unit's order), %.0f MiB of weights and "
+             "scales", len(layers), layers[0].method, ops.quant_linear_kernel(), tiles,
+             sum(m.weight.nbytes + m.weight_scale.nbytes for m in layers) / 2**20)
+    return len(layers)
