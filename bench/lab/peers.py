@@ -46,7 +46,9 @@ TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 VLLM_VERSION = "0.32.0"
 LLAMA_CPP_PYTHON = "0.3.36"  # its sdist vendors the llama.cpp source that is built
 TORCH = "torch==2.13.0"  # the CPU wheel on disk here
-SERVERS = ("vllm", "llama", "llama-q8", "tandem-colocated", "tandem-disagg")
+# tandem-*-int8: tandem with --quantization int8 (beside llama.cpp's Q8_0 file, llama-q8)
+SERVERS = ("vllm", "llama", "llama-q8", "tandem-colocated", "tandem-disagg", "tandem-colocated-int8",
+           "tandem-disagg-int8")
 DEFAULT_SERVERS = ("vllm", "llama", "tandem-colocated", "tandem-disagg")
 OUTPUT_LEN = 128
 
@@ -193,6 +195,12 @@ def setup(root: Path, parts: set[str]) -> None:
         if not Path(TCMALLOC).is_file() and shutil.which("apt-get"):
             _run(["apt-get", "install", "-y", "-q", "libtcmalloc-minimal4"], log)
     build = root / "llama.cpp-build"
+    # llama.cpp is built for the CPU it is built on (GGML_NATIVE): a build another CPU made
+    # may stop at its first instruction this one lacks (SIGILL), so it is made again
+    stamp, cpu = build / "tandem-cpu.txt", cpu_line()
+    if "llama" in parts and build.is_dir() and (not stamp.is_file() or stamp.read_text() != cpu):
+        print("peers setup: llama.cpp was built on another CPU (or an unknown one): building it again", flush=True)
+        shutil.rmtree(build)
     if "llama" in parts and not (build / "bin" / "llama-server").is_file():
         print("peers setup: llama.cpp's llama-server (a compile of several minutes)", flush=True)
         python = _venv(root / "llama-venv", log, "cmake", "ninja")
@@ -208,17 +216,37 @@ def setup(root: Path, parts: set[str]) -> None:
                 tar.extractall(src, filter="data")
         bindir = python.parent
         _run([str(bindir / "cmake"), "-S", str(tree / "vendor" / "llama.cpp"), "-B", str(build), "-G", "Ninja",
-              f"-DCMAKE_MAKE_PROGRAM={bindir / 'ninja'}", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+              f"-DCMAKE_MAKE_PROGRAM={bindir / 'ninja'}", "-DCMAKE_BUILD_TYPE=Release", *ggml_isa_options(),
               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
               "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF"], log)
         _run([str(bindir / "cmake"), "--build", str(build), "--target", "llama-server", "llama-quantize",
               "-j", str(os.cpu_count() or 2)], log)
+        stamp.write_text(cpu)
     if "llama" in parts:
         for name in ("tiny-llama", "small-llama"):
             q8, bf16 = models / "gguf" / f"{name}-q8_0.gguf", models / "gguf" / f"{name}-bf16.gguf"
             if bf16.is_file() and not q8.is_file():
                 _run([str(build / "bin" / "llama-quantize"), str(bf16), str(q8), "Q8_0"], log)
     print("peers setup: done", flush=True)
+
+
+def ggml_isa_options() -> list[str]:
+    """llama.cpp's instruction sets: GGML_NATIVE, except on CPUs with AMX, where every
+    vector extension this CPU has is named instead and AMX left out: the AMX Q8_0 kernel
+    of the llama.cpp vendored by llama-cpp-python 0.3.36 (llama.cpp 0c1e570) stops at its first
+    tile instruction on the Intel Xeon (KVM) of the thirty-sixth round, `tilezero` on a
+    thread with no tile configuration (SIGILL), with or without the process granted the
+    tile state. Its AVX512-VNNI Q8_0 path is what serves there."""
+    from engine.cpu_kernels.isa import cpu_flag_set
+
+    flags = cpu_flag_set()
+    if not {"amx_tile", "amx_int8"} & flags:
+        return ["-DGGML_NATIVE=ON"]
+    names = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "avx512f": "AVX512",
+             "avx512vbmi": "AVX512_VBMI", "avx512_vnni": "AVX512_VNNI", "avx512_bf16": "AVX512_BF16",
+             "avx_vnni": "AVX_VNNI", "bmi2": "BMI2"}
+    return ["-DGGML_NATIVE=OFF", *(f"-DGGML_{g}={'ON' if f in flags else 'OFF'}" for f, g in names.items()),
+            "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
 
 
 # ---- the side by side -----------------------------------------------------------------
@@ -250,9 +278,10 @@ class SideBySide:
             gguf = self.root / "models" / "gguf" / f"{self.model}-{kind}.gguf"
             return LlamaServer(port, log, str(self.root / "llama.cpp-build" / "bin" / "llama-server"), str(gguf),
                                name=name)
-        pools = ["--colocated"] if name == "tandem-colocated" else []
-        server = TandemServer(["--model", str(self.model_dir), "--dtype", self.dtype, *pools, *self.tandem_args],
-                              log, port)
+        pools = ["--colocated"] if name.startswith("tandem-colocated") else []
+        quant = ["--quantization", "int8"] if name.endswith("-int8") else []
+        server = TandemServer(["--model", str(self.model_dir), "--dtype", self.dtype, *pools, *quant,
+                               *self.tandem_args], log, port)
         server.name = name
         server.extra_env = dict(kv.split("=", 1) for kv in self.tandem_env)
         return server
@@ -329,10 +358,11 @@ def table(out: Path, servers: tuple[str, ...]) -> list[str]:
         return f"{d[s] / d[ref]:.2f}x" if ref in d and s != ref else ""
 
     rows = ["| server | rate inf out tok/s | vs vLLM | TTFT p50 ms (inf) | 1 stream ms/token, TPOT p50 | vs vLLM | "
-            "vs llama.cpp | failed (inf + 1 stream) |", "|---|---|---|---|---|---|---|---|"]
+            "vs llama.cpp | vs llama.cpp Q8_0 | failed (inf + 1 stream) |", "|---|---|---|---|---|---|---|---|---|"]
     for s, (a, b) in runs.items():
         rows.append(f"| {s} | {tput[s]:.0f} | {ratio(tput, s, 'vllm')} | {a['median_ttft_ms']:.1f} | {tpot[s]:.2f} | "
-                    f"{ratio(tpot, s, 'vllm')} | {ratio(tpot, s, 'llama')} | {a['failed']}+{b['failed']} |")
+                    f"{ratio(tpot, s, 'vllm')} | {ratio(tpot, s, 'llama')} | {ratio(tpot, s, 'llama-q8')} | "
+                    f"{a['failed']}+{b['failed']} |")
     return rows
 
 
