@@ -115,15 +115,15 @@ def test_side_by_side_reports_engine_time_at_rate_inf():
 def test_side_by_side_table_takes_ratios_within_the_run(tmp_path):
     from bench.lab.peers import table
 
-    runs = {"vllm": (100.0, 20.0), "llama": (200.0, 10.0), "tandem-disagg": (50.0, 12.0)}
+    runs = {"vllm": (100.0, 20.0), "llama": (200.0, 10.0), "llama-q8": (150.0, 8.0), "tandem-disagg": (50.0, 12.0)}
     for name, (duration, tpot) in runs.items():
         (tmp_path / f"{name}-inf.json").write_text(json.dumps(
             {"completed": 200, "duration": duration, "median_ttft_ms": 900.0, "failed": 0}))
         (tmp_path / f"{name}-1stream.json").write_text(json.dumps({"median_tpot_ms": tpot, "failed": 1}))
-    rows = table(tmp_path, ("vllm", "llama", "llama-q8", "tandem-disagg"))
-    assert len(rows) == 2 + 3  # header, rule, and the three servers that ran (llama-q8 did not)
-    assert rows[2].startswith("| vllm | 256 |  | 900.0 | 20.00 |  | 2.00x | 0+1 |")
-    assert rows[4] == "| tandem-disagg | 512 | 2.00x | 900.0 | 12.00 | 0.60x | 1.20x | 0+1 |"
+    rows = table(tmp_path, ("vllm", "llama", "llama-q8", "tandem-disagg", "tandem-disagg-int8"))
+    assert len(rows) == 2 + 4  # header, rule, and the four servers that ran (tandem-disagg-int8 did not)
+    assert rows[2].startswith("| vllm | 256 |  | 900.0 | 20.00 |  | 2.00x | 2.50x | 0+1 |")
+    assert rows[5] == "| tandem-disagg | 512 | 2.00x | 900.0 | 12.00 | 0.60x | 1.20x | 1.50x | 0+1 |"
 
 
 def test_gguf_rotary_order_rotates_as_hugging_face_does():
@@ -167,3 +167,18 @@ def test_the_sweep_reads_rates_as_tandem_bench_does():
     assert parse_sweep_rates("auto:0.4,0.8") == ([], (0.4, 0.8))
     with pytest.raises(ValueError, match="request rate must be > 0 or inf"):  # bench/arrivals.py's words
         parse_sweep_rates("3,-1")
+
+
+def test_llama_cpp_is_built_for_this_cpu_without_its_amx_kernel(monkeypatch):
+    """GGML_NATIVE, except on an AMX CPU: its vector extensions named, AMX left out (that
+    llama.cpp's AMX Q8_0 kernel stops with SIGILL on the AMX Xeon it was measured on)."""
+    from bench.lab import peers
+    from engine.cpu_kernels import isa
+
+    monkeypatch.setattr(isa, "cpu_flag_set", lambda: frozenset({"avx2", "fma", "f16c", "avx512f"}))
+    assert peers.ggml_isa_options() == ["-DGGML_NATIVE=ON"]
+    monkeypatch.setattr(isa, "cpu_flag_set", lambda: frozenset({"avx2", "avx512f", "avx512_vnni", "amx_tile",
+                                                                "amx_int8"}))
+    opts = peers.ggml_isa_options()
+    assert "-DGGML_NATIVE=OFF" in opts and "-DGGML_AMX_INT8=OFF" in opts
+    assert "-DGGML_AVX512_VNNI=ON" in opts and "-DGGML_AVX512_BF16=OFF" in opts
