@@ -58,6 +58,17 @@ inline void configure_2x2(int r0, int r1) {
   _tile_loadconfig(&cfg);
 }
 
+// The configuration for a block of `rows` rows (r0 + r1 of them), loaded unless
+// `configured` (r0 * 32 + r1 of the loaded one, -1 for none) says it already is.
+inline void configure_2x2_for(int rows, int& r0, int& r1, int& configured) {
+  r0 = rows < 16 ? rows : 16;
+  r1 = rows - r0;
+  if (r0 * 32 + r1 != configured) {
+    configure_2x2(r0, r1);
+    configured = r0 * 32 + r1;
+  }
+}
+
 // One block of up to 32 rows of x against a panel, configured by configure_2x2(r0, r1):
 // A rows `lda` bytes apart, 64 bytes a step (32 bf16 or 64 int8 inputs); the panel two
 // 1 KB B tiles a step, 2 KB apart. The four 16 x 16 sums (fp32, or int32 for INT8:

@@ -229,11 +229,8 @@ void tile_panels(const BFloat16* x, const BFloat16* Wt, const BFloat16* b, BFloa
     const char* next_end = p + 1 < p1 ? next + panel * sizeof(BFloat16) : next;
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const int rows = static_cast<int>(std::min<int64_t>(32, M - 32 * blk));
-      const int r0 = std::min(rows, 16), r1 = rows - r0;
-      if (r0 * 32 + r1 != configured) {
-        tandem_amx::configure_2x2(r0, r1);
-        configured = r0 * 32 + r1;
-      }
+      int r0, r1;
+      tandem_amx::configure_2x2_for(rows, r0, r1, configured);
       tandem_amx::block_2x2<false>(reinterpret_cast<const char*>(x + 32 * blk * K), lda,
                                    reinterpret_cast<const char*>(wp), steps, r1, c, next, next_end, ahead);
       BFloat16* yo = y + 32 * blk * N + p * kPanel;

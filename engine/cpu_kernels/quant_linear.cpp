@@ -111,9 +111,6 @@ inline Vec widen(const Fp8* q) {
 #define TANDEM_QVEC 0
 #endif
 
-// which paths run here: bf16 x int8 (integer dot products), the widening one (fp32 x,
-// fp8 weights, group scales), and the tile unit's for more than four rows
-std::string kernel_name();
 
 // y[m * N + r] = x[m] . (q[r] * scale[r]) (+ b[r]) for R rows of q (stride K) and MT rows
 // of x (fp32, stride K)
@@ -286,11 +283,8 @@ void amx_panels(const BFloat16* x, const Q* W, const float* S, const BFloat16* b
     widen_panel(W + p * kPanel * K, K, panel);
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const int rows = static_cast<int>(std::min<int64_t>(32, M - 32 * blk));
-      const int r0 = std::min(rows, 16), r1 = rows - r0;
-      if (r0 * 32 + r1 != configured) {
-        tandem_amx::configure_2x2(r0, r1);
-        configured = r0 * 32 + r1;
-      }
+      int r0, r1;
+      tandem_amx::configure_2x2_for(rows, r0, r1, configured);
       const char* none = nullptr;  // the panel was just widened: nothing to ask for ahead
       tandem_amx::block_2x2<false>(reinterpret_cast<const char*>(x + 32 * blk * K), lda,
                                    reinterpret_cast<const char*>(panel), K / 32, r1, c, none, none, 0);
@@ -682,11 +676,8 @@ void tile_amx(const XQ& xq, const int8_t* tiles, const float* S, const BFloat16*
     const int64_t ahead = (32 * 2 + blocks - 1) / blocks;  // lines of the next panel to ask for a step
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const int rows = static_cast<int>(std::min<int64_t>(32, M - 32 * blk));
-      const int r0 = std::min(rows, 16), r1 = rows - r0;
-      if (r0 * 32 + r1 != configured) {
-        tandem_amx::configure_2x2(r0, r1);
-        configured = r0 * 32 + r1;
-      }
+      int r0, r1;
+      tandem_amx::configure_2x2_for(rows, r0, r1, configured);
       tandem_amx::block_2x2<true>(reinterpret_cast<const char*>(xq.q + 32 * blk * K), K,
                                   reinterpret_cast<const char*>(wp), steps, r1, c, next, next_end, ahead);
       BFloat16* yo = y + 32 * blk * N + p * kPanel;
@@ -753,6 +744,8 @@ void quant_linear_tiles(const at::Tensor& out, const at::Tensor& x, const at::Te
 #endif
 }
 
+// which paths run here: bf16 x int8 (integer dot products), the widening one (fp32 x,
+// fp8 weights, group scales), and the tile unit's for more than four rows
 std::string kernel_name() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   std::string w8a8 = "avx512_vnni";

@@ -26,7 +26,7 @@ INDEX_FILE = "model.safetensors.index.json"
 # Tensors some checkpoints carry that the model recomputes, or does not use: activation
 # scales of a quantized checkpoint (tandem's activations stay in the model's dtype) and
 # KV-cache scales.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".input_scale", ".k_scale", ".v_scale", ".kv_scale")
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".input_scale", ".k_scale", ".v_scale", ".kv_scale")
 _FLOAT_DTYPES = ("F32", "BF16", "F16")
 
 
@@ -214,7 +214,7 @@ def _check_shapes(
     unexpected = sorted(
         n
         for n in shapes
-        if n not in expected and n not in optional and not n.endswith(_IGNORED_SUFFIXES)
+        if n not in expected and n not in optional and not n.endswith(IGNORED_SUFFIXES)
     )
     if unexpected:
         raise CheckpointError(

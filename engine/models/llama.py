@@ -21,8 +21,7 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig, RopeScaling
 from engine.models.packed import SMALL_BATCH_ROWS, TILE_ROWS
 from engine.models.shapes import expected_shapes  # noqa: F401 - re-exported
-
-_EIGHT_BIT = (torch.int8, torch.float8_e4m3fn)  # quantized weights (engine/quantization)
+from engine.quantization.linear import STORAGE, QuantLinear
 
 
 class WeightError(ValueError):
@@ -235,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
             return
         n = vocab // size
         rows = slice(comm.rank * n, (comm.rank + 1) * n)
-        if self.lm_head is not None and hasattr(self.lm_head, "weight_scale"):  # quantized: its scales' rows too
+        if isinstance(self.lm_head, QuantLinear):  # its scales' rows too
             self.lm_head = self.lm_head.rows(rows)
         else:
             with torch.no_grad():
@@ -346,7 +345,7 @@ class LlamaForCausalLM(nn.Module):
             if tuple(t.shape) != expected[name]:
                 raise WeightError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {expected[name]}")
             target = self._param_slice(name)
-            if (t.dtype in _EIGHT_BIT) != (target.dtype in _EIGHT_BIT):
+            if (t.dtype in STORAGE.values()) != (target.dtype in STORAGE.values()):
                 raise WeightError(f"tensor {name!r} is {t.dtype}, where the model holds {target.dtype}")
             target.copy_(t)
             seen.add(name)

@@ -10,9 +10,9 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ConfigError
-from engine.models.checkpoint import Checkpoint
+from engine.models.checkpoint import IGNORED_SUFFIXES, Checkpoint
 from engine.models.llama import LlamaForCausalLM, Rotary
-from engine.parallel.shard import Shard, local_config, shard_scale, shard_tensor
+from engine.parallel.shard import ROW_PARALLEL, Shard, local_config, shard_scale, shard_tensor
 from engine.quantization.linear import QuantLinear, quantize, spread_scale
 from engine.quantization.scheme import linear_name
 
@@ -36,7 +36,7 @@ def iter_tensors(checkpoint: Checkpoint, shard: Shard = Shard()) -> Iterator[tup
     scales = {f"{p}.{quant.scale_name}" for p in checkpoint.quantized} if quant is not None else set()
     by_file: dict[Path, list[str]] = {}
     for name, file in checkpoint.tensor_files.items():
-        if name not in scales and not name.endswith((".input_scale", ".k_scale", ".v_scale", ".kv_scale")):
+        if name not in scales and not name.endswith(IGNORED_SUFFIXES):
             by_file.setdefault(file, []).append(name)
     for file, names in by_file.items():
         with safe_open(str(file), framework="pt") as f:
@@ -121,7 +121,7 @@ def quantize_modules(model: LlamaForCausalLM, checkpoint: Checkpoint, shard: Sha
                 continue
             module = getattr(parent, attr)
             k = module.in_features
-            whole = k * (shard.size if attr in ("o_proj", "down_proj") else 1)  # the checkpoint row's columns
+            whole = k * (shard.size if attr in ROW_PARALLEL else 1)  # the checkpoint row's columns
             group = quant.group_size(whole)
             if group >= whole:
                 group = k  # one scale a row: the rank's columns of it share the row's scale

@@ -85,7 +85,7 @@ def local_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
                                intermediate_size=cfg.intermediate_size // shard.size)
 
 
-_ROW = ("o_proj", "down_proj")  # row-parallel: a rank holds columns of their weights
+ROW_PARALLEL = ("o_proj", "down_proj")  # row-parallel: a rank holds columns of their weights
 
 
 def shard_tensor(name: str, get, cfg: ModelConfig, shard: Shard) -> torch.Tensor:
@@ -107,7 +107,7 @@ def shard_tensor(name: str, get, cfg: ModelConfig, shard: Shard) -> torch.Tensor
     if proj in ("gate_proj", "up_proj"):
         n = cfg.intermediate_size // shard.size
         return get(range(shard.rank * n, (shard.rank + 1) * n), None)
-    if proj in _ROW:
+    if proj in ROW_PARALLEL:
         if kind == "bias":  # added once, after the all-reduce's sum
             t = get(None, None)
             return t if shard.rank == 0 else torch.zeros_like(t)

@@ -26,18 +26,21 @@ INT8_MAX = 127.0  # symmetric: -127..127, as llama.cpp's Q8_0 and vLLM's int8 do
 STORAGE = {"int8": torch.int8, "fp8": FP8}
 
 
+def to_format(x: torch.Tensor, method: str) -> torch.Tensor:
+    """fp32 values already divided by their scale -> int8 (round half even) or e4m3,
+    clamped to the format's range."""
+    if method == "int8":
+        return torch.round(x).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return x.clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+
+
 def quantize(w: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
     """W [N, K] -> (q [N, K], scale [N, 1] fp32), one symmetric scale per row: the row's
     largest magnitude maps to the format's largest value. A zero row gets scale 1."""
     w = w.float()
-    top = INT8_MAX if method == "int8" else FP8_MAX
-    scale = w.abs().amax(dim=1, keepdim=True) / top
+    scale = w.abs().amax(dim=1, keepdim=True) / (INT8_MAX if method == "int8" else FP8_MAX)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    if method == "int8":
-        q = torch.round(w / scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    else:
-        q = (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, scale
+    return to_format(w / scale, method), scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -20,13 +20,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.quantization.linear import FP8, FP8_MAX, INT8_MAX, dequantize, quantize, spread_scale
+from engine.quantization.linear import FP8, FP8_MAX, INT8_MAX, dequantize, quantize, spread_scale, to_format
 from engine.quantization.scheme import from_hf, linear_name
-
-
-def _to_format(x: torch.Tensor, method: str) -> torch.Tensor:
-    top = INT8_MAX if method == "int8" else FP8_MAX
-    return torch.round(x).clamp_(-top, top).to(torch.int8) if method == "int8" else x.clamp_(-top, top).to(FP8)
 
 
 def _quantize_blocks(w: torch.Tensor, method: str, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,12 +35,12 @@ def _quantize_blocks(w: torch.Tensor, method: str, block: tuple[int, int]) -> tu
     scale = blocks.abs().amax(dim=(1, 3)) / (INT8_MAX if method == "int8" else FP8_MAX)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
-    return _to_format(w / full, method), scale
+    return to_format(w / full, method), scale
 
 
 def _quantize_tensor(w: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (w.float().abs().amax() / (INT8_MAX if method == "int8" else FP8_MAX)).clamp_min(1e-12)
-    return _to_format(w.float() / scale, method), scale.reshape(1)
+    return to_format(w.float() / scale, method), scale.reshape(1)
 
 
 def _copy_other_files(src: Path, dst: Path) -> None:
