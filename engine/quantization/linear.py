@@ -2,12 +2,12 @@
 fp32 scales [N, G] (engine/quantization/scheme.py), activations in the model's dtype.
 
 On CPU the compiled kernel (engine/cpu_kernels/quant_linear.cpp) reads q and the
-scales as they are and never writes a dequantized copy of W: at decode sizes it
-streams the 8-bit weights once per step (half the bytes of bf16), widening them to
-fp32 in registers; on AMX CPUs larger bf16 steps go through the tile unit, a panel of
-32 output rows made bf16 at a time in L2. Elsewhere (CUDA for now, CPUs without the
-kernels, fp16 models) the layer dequantizes W for the call and runs F.linear: correct,
-and no faster than the unquantized model.
+scales as they are and never writes a dequantized copy of W: int8 weights with bf16
+activations run W8A8 (each row of x quantized to int8, exact int32 dot products; on AMX
+CPUs q kept in the tile unit's order, `use_kernels`), the rest widen q to fp32 in
+registers (on AMX, a panel of 32 rows made bf16 at a time in L2 above four rows).
+Elsewhere (CUDA for now, CPUs without the kernels, fp16 models) the layer dequantizes
+W for the call and runs F.linear: correct, and no faster than the unquantized model.
 """
 
 from __future__ import annotations
