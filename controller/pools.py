@@ -380,6 +380,7 @@ class PoolManager:
         self.workers[worker_id] = w
         t0 = time.monotonic()
         log.info("%s starting%s", worker_id, f" ({w.tp_size} tensor-parallel ranks)" if w.tp_size > 1 else "")
+        self._note(f"{worker_id} starting")  # routers learn one is coming (a stream moving waits for it)
         try:
             w.pg = await self._placement_group(role, worker_id)
             if w.pg is not None:  # rank 0 in bundle 0, the other ranks in the others (worker_runtime/tp_ray.py)

@@ -207,7 +207,11 @@ class ClusterBackend(Backend):
                 route = plan(len(req.prompt_ids), best, prefills, self.routing, self.block_size,
                              local_only=req.params.prompt_logprobs is not None, lease_s=self.lease_s)
                 return d, (self.view.get(route.prefill) if route.prefill else None), route.reason
-            if not decodes and time.monotonic() > deadline - self.capacity_wait_s + 5.0:
+            # none at all: a new request hears so after 5 s; a stream already under way
+            # (moved off a worker that died) waits the whole bound while the controller
+            # starts a replacement, which a worker of several ranks takes a while to become
+            migrating = bool(req.output_ids) and self.view.starting(Role.DECODE)
+            if not decodes and not migrating and time.monotonic() > deadline - self.capacity_wait_s + 5.0:
                 raise BackendError("no decode worker is ready", 503, retry_after=2.0)
             if time.monotonic() >= deadline:
                 self.metrics.retries.labels("no_capacity").inc()

@@ -62,6 +62,7 @@ class ClusterView(AdminInterface):
         self._owns_ray = False
         self._version = -1
         self._said: dict[str, WorkerState] = {}  # each worker's state as the controller last gave it
+        self._roles: dict[str, Role] = {}  # and its role
         self._bg: list[asyncio.Task] = []
         self.autoscaler: dict | None = None  # the controller's autoscaler status, when it runs one
         # this router's side of the load, for the autoscaler (set by the app: cli/serve.py)
@@ -128,6 +129,11 @@ class ClusterView(AdminInterface):
         account (a worker sent SIGTERM says so in its stats before the controller knows)."""
         return [w for w in self.workers.values()
                 if w.role == role and w.state == WorkerState.READY and w.stats and not w.stats.draining]
+
+    def starting(self, role: Role) -> bool:
+        """Whether the controller is starting a worker of this role (a replacement or a
+        scale-up): one is coming, though none of them is routable yet."""
+        return any(st is WorkerState.STARTING and self._roles.get(wid) == role for wid, st in self._said.items())
 
     def get(self, worker_id: str) -> Worker | None:
         return self.workers.get(worker_id)
@@ -219,6 +225,7 @@ class ClusterView(AdminInterface):
                 await self._forget(w)  # the same name on a new process (a new controller)
                 w = None
             state = self._said[wid] = entry.state
+            self._roles[wid] = entry.role
             if w is None:
                 if state is not WorkerState.READY or not entry.address:
                     continue  # not reachable yet: picked up when the controller calls it ready
@@ -234,6 +241,7 @@ class ClusterView(AdminInterface):
         for wid in set(self.workers) - seen:
             await self._forget(self.workers[wid])
         self._said = {wid: st for wid, st in self._said.items() if wid in seen}
+        self._roles = {wid: r for wid, r in self._roles.items() if wid in seen}
 
     async def _forget(self, w: Worker) -> None:
         w.state = WorkerState.STOPPED
