@@ -21,7 +21,8 @@ class CommandError(Exception):
         self.code = code
 
 
-def check_model(path: str | Path, need_chat_template: bool = False, quantization: str | None = None) -> None:
+def check_model(path: str | Path, need_chat_template: bool = False, quantization: str | None = None,
+                kv_cache_dtype: str = "auto") -> None:
     """Raise CommandError when `path` is not a checkpoint tandem can serve (missing,
     a file missing or unreadable, an unsupported architecture, tensors that do not
     match the config, a quantization it does not load or that `quantization` contradicts)
@@ -29,7 +30,7 @@ def check_model(path: str | Path, need_chat_template: bool = False, quantization
     from engine.models.checkpoint import CheckpointError, load_checkpoint
 
     try:
-        ckpt = load_checkpoint(path, quantization=quantization)
+        ckpt = load_checkpoint(path, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     except CheckpointError as e:
         raise CommandError(str(e)) from None
     if need_chat_template and ckpt.tokenizer.chat_template is None:

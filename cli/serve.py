@@ -224,7 +224,8 @@ def serve(args: argparse.Namespace, attach: bool = False) -> int:
         raise CommandError(f"cannot listen on {args.host} port {args.port}: {e.strerror or e}") from None
     try:
         if args.model or not attach:  # a router without --model takes the controller's checkpoint
-            check_model(resolve_model(args), quantization=getattr(args, "quantization", None))
+            check_model(resolve_model(args), quantization=getattr(args, "quantization", None),
+                        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     except CommandError:
         sock.close()
         raise
@@ -283,7 +284,8 @@ def controller(args: argparse.Namespace) -> int:
     from router import controller_client as ctl
     _logging(args)
     if not args.stop:  # before joining: the pools' model path (the same on every host)
-        check_model(resolve_model(args), quantization=getattr(args, "quantization", None))
+        check_model(resolve_model(args), quantization=getattr(args, "quantization", None),
+                    kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
 
     async def run() -> int:
         await ctl.connect(args.address, args.join_timeout_s)

@@ -63,10 +63,11 @@ class LLM:
                  enable_chunked_prefill: bool = True, scheduler: str = "continuous", device: str = "cpu",
                  num_threads: int | None = None, attention_backend: str = "auto", seed: int | None = None,
                  speculative_config: dict | SpeculativeConfig | None = None, tensor_parallel_size: int = 1,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, kv_cache_dtype: str = "auto") -> None:
         """`speculative_config`: vLLM's shape, e.g. {"method": "ngram", "num_speculative_tokens": 4}.
         `tensor_parallel_size`: ranks the model is split across (child processes; `close` ends them).
-        `quantization`: "int8" or "fp8", the linear weights quantized as they load (`--quantization`)."""
+        `quantization`: "int8" or "fp8", the linear weights quantized as they load (`--quantization`).
+        `kv_cache_dtype`: "auto" or "fp8" (`--kv-cache-dtype`)."""
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig(**speculative_config)
         config = EngineConfig(
@@ -76,7 +77,7 @@ class LLM:
             cache=CacheConfig(block_size=block_size or default_block_size(device), num_blocks=num_blocks,
                               kv_cache_memory_gb=kv_cache_memory_gb,
                               gpu_memory_utilization=gpu_memory_utilization,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
                                       policy=scheduler),

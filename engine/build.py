@@ -40,7 +40,8 @@ def build_parts(config: EngineConfig, checkpoint=None, launcher=None) -> EngineP
     device = torch.device(config.device.device)
     snapshot = MemorySnapshot.take(device) if device.type == "cuda" else None  # before the weights
     ckpt = checkpoint or load_checkpoint(config.model or builtin_model_path(), dtype=config.dtype,
-                                         quantization=config.quantization)
+                                         quantization=config.quantization,
+                                         kv_cache_dtype=config.cache.kv_cache_dtype)
     if config.dtype is None and (dtype := auto_dtype(ckpt.config.dtype, device)) != ckpt.config.dtype:
         log.info("dtype auto on %s: the %s checkpoint runs in %s (--dtype float32 keeps it)", device,
                  ckpt.config.dtype, dtype)

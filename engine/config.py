@@ -24,6 +24,15 @@ class ConfigError(ValueError):
     """A config value is invalid; the message says which field and how to fix it."""
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # --kv-cache-dtype, vLLM's names
+FP8_KV_DTYPE = "float8_e4m3fn"  # what fp8 and fp8_e4m3 store (torch's name)
+
+
+def kv_cache_dtype_of(flag: str) -> str | None:
+    """The cache dtype --kv-cache-dtype `flag` asks for; None: the model's own."""
+    return None if flag == "auto" else FP8_KV_DTYPE
+
+
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
@@ -89,6 +98,9 @@ class ModelConfig:
     # quantized linear weights (engine/quantization): the checkpoint's own, or made as it
     # loads under --quantization; None: weights in `dtype`
     quant: WeightQuant | None = None
+    # the KV cache's dtype where it differs from `dtype`: "float8_e4m3fn" under
+    # --kv-cache-dtype fp8 (engine/attention: stored as K / k_scale rounded to e4m3)
+    kv_cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -110,6 +122,13 @@ class ModelConfig:
             f"num_key_value_heads ({self.num_kv_heads})",
         )
         _require(self.dtype in DTYPES, f"dtype {self.dtype!r} is not one of {DTYPES}")
+        _require(self.kv_cache_dtype in (None, FP8_KV_DTYPE), f"kv_cache_dtype {self.kv_cache_dtype!r} is not "
+                 f"{FP8_KV_DTYPE!r}")
+
+    @property
+    def cache_dtype(self) -> str:
+        """The dtype the KV cache stores: `kv_cache_dtype`, else the model's."""
+        return self.kv_cache_dtype or self.dtype
 
     @property
     def num_params(self) -> int:
@@ -207,8 +226,13 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     cpu_kv_fraction: float | None = None
+    # --kv-cache-dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (float8 e4m3, with
+    # the checkpoint's per-layer k/v scales where it has them, else 1.0, as vLLM)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"kv_cache_dtype={self.kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_DTYPES)}")
         _require(
             self.block_size in (8, 16, 32, 64, 128), f"block_size={self.block_size}: use one of 8, 16, 32, 64, 128"
         )

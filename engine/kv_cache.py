@@ -29,7 +29,8 @@ from kv_transfer.layout import KVLayout
 
 log = logging.getLogger(__name__)
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def sized_for(cache: CacheConfig, device: torch.device) -> CacheConfig:
@@ -45,7 +46,7 @@ def sized_for(cache: CacheConfig, device: torch.device) -> CacheConfig:
 
 
 def layout_for(model: ModelConfig, block_size: int, num_blocks: int = 1) -> KVLayout:
-    return KVLayout(model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim, model.dtype)
+    return KVLayout(model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim, model.cache_dtype)
 
 
 class KVCache:
@@ -55,7 +56,7 @@ class KVCache:
         self.layout = layout_for(model, cache.block_size, num_blocks)
         self.kv = torch.zeros(
             (model.num_layers, 2, num_blocks, cache.block_size, model.num_kv_heads, model.head_dim),
-            dtype=TORCH_DTYPES[model.dtype],
+            dtype=TORCH_DTYPES[model.cache_dtype],
             device=device,
         )
         self.layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(model.num_layers)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from engine.config import (
+    KV_CACHE_DTYPES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -48,6 +49,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "of its own), one symmetric scale per output channel: int8, or fp8 (e4m3); activations stay in "
                    "--dtype. A checkpoint quantized as published (fp8, compressed-tensors) is detected from its "
                    "config.json without this flag")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the KV cache's dtype: auto (the model's) or fp8 / fp8_e4m3 (float8 e4m3: half the bytes "
+                   "of bf16, so twice the blocks in the same memory; each layer's K and V stored divided by a "
+                   "scale, the checkpoint's k_scale/v_scale where it has them, else 1.0). Prefill and decode "
+                   "workers must agree on it")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
@@ -115,7 +121,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(block_size=a.block_size or default_block_size(a.device), num_blocks=a.num_blocks,
                           kv_cache_memory_gb=a.kv_cache_memory_gb,
                           gpu_memory_utilization=a.gpu_memory_utilization, cpu_kv_fraction=a.cpu_kv_fraction,
-                          enable_prefix_caching=not a.no_prefix_caching),
+                          enable_prefix_caching=not a.no_prefix_caching, kv_cache_dtype=a.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                   max_model_len=a.max_model_len, enable_chunked_prefill=not a.no_chunked_prefill,
                                   policy=a.scheduler, expected_context_len=a.expected_context_len,

@@ -1,5 +1,13 @@
 """Attention backends behind one small ABC, chosen by name with lazy imports.
 
+An fp8 KV cache (--kv-cache-dtype fp8) holds float8 e4m3 values: each layer's keys
+divided by its K scale and rounded (saturating at +-448), its values likewise by its V
+scale. Every path then attends over those rounded keys and values, the step's own new
+rows included (`AttentionBackend.forward` rounds them before a prefill reads them), so a
+prompt's answer is the same whether its K/V came from this step, a cached prefix or a
+transfer. The kernels fold the K scale into the softmax scale and the V scale into the
+output's normalisation.
+
 `torch` (engine/attention/reference.py) runs anywhere; `triton` (engine/attention/triton/)
 runs the KV store, paged decode and ragged (varlen) paged prefill as Triton kernels on
 CUDA; `cpu` (engine/attention/cpu/) runs paged decode as a C++ kernel compiled on first
@@ -56,6 +64,26 @@ class AttentionMetadata:
     kept: KeptRows | None = None
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
+
+
+def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """`x / scale` rounded to e4m3 (to nearest even), saturating at +-FP8_MAX."""
+    y = x.float()
+    if scale != 1.0:
+        y = y / scale
+    return y.clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """An fp8 cache's values times `scale`, in `dtype`."""
+    y = x.float()
+    if scale != 1.0:
+        y = y * scale
+    return y.to(dtype)
+
+
 class AttentionBackend(abc.ABC):
     name: str = ""
     # whether `prefill` reads the metadata's device-side prefill lengths (ModelRunner
@@ -67,8 +95,21 @@ class AttentionBackend(abc.ABC):
         """Write new keys/values [T, Hkv, D] into cache slots [T] (negative = skip)."""
 
     @abc.abstractmethod
-    def decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len) -> torch.Tensor:
-        """Paged attention for one query token per sequence: [B, H, D] -> [B, H, D]."""
+    def decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
+               kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+        """Paged attention for one query token per sequence: [B, H, D] -> [B, H, D].
+        `kv_scales`: an fp8 cache's (K, V) scales."""
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping,
+                 kv_scales: tuple[float, float] = (1.0, 1.0)) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new rows; returns them as the cache now holds them (an fp8 cache's
+        rounding, back in the key's dtype), for a prefill to attend over."""
+        if k_cache.dtype != FP8:
+            self.store_kv(key, value, k_cache, v_cache, slot_mapping)
+            return key, value
+        k8, v8 = quantize_kv(key, kv_scales[0]), quantize_kv(value, kv_scales[1])
+        self.store_kv(k8, v8, k_cache, v_cache, slot_mapping)
+        return dequantize_kv(k8, kv_scales[0], key.dtype), dequantize_kv(v8, kv_scales[1], value.dtype)
 
     def forward(
         self,
@@ -79,28 +120,37 @@ class AttentionBackend(abc.ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:  # [T, H, D]
-        self.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
         if nd == query.shape[0]:
-            return self.decode(
-                query, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, meta.decode_max_seq_len
-            )
-        prefill = self.prefill(query[nd:], key[nd:], value[nd:], k_cache, v_cache, meta, scale)
+            self.store_kv(*self._for_cache(key, value, k_cache, kv_scales), k_cache, v_cache, meta.slot_mapping)
+            return self.decode(query, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
+                               meta.decode_max_seq_len, kv_scales)
+        key, value = self.write_kv(key, value, k_cache, v_cache, meta.slot_mapping, kv_scales)
+        prefill = self.prefill(query[nd:], key[nd:], value[nd:], k_cache, v_cache, meta, scale, kv_scales)
         if nd == 0:
             return prefill
         out = torch.empty_like(query)
-        out[:nd] = self.decode(
-            query[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, meta.decode_max_seq_len
-        )
+        out[:nd] = self.decode(query[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
+                               meta.decode_max_seq_len, kv_scales)
         out[nd:] = prefill
         return out
 
-    def prefill(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Ragged causal attention of the step's prefill chunks, their K/V already stored."""
+    @staticmethod
+    def _for_cache(key, value, k_cache, kv_scales) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows as the cache stores them (rounded to fp8 for an fp8 cache)."""
+        if k_cache.dtype != FP8:
+            return key, value
+        return quantize_kv(key, kv_scales[0]), quantize_kv(value, kv_scales[1])
+
+    def prefill(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+        """Ragged causal attention of the step's prefill chunks, their K/V already stored
+        (`key`, `value`: as stored, see write_kv)."""
         return reference.varlen_attention(
             query, key, value, k_cache, v_cache,
-            meta.prefill_block_tables, meta.prefill_query_lens, meta.prefill_seq_lens, scale,
+            meta.prefill_block_tables, meta.prefill_query_lens, meta.prefill_seq_lens, scale, kv_scales,
         )
 
 
@@ -110,8 +160,9 @@ class TorchAttention(AttentionBackend):
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
-    def decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len):
-        return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
+    def decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, kv_scales=(1.0, 1.0)):
+        return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
+                                                kv_scales)
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -41,12 +41,21 @@ def gather_context(
     cache: torch.Tensor,  # [N, bs, Hkv, D]
     block_tables: torch.Tensor,  # [B, M] int32/int64
     num_blocks: int,
+    scale: float = 1.0,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Gather the first `num_blocks` blocks of each row: [B, num_blocks * bs, Hkv, D]."""
+    """Gather the first `num_blocks` blocks of each row: [B, num_blocks * bs, Hkv, D];
+    an fp8 cache's values times `scale`, in `dtype`."""
     b = block_tables.shape[0]
     _, bs, h, d = cache.shape
     idx = block_tables[:, :num_blocks].long()
-    return cache[idx].view(b, num_blocks * bs, h, d)
+    out = cache[idx].view(b, num_blocks * bs, h, d)
+    if cache.dtype == torch.float8_e4m3fn:
+        out = out.float()
+        if scale != 1.0:
+            out = out * scale
+        out = out.to(dtype)
+    return out
 
 
 def paged_decode_attention(
@@ -57,6 +66,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [B] int32 (context length including the new token)
     scale: float,
     max_seq_len: int | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 cache's
 ) -> torch.Tensor:  # [B, H, D]
     """One query token per sequence, attending to its whole cached context."""
     b, h, d = query.shape
@@ -64,8 +74,8 @@ def paged_decode_attention(
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
     nb = (max_seq_len + bs - 1) // bs
-    k = gather_context(k_cache, block_tables, nb)  # [B, L, Hkv, D]
-    v = gather_context(v_cache, block_tables, nb)
+    k = gather_context(k_cache, block_tables, nb, kv_scales[0], query.dtype)  # [B, L, Hkv, D]
+    v = gather_context(v_cache, block_tables, nb, kv_scales[1], query.dtype)
     length = nb * bs
     mask = torch.arange(length, device=query.device)[None, :] < seq_lens[:, None].to(query.device)
     out = F.scaled_dot_product_attention(
@@ -89,6 +99,7 @@ def varlen_attention(
     query_lens: list[int],  # [B]
     seq_lens: list[int],  # [B]
     scale: float,
+    kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 cache's
 ) -> torch.Tensor:  # [T, H, D]
     """Ragged causal attention for sequences with any number of new tokens.
 
@@ -107,8 +118,9 @@ def varlen_attention(
         else:
             bs = k_cache.shape[1]
             nb = (s_len + bs - 1) // bs
-            k = gather_context(k_cache, block_tables[i : i + 1], nb)[:, :s_len].transpose(1, 2)
-            v = gather_context(v_cache, block_tables[i : i + 1], nb)[:, :s_len].transpose(1, 2)
+            k = gather_context(k_cache, block_tables[i : i + 1], nb, kv_scales[0], query.dtype)[:, :s_len]
+            v = gather_context(v_cache, block_tables[i : i + 1], nb, kv_scales[1], query.dtype)[:, :s_len]
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
             # query j (at position s_len - q_len + j) sees keys 0 .. s_len - q_len + j
             qpos = torch.arange(s_len - q_len, s_len, device=query.device)
             mask = torch.arange(s_len, device=query.device)[None, :] <= qpos[:, None]

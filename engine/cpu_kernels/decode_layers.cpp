@@ -42,7 +42,7 @@ using AddNorm = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, co
 using Rotary = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using Store = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using Attend = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                    const at::Tensor&, double, bool);
+                    const at::Tensor&, double, bool, double);
 
 constexpr int64_t kLinears = 5;  // qkv, o, gate, up, down
 
@@ -115,7 +115,7 @@ at::Tensor decode_layers(const at::Tensor& residual, at::TensorList norms,
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({M, num_kv_heads, head_dim});
     store.call(k_caches[l], v_caches[l], k, v, slots);
     at::Tensor o = at::empty({M, num_heads, head_dim}, opts);
-    attend.call(o, qk.narrow(1, 0, num_heads), k_caches[l], v_caches[l], block_tables, seq_lens, scale, bf16_pairs);
+    attend.call(o, qk.narrow(1, 0, num_heads), k_caches[l], v_caches[l], block_tables, seq_lens, scale, bf16_pairs, 1.0);
     at::Tensor attn = project(o.view({M, q_size}), l, 1, residual.size(1));
     h = at::empty_like(residual);
     add_norm.call(h, residual, attn, norms[2 * l + 1], eps);

@@ -25,6 +25,7 @@
 // Items are handed out through an atomic counter so ragged lengths balance.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -44,6 +45,7 @@
 namespace {
 
 using c10::BFloat16;
+using c10::Float8_e4m3fn;
 using c10::Half;
 
 // ---- 16-lane fp32 vector: AVX-512 when compiled for it, else a plain array the
@@ -67,6 +69,12 @@ inline V16 vload(const BFloat16* p) {
 }
 inline V16 vload(const Half* p) {
   return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+// 16 e4m3 bytes as fp16 (fp8_as_half in simd.h: exact, subnormals included), then
+// fp32, times 2^8 (exact): the fp8 KV cache's values, before its scale
+inline V16 vload(const Float8_e4m3fn* p) {
+  const __m256i h = tandem_simd::fp8_as_half16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return {_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f))};
 }
 inline void vstore(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
 inline void vstore_n(float* p, V16 a, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), a.v); }
@@ -130,6 +138,12 @@ inline V16 vload(const BFloat16* p) { return {widen_bf16(p), widen_bf16(p + 8)};
 inline V16 vload(const Half* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline V16 vload(const Float8_e4m3fn* p) {
+  const __m256i h = tandem_simd::fp8_as_half16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 k = _mm256_set1_ps(256.0f);
+  return {_mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), k),
+          _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), k)};
 }
 inline void vstore(float* p, V16 a) { _mm256_storeu_ps(p, a.lo), _mm256_storeu_ps(p + 8, a.hi); }
 inline void vstore_n(float* p, V16 a, int n) {
@@ -233,6 +247,7 @@ struct Problem {
   const int32_t* seq_lens;
   float scale;
   bool bf16_pairs;  // bf16 query and cache: p.v on the dot-product instruction (see attend)
+  float v_scale;    // the V cache's scale (an fp8 cache's; 1 otherwise): multiplies the output
 };
 
 // Per-thread scratch, grown on demand and reused across calls (no per-call malloc).
@@ -576,7 +591,7 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
       }
       sum = vadd(sum, e);
     }
-    inv_sum[h] = 1.f / vsum(sum);
+    inv_sum[h] = P.v_scale / vsum(sum);
   }
 #if defined(__AVX512BF16__)
   if constexpr (kPairPass) {
@@ -828,20 +843,31 @@ void dispatch_dim(const Problem& P, const at::Tensor& kc, const at::Tensor& vc,
   }
 }
 
-template <typename KV>
-void dispatch_query(const Problem& P, const at::Tensor& kc, const at::Tensor& vc,
-                    const at::Tensor& q, const at::Tensor& o, int64_t num_seqs) {
+// The cache holds the query's dtype, or float8 e4m3 (an fp8 KV cache: --kv-cache-dtype fp8)
+// for a query of any of the three; no other pairs are built (each is a kernel to compile).
+void dispatch(const Problem& P, const at::Tensor& kc, const at::Tensor& vc,
+              const at::Tensor& q, const at::Tensor& o, int64_t num_seqs) {
+  const bool fp8 = kc.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 || kc.scalar_type() == q.scalar_type(), "cache dtype ", kc.scalar_type(),
+              " is neither the query's (", q.scalar_type(), ") nor float8_e4m3fn");
+  TORCH_CHECK(fp8 || P.v_scale == 1.f, "a V scale other than 1 needs an fp8 cache");
   switch (q.scalar_type()) {
-    case at::kFloat: return dispatch_dim<KV, float>(P, kc, vc, q, o, num_seqs);
-    case at::kBFloat16: return dispatch_dim<KV, BFloat16>(P, kc, vc, q, o, num_seqs);
-    case at::kHalf: return dispatch_dim<KV, Half>(P, kc, vc, q, o, num_seqs);
+    case at::kFloat:
+      return fp8 ? dispatch_dim<Float8_e4m3fn, float>(P, kc, vc, q, o, num_seqs)
+                 : dispatch_dim<float, float>(P, kc, vc, q, o, num_seqs);
+    case at::kBFloat16:
+      return fp8 ? dispatch_dim<Float8_e4m3fn, BFloat16>(P, kc, vc, q, o, num_seqs)
+                 : dispatch_dim<BFloat16, BFloat16>(P, kc, vc, q, o, num_seqs);
+    case at::kHalf:
+      return fp8 ? dispatch_dim<Float8_e4m3fn, Half>(P, kc, vc, q, o, num_seqs)
+                 : dispatch_dim<Half, Half>(P, kc, vc, q, o, num_seqs);
     default: TORCH_CHECK(false, "query dtype ", q.scalar_type(), " is not fp32/bf16/fp16");
   }
 }
 
 void paged_decode_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, double scale, bool bf16_pairs) {
+                            const at::Tensor& seq_lens, double scale, bool bf16_pairs, double v_scale) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [B, H, D] alike");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
               v_cache.strides() == k_cache.strides(), "k/v cache must be [N, bs, Hkv, D] with equal strides");
@@ -865,13 +891,9 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query, cons
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), k_cache.size(0),
-            block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), static_cast<float>(scale), bf16_pairs};
-  switch (k_cache.scalar_type()) {
-    case at::kFloat: return dispatch_query<float>(P, k_cache, v_cache, query, out, B);
-    case at::kBFloat16: return dispatch_query<BFloat16>(P, k_cache, v_cache, query, out, B);
-    case at::kHalf: return dispatch_query<Half>(P, k_cache, v_cache, query, out, B);
-    default: TORCH_CHECK(false, "cache dtype ", k_cache.scalar_type(), " is not fp32/bf16/fp16");
-  }
+            block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), static_cast<float>(scale), bf16_pairs,
+            static_cast<float>(v_scale)};
+  dispatch(P, k_cache, v_cache, query, out, B);
 }
 
 // ---- Prefill (and chunked prefill) attention over the paged cache, bf16 only.
@@ -1292,7 +1314,8 @@ bool set_prefill_amx(bool on) {
 // so two builds loaded into one process never collide. They show up in torch.profiler.
 TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor seq_lens, float scale, bool bf16_pairs=True) -> ()", &paged_decode_attention);
+        "Tensor block_tables, Tensor seq_lens, float scale, bool bf16_pairs=True, float v_scale=1.0) -> ()",
+        &paged_decode_attention);
   m.def("paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor query_start, Tensor seq_lens, float scale) -> ()", &paged_prefill_attention);
   m.def("paged_prefill_attention_supported() -> bool", &paged_prefill_attention_supported);

@@ -16,6 +16,19 @@ constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e
                                4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 
 #if defined(__AVX2__)
+// 16 float8 e4m3 values (sign, 4 exponent bits with bias 7, 3 mantissa bits, no
+// infinities) as 16 fp16 values 2^-8 times theirs: the 7 magnitude bits moved up 7 place
+// the exponent and mantissa in fp16's fields, whose bias of 15 is 8 more than e4m3's, and
+// a zero exponent (an e4m3 subnormal, m * 2^-9) lands on the fp16 subnormal m * 2^-17.
+// So converting to fp32 and multiplying by 256 gives the exact value. (The NaN byte 0x7f
+// would come out finite; the cache is written by rounding finite values, never NaN.)
+inline __m256i fp8_as_half16(__m128i bytes) {
+  const __m256i x = _mm256_cvtepu8_epi16(bytes);
+  const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7);
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8);
+  return _mm256_or_si256(mag, sign);
+}
+
 inline float hsum8(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));

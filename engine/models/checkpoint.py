@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from safetensors import SafetensorError, safe_open
 
-from engine.config import ConfigError, ModelConfig
+from engine.config import ConfigError, ModelConfig, kv_cache_dtype_of
 from engine.models.shapes import expected_shapes
 from engine.quantization import scheme as quant_scheme
 from engine.tokenizer import Tokenizer, TokenizerError, merged_eos_ids
@@ -51,10 +52,12 @@ class Checkpoint:
     quantized: frozenset[str] = frozenset()
 
 
-def load_checkpoint(path: str | Path, dtype: str | None = None, quantization: str | None = None) -> Checkpoint:
+def load_checkpoint(path: str | Path, dtype: str | None = None, quantization: str | None = None,
+                    kv_cache_dtype: str = "auto") -> Checkpoint:
     """Read and validate the checkpoint at `path`; `dtype` overrides config.json's;
     `quantization` ("int8", "fp8") quantizes an unquantized checkpoint as it loads
-    (engine/quantization/scheme.py).
+    (engine/quantization/scheme.py); `kv_cache_dtype` (--kv-cache-dtype) sets the
+    config's cache dtype, and with fp8 the checkpoint's KV scales are checked.
 
     Raises CheckpointError naming what is wrong and where.
     """
@@ -72,7 +75,7 @@ def load_checkpoint(path: str | Path, dtype: str | None = None, quantization: st
         quant = quant_scheme.resolve(quant_scheme.from_hf(hf_config), quantization)
     except quant_scheme.QuantizationError as e:
         raise CheckpointError(f"{path}: {e}") from e
-    config = dataclasses.replace(config, quant=quant)
+    config = dataclasses.replace(config, quant=quant, kv_cache_dtype=kv_cache_dtype_of(kv_cache_dtype))
     if not (path / "tokenizer.json").is_file():
         raise CheckpointError(
             f"{path}: missing tokenizer.json (tandem needs a fast-tokenizer file)"
@@ -84,7 +87,50 @@ def load_checkpoint(path: str | Path, dtype: str | None = None, quantization: st
     tensor_files, shapes, dtypes = _tensor_files(path)
     quantized = _check_quantized(path, config, tensor_files, shapes, dtypes)
     _check_shapes(path, config, tensor_files, shapes, quantized)
+    if config.kv_cache_dtype is not None:
+        _check_kv_scales(path, config, tensor_files, shapes)
     return Checkpoint(path, config, hf_config, generation_config, tokenizer, tensor_files, quantized)
+
+
+# Where checkpoints quantized for an fp8 KV cache keep a layer's scales (K = stored * scale):
+# the self_attn module's k_scale / v_scale (llm-compressor, AutoFP8), one kv_scale for
+# both (older fp8 checkpoints), or the k/v projections' output_scale (early compressed-tensors)
+KV_SCALE_NAMES = {"k": ("self_attn.k_scale", "self_attn.kv_scale", "self_attn.k_proj.output_scale"),
+                  "v": ("self_attn.v_scale", "self_attn.kv_scale", "self_attn.v_proj.output_scale")}
+
+
+def kv_scale_names(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> list[dict[str, str]]:
+    """Per layer, the checkpoint tensors holding its K and V cache scales (\"k\", \"v\"
+    to a name), where it has them."""
+    out = []
+    for i in range(config.num_layers):
+        found = {}
+        for which, names in KV_SCALE_NAMES.items():
+            for n in names:
+                if f"model.layers.{i}.{n}" in shapes:
+                    found[which] = f"model.layers.{i}.{n}"
+                    break
+        out.append(found)
+    return out
+
+
+def read_kv_scale(files: dict[str, Path], name: str) -> float:
+    with safe_open(str(files[name]), framework="pt") as f:
+        return float(f.get_tensor(name).float().reshape(-1)[0])
+
+
+def _check_kv_scales(path: Path, config: ModelConfig, files: dict[str, Path],
+                     shapes: dict[str, tuple[int, ...]]) -> None:
+    """A KV scale is one positive, finite number a layer (per tensor); per-head or
+    per-channel ones are refused."""
+    for found in kv_scale_names(config, shapes):
+        for name in found.values():
+            if math.prod(shapes[name]) != 1:
+                raise CheckpointError(f"{path}: {name} has shape {list(shapes[name])}: tandem's fp8 KV cache "
+                                      "takes one scale per layer for K and one for V")
+            value = read_kv_scale(files, name)
+            if not 0 < value < math.inf:
+                raise CheckpointError(f"{path}: {name} = {value}: a KV cache scale must be positive and finite")
 
 
 def _read_json(path: Path, name: str, required: bool) -> dict[str, Any]:

@@ -119,6 +119,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = self.hd**-0.5
+        self.kv_scales = (1.0, 1.0)  # an fp8 KV cache's K and V scales (engine/models/loader.py)
         self.tp = None  # under tensor parallelism, the group's Communicator: o_proj's output is a partial sum
 
     def forward(
@@ -130,7 +131,7 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ):
         q, k, v = self._project(x, rope)
-        o = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale)
+        o = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale, self.kv_scales)
         out = self.o_proj(o.reshape(x.shape[0], self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -139,12 +140,13 @@ class Attention(nn.Module):
         ([K, hidden]), each row attending as the last token of its sequence; None when
         no row is kept."""
         q, k, v = self._project(x, rope)
-        backend.store_kv(k, v, kv[0], kv[1], meta.slot_mapping)
+        backend.write_kv(k, v, kv[0], kv[1], meta.slot_mapping, self.kv_scales)
         kept = meta.kept
         if kept.rows.numel() == 0:
             return None
         q = q.index_select(0, kept.rows)  # [K, H, D], contiguous
-        o = backend.decode(q, kv[0], kv[1], kept.block_tables, kept.seq_lens, self.scale, kept.max_seq_len)
+        o = backend.decode(q, kv[0], kv[1], kept.block_tables, kept.seq_lens, self.scale, kept.max_seq_len,
+                           self.kv_scales)
         out = self.o_proj(o.reshape(q.shape[0], self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 

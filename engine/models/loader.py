@@ -3,6 +3,7 @@ without initialising them, then the tensors streamed in, shard by shard."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Iterator
 
@@ -10,11 +11,13 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ConfigError
-from engine.models.checkpoint import IGNORED_SUFFIXES, Checkpoint
+from engine.models.checkpoint import IGNORED_SUFFIXES, Checkpoint, kv_scale_names, read_kv_scale
 from engine.models.llama import LlamaForCausalLM, Rotary
 from engine.parallel.shard import ROW_PARALLEL, Shard, local_config, shard_scale, shard_tensor
 from engine.quantization.linear import QuantLinear, quantize, spread_scale
 from engine.quantization.scheme import linear_name
+
+log = logging.getLogger(__name__)
 
 
 def torch_dtype(checkpoint: Checkpoint) -> torch.dtype:
@@ -100,7 +103,30 @@ def build_model(checkpoint: Checkpoint, device: str | torch.device = "cpu", shar
     with torch.device(device):
         model.rotary = Rotary(cfg)  # its cos/sin tables are computed, not loaded
     model.load_weights(iter_tensors(checkpoint, shard))
+    if cfg.kv_cache_dtype is not None:
+        set_kv_scales(model, checkpoint)
     return model.eval()
+
+
+def set_kv_scales(model: LlamaForCausalLM, checkpoint: Checkpoint) -> None:
+    """Each attention layer's fp8 KV cache scales (K, V): the checkpoint's where it has
+    them (engine/models/checkpoint.py KV_SCALE_NAMES), else 1.0, as vLLM does. Every
+    tensor-parallel rank holds the same ones (a scale covers the whole layer)."""
+    shapes = {n: () for n in checkpoint.tensor_files}
+    missing = 0
+    for layer, found in zip(model.layers, kv_scale_names(checkpoint.config, shapes)):
+        scales = []
+        for which in ("k", "v"):
+            name = found.get(which)
+            if name is None:
+                scales.append(1.0)
+                missing += 1
+                continue
+            scales.append(read_kv_scale(checkpoint.tensor_files, name))  # checked by load_checkpoint
+        layer.self_attn.kv_scales = (scales[0], scales[1])
+    if missing:
+        log.warning("fp8 KV cache: %d of the %d K/V scales are not in the checkpoint and are 1.0 (as vLLM's "
+                    "default; values beyond +-448 saturate)", missing, 2 * len(model.layers))
 
 
 def quantize_modules(model: LlamaForCausalLM, checkpoint: Checkpoint, shard: Shard = Shard()) -> int:

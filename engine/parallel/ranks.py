@@ -155,7 +155,8 @@ def run_rank(spec: RankSpec, rank: int) -> int:
     comm = make_comm(spec, rank)
     group = None
     try:
-        ckpt = load_checkpoint(cfg.model or builtin_model_path(), dtype=cfg.dtype, quantization=cfg.quantization)
+        ckpt = load_checkpoint(cfg.model or builtin_model_path(), dtype=cfg.dtype, quantization=cfg.quantization,
+                               kv_cache_dtype=cfg.cache.kv_cache_dtype)
         shard = Shard(rank, spec.size)
         model = build_model(ckpt, device.device, shard)
         model.set_tensor_parallel(comm, cfg.parallel.vocab_parallel_head)

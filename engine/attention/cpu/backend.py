@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import envs
-from engine.attention import AttentionBackend, reference
+from engine.attention import FP8, AttentionBackend, reference
 from engine.attention.cpu import kernels
 from engine.cpu_kernels import build
 
@@ -52,13 +52,18 @@ class CpuAttention(AttentionBackend):
             return
         self.ops.store_kv(k_cache, v_cache, key, value, slot_mapping)
 
-    def decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len) -> torch.Tensor:
+    def decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
+               kv_scales=(1.0, 1.0)) -> torch.Tensor:
         if query.shape[-1] % 16 or query.stride(-1) != 1:  # the kernel walks D in 16-lane steps
-            return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
+            return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
+                                                    kv_scales)
+        if k_cache.dtype == FP8:  # the K scale folded into the softmax's, the V scale into the output's
+            return kernels.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens,
+                                                  scale * kv_scales[0], v_scale=kv_scales[1])
         return kernels.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale,
                                               bf16_pairs=self.bf16_pairs)
 
-    def prefill(self, query, key, value, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+    def prefill(self, query, key, value, k_cache, v_cache, meta, scale: float, kv_scales=(1.0, 1.0)) -> torch.Tensor:
         if (self._bf16_prefill and query.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
                 and query.shape[-1] in (64, 128) and query.stride(-1) == 1 and k_cache.is_contiguous()
                 and v_cache.is_contiguous() and meta.prefill_query_start_loc is not None):
@@ -66,7 +71,7 @@ class CpuAttention(AttentionBackend):
                 return self._prefill_split(query, key, value, k_cache, v_cache, meta, scale)
             return kernels.paged_prefill_attention(query, k_cache, v_cache, meta.prefill_block_tables,
                                                    meta.prefill_query_start_loc, meta.prefill_seq_lens_tensor, scale)
-        return super().prefill(query, key, value, k_cache, v_cache, meta, scale)
+        return super().prefill(query, key, value, k_cache, v_cache, meta, scale, kv_scales)
 
     def _prefill_split(self, query, key, value, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
         """Chunks of SDPA_MIN_ROWS tokens or more through SDPA (a run of fresh neighbours

@@ -10,13 +10,14 @@ from engine.cpu_kernels import build
 
 def paged_decode_attention(
     query: torch.Tensor,  # [B, H, D] fp32/bf16/fp16, last dim contiguous
-    k_cache: torch.Tensor,  # [N, bs, Hkv, D] fp32/bf16/fp16
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D] query's dtype, or float8_e4m3fn
     v_cache: torch.Tensor,  # [N, bs, Hkv, D], same dtype and strides as k_cache
     block_tables: torch.Tensor,  # [B, M] int32
     seq_lens: torch.Tensor,  # [B] int32, context length including the new token
     scale: float,
     out: torch.Tensor | None = None,  # [B, H, D], query's dtype; allocated when None
     bf16_pairs: bool = True,  # bf16 query and cache: p.v two tokens an instruction, p in bf16
+    v_scale: float = 1.0,  # an fp8 cache's V scale (its K scale goes into `scale`)
 ) -> torch.Tensor:  # [B, H, D]
     """Attention of one query token per sequence over its paged context."""
     if out is None:
@@ -25,7 +26,8 @@ def paged_decode_attention(
         block_tables = block_tables.to(torch.int32).contiguous()
     if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
         seq_lens = seq_lens.to(torch.int32).contiguous()
-    build.load().paged_decode_attention(out, query, k_cache, v_cache, block_tables, seq_lens, float(scale), bf16_pairs)
+    build.load().paged_decode_attention(out, query, k_cache, v_cache, block_tables, seq_lens, float(scale), bf16_pairs,
+                                        float(v_scale))
     return out
 
 

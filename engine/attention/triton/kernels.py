@@ -54,10 +54,19 @@ def _check_device(*tensors: torch.Tensor) -> None:
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     assert k_cache.dim() == 4, f"cache must be [N, bs, Hkv, D], got {tuple(k_cache.shape)}"
     assert k_cache.shape == v_cache.shape, f"{tuple(k_cache.shape)} != {tuple(v_cache.shape)}"
-    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in _FLOAT_DTYPES, (
-        f"cache dtypes must match and be fp32/fp16/bf16, got {k_cache.dtype}, {v_cache.dtype}"
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (*_FLOAT_DTYPES, torch.float8_e4m3fn), (
+        f"cache dtypes must match and be fp32/fp16/bf16/fp8 e4m3, got {k_cache.dtype}, {v_cache.dtype}"
     )
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "k_cache/v_cache must be contiguous"
+
+
+def _check_query(query: torch.Tensor, k_cache: torch.Tensor, v_scale: float) -> bool:
+    """Whether the cache is fp8 (the kernels then widen K and V to the query's dtype, the
+    K scale in the softmax scale and the V scale on the output); else it holds the query's dtype."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    assert fp8 or query.dtype == k_cache.dtype, f"query dtype {query.dtype} != cache dtype {k_cache.dtype}"
+    assert fp8 or v_scale == 1.0, "a V scale other than 1 needs an fp8 cache"
+    return fp8
 
 
 # --------------------------------------------------------------------------- store_kv
@@ -149,12 +158,13 @@ def _softmax_step(q, k, v, visible, m, denom, acc, qk_scale, USE_DOT: tl.constex
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale,  # softmax scale * log2(e): scores are kept in base 2
+    qk_scale,  # softmax scale * log2(e): scores are kept in base 2 (an fp8 cache's K scale in it)
+    v_scale,  # an fp8 cache's V scale (1 otherwise)
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
     stride_cn, stride_cb, stride_ch,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, GROUP_P: tl.constexpr, DIM_P: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -188,11 +198,16 @@ def _paged_decode_kernel(
         off = block * stride_cn + t[:, None] * stride_cb + kv_head_off + d[None, :]
         k = tl.load(k_cache_ptr + off, mask=kv_mask, other=0.0)  # [BLOCK_SIZE, DIM_P]
         v = tl.load(v_cache_ptr + off, mask=kv_mask, other=0.0)
+        if KV_FP8:  # e4m3 widens exactly to fp16, bf16 and fp32
+            k = k.to(q_ptr.dtype.element_ty)
+            v = v.to(q_ptr.dtype.element_ty)
         # every visited block has >= 1 valid token, so the running max stays finite
         m, denom, acc = _softmax_step(q, k, v, t_mask[None, :], m, denom, acc, qk_scale, USE_DOT, DOT_PRECISION)
 
     safe_denom = tl.where(denom > 0.0, denom, 1.0)  # empty split (or seq_len == 0): output 0
     out = acc / safe_denom[:, None]
+    if KV_FP8:
+        out = out * v_scale
     if NUM_SPLITS == 1:
         o_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -255,6 +270,7 @@ def paged_decode_attention(
     max_seq_len: int | None = None,  # >= max(seq_lens); None reads it from seq_lens (syncs)
     num_splits: int | None = None,  # context splits (flash-decoding); None = heuristic
     use_dot: bool | None = None,  # tl.dot vs broadcast-multiply; None = dot for fp16/bf16 on CUDA
+    kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 cache's (K, V) scales
 ) -> torch.Tensor:  # [B, H, D], query dtype
     """One query token per sequence attending to its paged context (= reference version)."""
     _check_cache(k_cache, v_cache)
@@ -262,7 +278,7 @@ def paged_decode_attention(
     _, bs, hkv, cache_d = k_cache.shape
     assert d == cache_d, f"query head_dim {d} != cache head_dim {cache_d}"
     assert h % hkv == 0, f"num_heads {h} must be a multiple of num_kv_heads {hkv}"
-    assert query.dtype == k_cache.dtype, f"query dtype {query.dtype} != cache dtype {k_cache.dtype}"
+    fp8 = _check_query(query, k_cache, kv_scales[1])
     assert query.stride(2) == 1, "query head_dim must have stride 1"
     assert bs & (bs - 1) == 0, f"block_size must be a power of two, got {bs}"
     assert block_tables.dim() == 2 and block_tables.shape[0] == b, (
@@ -302,12 +318,13 @@ def paged_decode_attention(
         part_out = part_lse = out  # unused
     _paged_decode_kernel[(b, hkv, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * _LOG2E,
+        scale * kv_scales[0] * _LOG2E, kv_scales[1],
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=h, GROUP=group, HEAD_DIM=d, BLOCK_SIZE=bs, GROUP_P=group_p, DIM_P=dim_p,
         NUM_SPLITS=num_splits, USE_DOT=use_dot,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # no tf32 for fp32 caches
+        KV_FP8=fp8,
     )
     if num_splits > 1:
         _combine_kernel[(b, h)](
@@ -324,12 +341,13 @@ def paged_decode_attention(
 @triton.jit
 def _varlen_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr, out_ptr,
-    qk_scale,  # softmax scale * log2(e): scores are kept in base 2
+    qk_scale,  # softmax scale * log2(e): scores are kept in base 2 (an fp8 cache's K scale in it)
+    v_scale,  # an fp8 cache's V scale (1 otherwise)
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cn, stride_cb, stride_ch,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -366,10 +384,15 @@ def _varlen_prefill_kernel(
             kv_mask = k_valid[:, None] & d_mask[None, :]
             k = tl.load(k_cache_ptr + off, mask=kv_mask, other=0.0)  # [BLOCK_N, DIM_P]
             v = tl.load(v_cache_ptr + off, mask=kv_mask, other=0.0)
+            if KV_FP8:
+                k = k.to(q_ptr.dtype.element_ty)
+                v = v.to(q_ptr.dtype.element_ty)
             visible = (kpos[None, :] <= qpos[:, None]) & k_valid[None, :]
             # key 0 is visible to every row, so after the first tile the running max is finite
             m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, USE_DOT, DOT_PRECISION)
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        if KV_FP8:
+            out = out * v_scale
         o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -395,6 +418,7 @@ def varlen_prefill_attention(
     block_m: int | None = None,
     block_n: int | None = None,
     use_dot: bool | None = None,  # None: tl.dot, except for bf16 under the interpreter (see tests)
+    kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 cache's (K, V) scales
 ) -> torch.Tensor:  # [T, H, D], query dtype
     """Ragged causal attention over the paged cache (= reference.varlen_attention).
 
@@ -409,7 +433,7 @@ def varlen_prefill_attention(
     b = seq_lens.shape[0]
     assert d == cache_d, f"query head_dim {d} != cache head_dim {cache_d}"
     assert h % hkv == 0, f"num_heads {h} must be a multiple of num_kv_heads {hkv}"
-    assert query.dtype == k_cache.dtype, f"query dtype {query.dtype} != cache dtype {k_cache.dtype}"
+    fp8 = _check_query(query, k_cache, kv_scales[1])
     assert query.stride(2) == 1, "query head_dim must have stride 1"
     assert block_tables.dim() == 2 and block_tables.shape[0] == b, (
         f"block_tables must be [B={b}, M], got {tuple(block_tables.shape)}"
@@ -434,11 +458,11 @@ def varlen_prefill_attention(
     grid = (triton.cdiv(max(max_query_len, 1), block_m), b, h)
     _varlen_prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        scale * _LOG2E,
+        scale * kv_scales[0] * _LOG2E, kv_scales[1],
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=h // hkv, HEAD_DIM=d, DIM_P=triton.next_power_of_2(d),
         BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=block_n, USE_DOT=use_dot,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", KV_FP8=fp8,
     )
     return out
