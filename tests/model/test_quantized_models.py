@@ -11,8 +11,10 @@ with one line naming it."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from decode_worker.llm_engine import LLMEngine
@@ -50,21 +52,70 @@ def prompts():
     return ps + [ps[2][:70] + [11, 12, 13]]  # a prefix hit on the 90-token prompt's first blocks
 
 
-def engine(path, quantization=None, tp=1):
+def engine(path, quantization=None, tp=1, kv_cache_dtype="auto"):
     return LLMEngine.from_config(EngineConfig(
         model=str(path), dtype="float32", quantization=quantization,
-        cache=CacheConfig(block_size=16, num_blocks=64),
+        cache=CacheConfig(block_size=16, num_blocks=64, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4, max_model_len=512),
         parallel=ParallelConfig(tensor_parallel_size=tp)))
 
 
-def check(eng, reference):
+def check(eng, reference, kv_fp8=None):
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
     usage: list = []
     got = run(eng, prompts(), params, usage)
     for p, ids in zip(prompts(), got):
-        assert ids == hf_greedy(reference, p, NEW, ignore_eos=True)
+        assert ids == hf_greedy(reference, p, NEW, ignore_eos=True, kv_fp8=kv_fp8)
     assert usage[-1].cached_tokens >= 64
+    return got
+
+
+def with_kv_scales(path, k_scale, v_scale, shape=()):
+    """The checkpoint at `path` given every layer's fp8 KV cache scales (self_attn.k_scale, v_scale)."""
+    tensors = load_file(path / "model.safetensors")
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    for i in range(layers):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.full(shape, k_scale)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.full(shape, v_scale)
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def test_an_fp8_kv_cache_equals_transformers_on_keys_and_values_rounded_to_e4m3(base, tmp_path):
+    """--kv-cache-dtype fp8 with --dtype float32: every layer's keys and values stored as
+    e4m3 (divided by the checkpoint's scales, or 1.0 where it has none) and read back by
+    decode, chunked prefill and a prefix hit alike; the ids equal transformers' with K and
+    V rounded the same way before attention, and differ from the unrounded answer. With
+    fp8 weights (compressed-tensors, per channel) as published as well."""
+    eng = engine(base["llama"], kv_cache_dtype="fp8")
+    assert eng.runner.kv_cache.kv.dtype == torch.float8_e4m3fn
+    got = check(eng, base["llama"], kv_fp8=(1.0, 1.0))
+    assert got != [hf_greedy(base["llama"], p, NEW, ignore_eos=True) for p in prompts()]
+    scaled = with_kv_scales(write_quantized(base["qwen2"], tmp_path / "ct-fp8", "fp8", "channel"), 0.5, 0.25)
+    eng = engine(scaled, kv_cache_dtype="fp8")
+    assert {layer.self_attn.kv_scales for layer in eng.runner.model.layers} == {(0.5, 0.25)}
+    check(eng, write_dequantized(scaled, tmp_path / "ref"), kv_fp8=(0.5, 0.25))
+
+
+def test_an_fp8_kv_cache_holds_as_many_more_blocks_as_its_bytes_are_fewer(base):
+    def blocks(kv_cache_dtype):
+        eng = LLMEngine.from_config(EngineConfig(model=str(base["llama"]), dtype="float32", cache=CacheConfig(
+            block_size=16, kv_cache_memory_gb=0.01, kv_cache_dtype=kv_cache_dtype)))
+        return eng.runner.kv_cache.num_blocks, eng.runner.kv_cache.layout.block_bytes
+
+    (n32, b32), (n8, b8) = blocks("auto"), blocks("fp8")
+    assert b32 == 4 * b8 and n8 == int(0.01 * 2**30) // b8 and n32 == int(0.01 * 2**30) // b32 and n8 >= 4 * n32
+
+
+def test_bad_kv_scales_fail_at_once(base, tmp_path):
+    import shutil
+
+    per_head = with_kv_scales(Path(shutil.copytree(base["llama"], tmp_path / "per-head")), 0.5, 0.5, shape=(2,))
+    one_line(*tandem("serve", "--port", "0", "--model", str(per_head), "--kv-cache-dtype", "fp8"), "serve",
+             "model.layers.0.self_attn.k_scale has shape [2]", "one scale per layer")
+    negative = with_kv_scales(Path(shutil.copytree(base["llama"], tmp_path / "negative")), -1.0, 0.5)
+    one_line(*tandem("serve", "--port", "0", "--model", str(negative), "--kv-cache-dtype", "fp8"), "serve",
+             "model.layers.0.self_attn.k_scale = -1.0", "must be positive")
 
 
 @pytest.mark.parametrize("name", list(FORMATS))

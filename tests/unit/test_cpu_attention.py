@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, TorchAttention, get_backend, reference
+from engine.attention import AttentionMetadata, TorchAttention, get_backend, quantize_kv, reference
 from engine.attention.cpu import kernels
 from engine.attention.cpu.backend import CpuAttention
 from engine.cpu_kernels import build
@@ -95,6 +95,32 @@ def test_decode_fp32_matches_reference(group, head_dim, block_size):
         got, want = run_both(*case)
         assert got.dtype == torch.float32 and got.shape == want.shape
         torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+@pytest.mark.usefixtures("kernel_build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim,group", [(64, 4), (128, 1), (96, 2)])
+def test_decode_over_an_fp8_cache_matches_the_reference_on_its_rounded_values(dtype, head_dim, group):
+    """An fp8 e4m3 cache (K and V stored divided by their scales) under a query of each
+    dtype: the kernel widens it exactly (subnormals and saturated values included), the K
+    scale in the softmax scale and the V scale on the output."""
+    g = torch.Generator().manual_seed(head_dim + group)
+    query, k, v, tables, lens = make_case(group, head_dim, 16, torch.float32, ragged_lens(16, 12, g), seed=5)
+    k[0, :3] = torch.tensor([1e-3, -2.5e-3, 1e4])[:, None, None]  # subnormal in e4m3, and saturating
+    kv_scales = (0.5, 0.25)
+    k8, v8 = quantize_kv(k * 4, kv_scales[0]), quantize_kv(v, kv_scales[1])
+    assert k8.dtype == torch.float8_e4m3fn and k8.float().abs().max() == 448
+    scale = head_dim**-0.5
+    got = kernels.paged_decode_attention(query.to(dtype), k8, v8, tables, lens, scale * kv_scales[0],
+                                         v_scale=kv_scales[1])
+    want = reference.paged_decode_attention(query, k8, v8, tables.clamp(min=0), lens, scale, None, kv_scales)
+    assert got.dtype == dtype
+    # fp16 rounds outputs of up to ~4 here to steps of 2^-8
+    torch.testing.assert_close(got.float(), want, **(dict(atol=4e-3, rtol=4e-3) if dtype == torch.float16 else TOL[dtype]))
+    with pytest.raises(RuntimeError, match="needs an fp8 cache"):
+        kernels.paged_decode_attention(query, k, v, tables, lens, scale, v_scale=0.5)
+    with pytest.raises(RuntimeError, match="neither the query"):
+        kernels.paged_decode_attention(query.to(torch.bfloat16), k, v, tables, lens, scale)
 
 
 @pytest.mark.usefixtures("kernel_build")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import reference
+from engine.attention import quantize_kv, reference
 from tests import triton_env
 
 pytestmark = pytest.mark.unit
@@ -192,3 +192,25 @@ def test_backend_forward_decode_batch():
     out = backend.TritonAttention().forward(query, key, value, k_cache, v_cache, meta, d**-0.5)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_and_prefill_over_an_fp8_cache(dtype):
+    """An fp8 e4m3 cache: both kernels widen K and V to the query's dtype, the K scale in
+    the softmax scale and the V scale on the output (= the reference on the same bytes)."""
+    query, k, v, tables, lens = make_decode_case(2, 64, 16, torch.float32, lens=[1, 17, 40], seed=9)
+    kv_scales = (0.5, 0.25)
+    k8, v8 = quantize_kv(k, kv_scales[0]), quantize_kv(v, kv_scales[1])
+    scale = 64**-0.5
+    got = kernels.paged_decode_attention(query.to(dtype), k8, v8, tables, lens, scale, kv_scales=kv_scales)
+    want = reference.paged_decode_attention(query, k8, v8, tables, lens, scale, None, kv_scales)
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+    rows = torch.randn(12, 4, 64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    starts = torch.tensor([0, 5, 12], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor([17, 40], dtype=torch.int32, device=DEVICE)
+    got = kernels.varlen_prefill_attention(rows.to(dtype), k8, v8, tables[1:], starts, seq_lens, scale, 7,
+                                           kv_scales=kv_scales)
+    want = reference.varlen_attention(rows, None, None, k8, v8, tables[1:], [5, 7], [17, 40], scale, kv_scales)
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+    with pytest.raises(AssertionError, match="needs an fp8 cache"):
+        kernels.paged_decode_attention(query, k, v, tables, lens, scale, kv_scales=kv_scales)
