@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from controller.autoscale import AutoscaleConfig, WorkerLoad
+from engine.config import ConfigError, kv_cache_dtype_of
 from engine.cores import create_core_table
 from worker_runtime import envs
 from worker_runtime.client import RPC_ERRORS, WorkerClient, wait_ready
@@ -53,6 +54,19 @@ def worker_actor_name(worker_id: str) -> str:
 def _model_of(info: dict) -> dict:
     """The model dtypes in a worker's `info()` (worker_runtime/metrics.py model_dtypes)."""
     return {k: info[k] for k in ("dtype", "weights", "weight_scales", "quantization", "kv_cache_dtype") if k in info}
+
+
+def kv_disagreement(worker_id: str, model: dict, others: dict[str, dict]) -> str | None:
+    """Why a worker whose model dtypes are `model` cannot serve beside `others` (worker id
+    to theirs): its KV cache holds another dtype than theirs, so blocks could not move
+    between them (a prefill worker's KV is a decode worker's cache, byte for byte); None
+    when they agree or say nothing."""
+    mine = model.get("kv_cache_dtype")
+    for other, theirs in others.items():
+        if mine and theirs.get("kv_cache_dtype") and theirs["kv_cache_dtype"] != mine:
+            return (f"{worker_id} keeps its KV cache in {mine} and {other} in {theirs['kv_cache_dtype']}: prefill and "
+                    "decode workers must agree on --kv-cache-dtype (and the model's --dtype)")
+    return None
 
 
 def placement_group_name(worker_id: str) -> str:
@@ -248,6 +262,8 @@ class PoolManager:
             return None
         w.client = WorkerClient(worker_id, role, info["address"], self.config.template.cluster_token)
         try:
+            if why := kv_disagreement(worker_id, w.model, {"this controller's workers": self._expected_model()}):
+                raise ConfigError(why)
             health = await w.client.health(timeout=5.0)
             if not health.healthy or health.epoch != info["epoch"]:
                 raise RuntimeError("unhealthy" if not health.healthy else "its epoch differs from its actor's")
@@ -263,6 +279,16 @@ class PoolManager:
             self._bg.append(asyncio.create_task(self._remove(w, drain=True)))
         self._note(f"{worker_id} adopted at {w.client.address} (epoch {epoch_str(w.epoch)})")
         return w
+
+    def _models(self, w: PoolWorker) -> dict[str, dict]:
+        """The model dtypes of the other workers that have said theirs."""
+        return {o.worker_id: o.model for o in self.workers.values() if o is not w and o.model}
+
+    def _expected_model(self) -> dict:
+        """What this controller's workers will keep their KV cache in, where its flags fix
+        it (--kv-cache-dtype fp8); {} where the checkpoint's dtype decides."""
+        flag = self.config.template.engine.cache.kv_cache_dtype
+        return {"kv_cache_dtype": kv_cache_dtype_of(flag)} if kv_cache_dtype_of(flag) else {}
 
     async def stop(self) -> None:
         for t in self._bg:
@@ -395,6 +421,8 @@ class PoolManager:
             w.epoch, w.metrics_address = health.epoch, health.metrics_address
             info = await asyncio.wait_for(actor.info.remote(), 30)
             w.pid, w.ranks, w.model = info["pid"], info.get("ranks", []), _model_of(info)
+            if why := kv_disagreement(worker_id, w.model, self._models(w)):
+                raise ConfigError(why)
             w.stats = await w.client.stats()
         except Exception as e:
             cause = getattr(e, "cause", None) or e  # a Ray task error carries the worker's own exception

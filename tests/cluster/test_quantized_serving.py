@@ -1,8 +1,9 @@
 """Quantized weights through HTTP under `tandem serve`, with `--dtype float32`: greedy ids
 equal transformers' on the dequantized weights, colocated with --quantization int8
 (a prefix hit and preemptions among the requests) and disaggregated on an fp8
-checkpoint as llm-compressor publishes it; the pools and /metrics name the weights'
-quantization."""
+checkpoint as llm-compressor publishes it with an fp8 KV cache (K and V rounded to e4m3
+in the reference too); the pools and /metrics name the weights' quantization and the
+KV cache's dtype."""
 
 from __future__ import annotations
 
@@ -59,14 +60,23 @@ def test_int8_colocated_through_http(serve, qwen2, tmp_path):
         assert label in info, info
 
 
-def test_fp8_checkpoint_disaggregated_through_http(serve, qwen2, tmp_path):
+def test_fp8_checkpoint_and_fp8_kv_cache_disaggregated_through_http(serve, qwen2, tmp_path):
+    """fp8 weights as published and --kv-cache-dtype fp8: the prefill worker's e4m3 blocks
+    cross to the decode worker as they are stored (a quarter of fp32's bytes), and the
+    answers equal transformers' on the dequantized weights with K and V rounded to e4m3."""
     q = write_quantized(qwen2, tmp_path / "fp8", "fp8", "channel", "compressed-tensors")
     ref = write_dequantized(q, tmp_path / "fp8-ref")
     srv = serve("--prefill", "1", "--decode", "1", "--model", str(q), "--dtype", "float32", "--block-size", "16",
-                "--local-prefill-threshold", "0", "--spill-prefill-s", "1000", "--transport", "tcp")
-    for p in random_prompts([7, 40, 90], seed=72):
-        assert complete(srv.url, str(q), p, NEW)["choices"][0]["token_ids"] == hf_greedy(ref, p, NEW, ignore_eos=True)
-    assert srv.metrics()["tandem:kv_transfer_bytes_total"] > 0
+                "--kv-cache-dtype", "fp8", "--local-prefill-threshold", "0", "--spill-prefill-s", "1000",
+                "--transport", "tcp")
+    prompts = random_prompts([7, 40, 90], seed=72)
+    for p in prompts:
+        assert complete(srv.url, str(q), p, NEW)["choices"][0]["token_ids"] == hf_greedy(
+            ref, p, NEW, ignore_eos=True, kv_fp8=(1.0, 1.0))
+    shipped = srv.metrics()["tandem:kv_transfer_bytes_total"]
+    # 2 layers x K and V x 2 KV heads x 32 dims, a byte each: 256 bytes a token (fp32: 1,024)
+    assert 0 < shipped <= 256 * sum(16 * -(-len(p) // 16) for p in prompts), shipped
     workers = [w for pool in srv.pools().values() for w in pool["workers"]]
     assert len(workers) == 2 and all(
         w["quantization"] == "fp8 weights, per channel (compressed-tensors checkpoint)" for w in workers)
+    assert {w["kv_cache_dtype"] for w in workers} == {"float8_e4m3fn"}
