@@ -7,6 +7,8 @@ import functools
 
 import torch
 
+from bench.lab.quant import fp8_rounding_cache
+
 VOCAB = 8192
 
 
@@ -23,7 +25,7 @@ def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int, ignore_e
     model = _hf_model(path, dtype)
     kw = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     if kv_fp8 is not None:
-        kw["cache"] = _fp8_cache(kv_fp8)
+        kw["cache"] = fp8_rounding_cache(kv_fp8)
     if ignore_eos:
         kw["eos_token_id"] = None
         kw["min_new_tokens"] = max_new_tokens
@@ -39,23 +41,6 @@ def hf_greedy(path, prompt, max_new_tokens: int, ignore_eos: bool = False,
     `kv_fp8` (K scale, V scale): every layer's keys and values (after the rotation)
     rounded as an fp8 KV cache stores them, x / scale to e4m3, before attention reads them."""
     return list(_hf_greedy(str(path), tuple(prompt), max_new_tokens, ignore_eos, dtype, kv_fp8))
-
-
-def _fp8_cache(scales: tuple[float, float]):
-    import transformers
-
-    def rounded(x: torch.Tensor, scale: float) -> torch.Tensor:
-        q = (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-        return (q.float() * scale).to(x.dtype)
-
-    class RoundingCache(transformers.DynamicCache):
-        """The cache attention reads from, holding K and V as fp8 would (the new rows too)."""
-
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            return super().update(rounded(key_states, scales[0]), rounded(value_states, scales[1]), layer_idx,
-                                  *args, **kwargs)
-
-    return RoundingCache()
 
 
 def random_prompts(lengths, seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:

@@ -32,6 +32,25 @@ from pathlib import Path
 WINDOWS = 200  # held-out windows of 256 tokens
 
 
+def fp8_rounding_cache(scales: tuple[float, float] = (1.0, 1.0)):
+    """A transformers KV cache that holds every layer's keys and values (after the
+    rotation) as tandem's fp8 cache does: x / scale rounded to e4m3, saturating at 448,
+    times scale. Attention reads what it returns, the new rows included."""
+    import torch
+    import transformers
+
+    def rounded(x, scale: float):
+        q = (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return (q.float() * scale).to(x.dtype)
+
+    class RoundingCache(transformers.DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            return super().update(rounded(key_states, scales[0]), rounded(value_states, scales[1]), layer_idx,
+                                  *args, **kwargs)
+
+    return RoundingCache()
+
+
 def quality(out: Path, windows: int = WINDOWS) -> dict:
     import torch
     import transformers
@@ -54,6 +73,8 @@ def quality(out: Path, windows: int = WINDOWS) -> dict:
             "fp8 e4m3, per channel (--quantization fp8)": write_online_reference(src, tmp / "fp8", "fp8"),
             "fp8 e4m3, 128x128 blocks (fp8 checkpoint)": write_dequantized(
                 write_quantized(src, tmp / "fp8-block-q", "fp8", "block", "fp8"), tmp / "fp8-block"),
+            "bf16 weights, fp8 e4m3 KV cache (--kv-cache-dtype fp8, scales 1.0)": src,
+            "int8 weights (fp32 activations), fp8 e4m3 KV cache": int8,
         }
         for name, path in variants.items():
             model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -62,7 +83,8 @@ def quality(out: Path, windows: int = WINDOWS) -> dict:
                     if isinstance(module, torch.nn.Linear):
                         module.register_forward_pre_hook(_int8_rows)
             t0 = time.monotonic()
-            loss, tokens = held_out_loss(model, held, SEQ_LEN, windows, "cpu")
+            cache = fp8_rounding_cache if "KV cache" in name else None
+            loss, tokens = held_out_loss(model, held, SEQ_LEN, windows, "cpu", cache)
             rows[name] = {"loss_per_token": round(loss, 5), "tokens": tokens,
                           "seconds": round(time.monotonic() - t0, 1)}
             print(f"{name}: {loss:.5f} nats/token over {tokens} tokens", file=sys.stderr, flush=True)
@@ -71,7 +93,7 @@ def quality(out: Path, windows: int = WINDOWS) -> dict:
         r["vs_bf16"] = round(r["loss_per_token"] / base - 1, 5)
     result = {"model": src.name, "windows": windows, "seq_len": SEQ_LEN, "machine": _machine(), "rows": rows}
     _save(out, "quality.json", result)
-    print("| weights | held-out loss (nats/token) | vs bf16 |\n|---|---|---|")
+    print("| weights (and KV cache) | held-out loss (nats/token) | vs bf16 |\n|---|---|---|")
     for name, r in rows.items():
         print(f"| {name} | {r['loss_per_token']:.4f} | {r['vs_bf16']:+.2%} |")
     return result

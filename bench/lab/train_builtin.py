@@ -116,8 +116,9 @@ def batch_at(tokens, step: int, seed: int, batch: int, seq_len: int):
     return torch.stack([tokens[s: s + seq_len + 1] for s in starts.tolist()]).long()
 
 
-def held_out_loss(model, tokens, seq_len: int, max_windows: int, device) -> tuple[float, int]:
-    """Mean loss per token (nats) over non-overlapping windows of the held-out stream."""
+def held_out_loss(model, tokens, seq_len: int, max_windows: int, device, cache=None) -> tuple[float, int]:
+    """Mean loss per token (nats) over non-overlapping windows of the held-out stream;
+    `cache()`, where given, makes the KV cache each batch's attention reads through."""
     import torch
 
     n = min(max_windows, (len(tokens) - 1) // seq_len)
@@ -127,7 +128,8 @@ def held_out_loss(model, tokens, seq_len: int, max_windows: int, device) -> tupl
         for i in range(0, n, 16):
             rows = [tokens[j * seq_len: j * seq_len + seq_len + 1].long() for j in range(i, min(n, i + 16))]
             x = torch.stack(rows).to(device)
-            logits = model(input_ids=x[:, :-1]).logits.float()
+            kw = {} if cache is None else {"past_key_values": cache(), "use_cache": True}
+            logits = model(input_ids=x[:, :-1], **kw).logits.float()
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
                                                      reduction="sum")
             total += loss.item()

@@ -116,7 +116,8 @@ def test_decode_over_an_fp8_cache_matches_the_reference_on_its_rounded_values(dt
     want = reference.paged_decode_attention(query, k8, v8, tables.clamp(min=0), lens, scale, None, kv_scales)
     assert got.dtype == dtype
     # fp16 rounds outputs of up to ~4 here to steps of 2^-8
-    torch.testing.assert_close(got.float(), want, **(dict(atol=4e-3, rtol=4e-3) if dtype == torch.float16 else TOL[dtype]))
+    tol = dict(atol=4e-3, rtol=4e-3) if dtype == torch.float16 else TOL[dtype]
+    torch.testing.assert_close(got.float(), want, **tol)
     with pytest.raises(RuntimeError, match="needs an fp8 cache"):
         kernels.paged_decode_attention(query, k, v, tables, lens, scale, v_scale=0.5)
     with pytest.raises(RuntimeError, match="neither the query"):

@@ -62,7 +62,7 @@ def test_tensor_parallel_workers_get_pods_of_that_many_gpus_and_the_controller_t
     controller = yaml.safe_load(cm["data"]["controller.yaml"])
     assert controller["prefill-tensor-parallel-size"] == controller["decode-tensor-parallel-size"] == 4
     assert controller["num-gpus-per-worker"] == 1 and controller["transport"] == "nixl"
-    assert controller["quantization"] == "fp8"
+    assert controller["quantization"] == "fp8" and controller["kv-cache-dtype"] == "fp8"
     # the default: one rank, one GPU a pod
     groups = {g["groupName"]: g for g in next(d for d in render(yaml.safe_load(
         (CHART / "ci" / "gpu-values.yaml").read_text())) if d["kind"] == "RayCluster")["spec"]["workerGroupSpecs"]}
