@@ -16,6 +16,12 @@ planned and launched while the device runs step n; the same engine, the setting 
 between runs, --engine-rounds interleaved pairs): wall time per step and output tokens/s
 (medians), the median of the pairs' speedups, and whether both gave the same tokens.
 
+Quantized weights (`--weights bf16 fp8 int8`, with `--random-1b DIR` a 1B-class random
+Llama made once at DIR): decode steps with decode graphs at each weight format
+(--quantization), their median time at each of --batches, the bytes of weights a step
+reads and the bandwidth that makes, against the device's own (a 1 GiB copy), so the
+floor each format sets is in the table. `--kv-cache-dtype fp8` runs them over an fp8 cache.
+
 Needs CUDA; on a CPU-only machine it says so and exits 0.
 """
 
@@ -48,17 +54,24 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engine-prompt-len", type=int, default=128)
     p.add_argument("--engine-output-len", type=int, default=128)
     p.add_argument("--engine-rounds", type=int, default=3, help="sync/async pairs per batch size, interleaved")
+    p.add_argument("--weights", nargs="*", default=[], choices=("bf16", "fp8", "int8"),
+                   help="only the quantized-weights section: decode steps with each weight format")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    p.add_argument("--random-1b", default=None, metavar="DIR",
+                   help="make (once) a random Llama of about 1.0B parameters at DIR (hidden 2048, 16 layers, 32 "
+                   "heads, 8 KV heads, MLP 8192, the built-in tokenizer) and use it as --model")
     return p.parse_args(argv)
 
 
-def _runner(args, graphs: bool):
+def _runner(args, graphs: bool, quantization: str | None = None):
     from engine.build import build_parts
     from engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 
     max_b = max(args.batches)
     blocks = max_b * (-(-(args.context + 1) // 16)) + 8 * (-(-args.prompt_len // 16)) + 16
     return build_parts(EngineConfig(
-        model=args.model, dtype=args.dtype, cache=CacheConfig(num_blocks=blocks),
+        model=args.model, dtype=args.dtype, quantization=quantization,
+        cache=CacheConfig(num_blocks=blocks, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_b, max_num_batched_tokens=max(8 * args.prompt_len, 2048),
                                   max_model_len=args.max_model_len or max(args.context + 1, args.prompt_len)),
         device=DeviceConfig(device="cuda", cuda_graphs=graphs))).runner
@@ -100,6 +113,61 @@ def bench_decode(args) -> None:
     for b in args.batches:
         e, g = results[(False, b)], results[(True, b)]
         print(f"{b:>6} {e:>9.3f} {g:>10.3f} {e / g:>7.2f}x {b / g * 1e3:>13.0f}")
+
+
+def random_1b(path: str) -> str:
+    """A random Llama of about 1.0B parameters at `path` (made once), bf16."""
+    from pathlib import Path
+
+    import transformers
+
+    from engine.models.builtin import builtin_model_path
+    from engine.models.writer import copy_tokenizer_files
+
+    out = Path(path)
+    if not (out / "config.json").exists():
+        cfg = transformers.LlamaConfig(vocab_size=8192, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
+                                       tie_word_embeddings=False, torch_dtype="bfloat16")
+        torch.manual_seed(0)
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+        model.save_pretrained(out, safe_serialization=True)
+        for name, data in copy_tokenizer_files(builtin_model_path()).items():
+            if name != "generation_config.json":
+                (out / name).write_bytes(data)
+    return str(out)
+
+
+def _device_bandwidth_gbs(nbytes: int = 1 << 30, iters: int = 20) -> float:
+    """The device's memory bandwidth as a copy sees it: bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src), iters)
+    return 2 * nbytes / (ms / 1e3) / 1e9
+
+
+def bench_weights(args) -> dict:
+    """Decode steps (graphs) per weight format; the bytes of parameters a step reads (all
+    of them but the embedding table, of which it reads B rows)."""
+    bw = _device_bandwidth_gbs()
+    print(f"device bandwidth (1 GiB copy): {bw:.0f} GB/s; kv cache {args.kv_cache_dtype}, context {args.context}")
+    print(f"{'weights':>8} {'batch':>6} {'step ms':>8} {'MB read':>8} {'GB/s':>7} {'of device':>9} {'tok/s':>8}")
+    rows = {}
+    for fmt in args.weights:
+        runner = _runner(args, True, None if fmt == "bf16" else fmt)
+        model = runner.model
+        embed = model.embed_tokens.weight
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
+        for b in args.batches:
+            plan = _decode_plan(b, args.context)
+            ms = _time_ms(lambda: runner.execute(plan), args.iters)
+            gbs = nbytes / (ms / 1e3) / 1e9
+            rows[(fmt, b)] = {"ms": ms, "weight_bytes": nbytes, "gbs": gbs}
+            print(f"{fmt:>8} {b:>6} {ms:>8.3f} {nbytes / 1e6:>8.0f} {gbs:>7.0f} {gbs / bw:>8.0%} {b / ms * 1e3:>8.0f}")
+        runner = model = None
+        torch.cuda.empty_cache()
+    return rows
 
 
 def bench_prefill(args) -> None:
@@ -197,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.lab.gpu needs a CUDA GPU; none found, nothing to do.")
         return 0
     print(f"device: {torch.cuda.get_device_name()}")
+    if args.random_1b:
+        args.model = random_1b(args.random_1b)
+    if args.weights:
+        bench_weights(args)
+        return 0
     bench_decode(args)
     bench_prefill(args)
     bench_engine(args)

@@ -46,9 +46,11 @@ TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 VLLM_VERSION = "0.32.0"
 LLAMA_CPP_PYTHON = "0.3.36"  # its sdist vendors the llama.cpp source that is built
 TORCH = "torch==2.13.0"  # the CPU wheel on disk here
-# tandem-*-int8: tandem with --quantization int8 (beside llama.cpp's Q8_0 file, llama-q8)
+# tandem-*-int8: tandem with --quantization int8 (beside llama.cpp's Q8_0 file, llama-q8);
+# tandem-*-fp8kv: with --kv-cache-dtype fp8
 SERVERS = ("vllm", "llama", "llama-q8", "tandem-colocated", "tandem-disagg", "tandem-colocated-int8",
-           "tandem-disagg-int8")
+           "tandem-disagg-int8", "tandem-colocated-fp8kv", "tandem-disagg-fp8kv", "tandem-colocated-int8-fp8kv",
+           "tandem-disagg-int8-fp8kv")
 DEFAULT_SERVERS = ("vllm", "llama", "tandem-colocated", "tandem-disagg")
 OUTPUT_LEN = 128
 
@@ -279,7 +281,8 @@ class SideBySide:
             return LlamaServer(port, log, str(self.root / "llama.cpp-build" / "bin" / "llama-server"), str(gguf),
                                name=name)
         pools = ["--colocated"] if name.startswith("tandem-colocated") else []
-        quant = ["--quantization", "int8"] if name.endswith("-int8") else []
+        quant = ["--quantization", "int8"] if "-int8" in name else []
+        quant += ["--kv-cache-dtype", "fp8"] if name.endswith("-fp8kv") else []
         server = TandemServer(["--model", str(self.model_dir), "--dtype", self.dtype, *pools, *quant,
                                *self.tandem_args], log, port)
         server.name = name

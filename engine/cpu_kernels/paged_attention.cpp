@@ -29,6 +29,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -922,6 +923,8 @@ struct PrefillProblem {
   const int32_t* seq_lens;
   const int32_t* block_tables;
   float scale;
+  bool fp8;       // the cache holds float8 e4m3 (widened to bf16 as it is copied: exact)
+  float v_scale;  // an fp8 cache's V scale (1 otherwise): multiplies the output
 };
 
 // Item b's block table row, after checking that its lengths fit it and its block ids
@@ -941,38 +944,61 @@ const int32_t* checked_table(const PrefillProblem& P, int64_t b, int64_t q_len, 
 // The context of kv head g (L tokens, padded with zeros to Lp) copied from the cache
 // into kt and vp: token t's K row as D / 2 uint32 pairs goes to column t % 16 of its
 // tile; V rows t and t + 1 are interleaved element by element.
+// bf16 bits of each e4m3 byte: every e4m3 value (subnormals too) is a bf16 value
+const uint16_t* fp8_to_bf16_bits() {
+  static const auto table = [] {
+    std::array<uint16_t, 256> t{};
+    for (int i = 0; i < 256; ++i) {
+      const BFloat16 x(static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits())));
+      t[i] = x.x;
+    }
+    return t;
+  }();
+  return table.data();
+}
+
 template <int D>
-void copy_context(const PrefillProblem& P, const BFloat16* kc, const BFloat16* vc, const int32_t* table,
+void copy_context(const PrefillProblem& P, const void* kc, const void* vc, const int32_t* table,
                   int64_t L, int64_t Lp, int64_t g, uint32_t* kt, uint32_t* vp) {
   constexpr int NP = D / 2;
   const int64_t bs = P.block_size;
+  const int64_t elem = P.fp8 ? 1 : 2;
+  const uint16_t* widen = fp8_to_bf16_bits();
+  auto row_of = [&](const void* cache, int64_t t) {
+    return static_cast<const char*>(cache) + (table[t / bs] * P.kv_block + (t % bs) * P.kv_token + g * P.kv_head) * elem;
+  };
   for (int64_t t = 0; t < Lp; ++t) {
     uint32_t* kdst = kt + (t / 16) * NP * 16 + (t % 16);
-    if (t < L) {
-      const uint32_t* krow = reinterpret_cast<const uint32_t*>(
-          kc + table[t / bs] * P.kv_block + (t % bs) * P.kv_token + g * P.kv_head);
-      for (int c = 0; c < NP; ++c) kdst[c * 16] = krow[c];
-    } else {
+    if (t >= L) {
       for (int c = 0; c < NP; ++c) kdst[c * 16] = 0;
+    } else if (P.fp8) {
+      const uint8_t* krow = reinterpret_cast<const uint8_t*>(row_of(kc, t));
+      for (int c = 0; c < NP; ++c)
+        kdst[c * 16] = widen[krow[2 * c]] | (static_cast<uint32_t>(widen[krow[2 * c + 1]]) << 16);
+    } else {
+      const uint32_t* krow = reinterpret_cast<const uint32_t*>(row_of(kc, t));
+      for (int c = 0; c < NP; ++c) kdst[c * 16] = krow[c];
     }
   }
   for (int64_t s = 0; s < Lp / 2; ++s) {
     uint16_t* dst = reinterpret_cast<uint16_t*>(vp + s * D);
     for (int u = 0; u < 2; ++u) {
       const int64_t t = 2 * s + u;
-      if (t < L) {
-        const uint16_t* vrow = reinterpret_cast<const uint16_t*>(
-            vc + table[t / bs] * P.kv_block + (t % bs) * P.kv_token + g * P.kv_head);
-        for (int d = 0; d < D; ++d) dst[2 * d + u] = vrow[d];
-      } else {
+      if (t >= L) {
         for (int d = 0; d < D; ++d) dst[2 * d + u] = 0;
+      } else if (P.fp8) {
+        const uint8_t* vrow = reinterpret_cast<const uint8_t*>(row_of(vc, t));
+        for (int d = 0; d < D; ++d) dst[2 * d + u] = widen[vrow[d]];
+      } else {
+        const uint16_t* vrow = reinterpret_cast<const uint16_t*>(row_of(vc, t));
+        for (int d = 0; d < D; ++d) dst[2 * d + u] = vrow[d];
       }
     }
   }
 }
 
 template <int C>  // C = D / 16
-void prefill_item(const PrefillProblem& P, const BFloat16* kc, const BFloat16* vc, const BFloat16* query,
+void prefill_item(const PrefillProblem& P, const void* kc, const void* vc, const BFloat16* query,
                   BFloat16* out, int64_t b, int64_t g) {
   constexpr int D = 16 * C, NP = D / 2;  // NP: dim pairs per row
   const int64_t G = P.num_heads / P.num_kv_heads;
@@ -1027,7 +1053,7 @@ void prefill_item(const PrefillProblem& P, const BFloat16* kc, const BFloat16* v
         sum = _mm512_add_ps(sum, e);
         _mm256_storeu_si256(ph + t / 16, (__m256i)_mm512_cvtneps_pbh(e));
       }
-      inv_sum[h] = 1.f / _mm512_reduce_add_ps(sum);
+      inv_sum[h] = P.v_scale / _mm512_reduce_add_ps(sum);
     }
     // Output: RO heads at a time, C accumulators each, two tokens per instruction.
     constexpr int RO = std::max(1, 16 / C);
@@ -1078,7 +1104,7 @@ inline void configure_prefill_tiles() {
 }
 
 template <int C>  // C = D / 16
-void prefill_item_amx(const PrefillProblem& P, const BFloat16* kc, const BFloat16* vc, const BFloat16* query,
+void prefill_item_amx(const PrefillProblem& P, const void* kc, const void* vc, const BFloat16* query,
                       BFloat16* out, int64_t b, int64_t g) {
   constexpr int D = 16 * C, NP = D / 2, KC = D / 32;
   static_assert(KC == 2 || KC == 4, "head_dim 64 or 128");
@@ -1181,7 +1207,7 @@ void prefill_item_amx(const PrefillProblem& P, const BFloat16* kc, const BFloat1
           _mm256_storeu_si256(pr + tt, (__m256i)_mm512_cvtneps_pbh(e));
         }
         for (tt = nt; tt < 2 * nkb; ++tt) _mm256_storeu_si256(pr + tt, _mm256_setzero_si256());
-        inv_sum[r] = 1.f / _mm512_reduce_add_ps(sum);
+        inv_sum[r] = P.v_scale / _mm512_reduce_add_ps(sum);
       }
       // output: p times V, 64 dims (four C tiles) at a time
       for (int half = 0; half < D / 64; ++half) {
@@ -1229,13 +1255,16 @@ bool paged_prefill_attention_supported() {
 
 void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
-                             const at::Tensor& query_start, const at::Tensor& seq_lens, double scale) {
+                             const at::Tensor& query_start, const at::Tensor& seq_lens, double scale,
+                             double v_scale) {
   TORCH_CHECK(paged_prefill_attention_supported(), "paged_prefill_attention needs AVX512-BF16");
 #if defined(__AVX512BF16__)
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [T, H, D] alike");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
-              k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
-              "paged_prefill_attention is bf16 only");
+              (k_cache.scalar_type() == at::kBFloat16 || fp8) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_prefill_attention takes a bf16 query over a bf16 or float8_e4m3fn cache");
+  TORCH_CHECK(fp8 || v_scale == 1.0, "a V scale other than 1 needs an fp8 cache");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides(),
               "k/v cache must be [N, bs, Hkv, D] with equal strides");
   TORCH_CHECK(query.device().is_cpu() && out.device().is_cpu() && k_cache.device().is_cpu() &&
@@ -1260,9 +1289,10 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, con
   PrefillProblem P{H, Hkv, k_cache.size(1), block_tables.size(1), k_cache.size(0),
                    query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                    k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-                   qs, seq_lens.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(), static_cast<float>(scale)};
-  const BFloat16* kc = reinterpret_cast<const BFloat16*>(k_cache.data_ptr());
-  const BFloat16* vc = reinterpret_cast<const BFloat16*>(v_cache.data_ptr());
+                   qs, seq_lens.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(), static_cast<float>(scale),
+                   fp8, static_cast<float>(v_scale)};
+  const void* kc = k_cache.data_ptr();
+  const void* vc = v_cache.data_ptr();
   const BFloat16* q = reinterpret_cast<const BFloat16*>(query.data_ptr());
   BFloat16* o = reinterpret_cast<BFloat16*>(out.data_ptr());
   const int64_t items = Bp * Hkv, threads = at::get_num_threads();
@@ -1317,7 +1347,8 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
         "Tensor block_tables, Tensor seq_lens, float scale, bool bf16_pairs=True, float v_scale=1.0) -> ()",
         &paged_decode_attention);
   m.def("paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor query_start, Tensor seq_lens, float scale) -> ()", &paged_prefill_attention);
+        "Tensor block_tables, Tensor query_start, Tensor seq_lens, float scale, float v_scale=1.0) -> ()",
+        &paged_prefill_attention);
   m.def("paged_prefill_attention_supported() -> bool", &paged_prefill_attention_supported);
   m.def("simd_lanes() -> int", &simd_lanes);  // 16 with AVX-512, 8 with AVX2, 0 for the portable build
   m.def("decode_amx_supported() -> bool", &decode_amx_supported);

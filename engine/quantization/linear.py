@@ -6,8 +6,12 @@ scales as they are and never writes a dequantized copy of W: int8 weights with b
 activations run W8A8 (each row of x quantized to int8, exact int32 dot products; on AMX
 CPUs q kept in the tile unit's order, `use_kernels`), the rest widen q to fp32 in
 registers (on AMX, a panel of 32 rows made bf16 at a time in L2 above four rows).
-Elsewhere (CUDA for now, CPUs without the kernels, fp16 models) the layer dequantizes
-W for the call and runs F.linear: correct, and no faster than the unquantized model.
+On CUDA a bf16 layer with one scale a row runs W8A8 on the tensor cores
+(`scaled_matmul`): each row of x quantized to the weight's format with its own scale,
+then torch's `_scaled_mm` for fp8 (scales applied in the GEMM's epilogue, as vLLM's fp8
+layers do) or `_int_mm` for int8 (exact int32 sums, scaled after). Elsewhere (group or
+block scales on CUDA, CPUs without the kernels, fp16 models) the layer dequantizes W for
+the call and runs F.linear: correct, and no faster than the unquantized model.
 """
 
 from __future__ import annotations
@@ -100,7 +104,43 @@ class QuantLinear(nn.Module):
             self.weight = nn.Parameter(ops.quant_pack_int8(self.weight.data), requires_grad=False)
             self.tiles = True
 
+    def scaled_matmul_fits(self, x: torch.Tensor) -> bool:
+        """Whether `scaled_matmul` takes `x`: bf16 activations, one scale a row, and sizes
+        the tensor cores' 8-bit GEMMs take (multiples of 16)."""
+        return (x.dtype == torch.bfloat16 and self.weight_scale.shape[1] == 1 and not self.tiles
+                and self.in_features % 16 == 0 and self.out_features % 16 == 0)
+
+    def scaled_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """W8A8 through torch's 8-bit GEMMs: each row of x quantized to the weight's format
+        with one scale a row (its largest magnitude to the format's largest value), then
+        fp8 x fp8 with both scales applied inside `_scaled_mm`, or int8 x int8 summed exactly
+        in int32 by `_int_mm` and scaled after. The CUDA path for bf16 models; the CPU runs
+        it too (the tests' check of its numbers)."""
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        amax = x2.abs().amax(dim=1, keepdim=True).float()
+        w_scale = self.weight_scale.reshape(1, -1)
+        if self.method == "fp8":
+            x_scale = (amax / FP8_MAX).clamp_(min=1e-12)
+            xq = (x2.float() / x_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=w_scale, bias=bias, out_dtype=x.dtype)
+        else:
+            x_scale = (amax / INT8_MAX).clamp_(min=1e-12)
+            xq = torch.round(x2.float() / x_scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+            m = xq.shape[0]
+            if xq.is_cuda and m <= 16:  # cuBLAS's int8 GEMM wants more than 16 rows
+                xq = F.pad(xq, (0, 0, 0, 17 - m))
+            acc = torch._int_mm(xq, self.weight.t())[:m]
+            y = acc.float() * x_scale * w_scale
+            if self.bias is not None:
+                y = y + self.bias.float()
+            y = y.to(x.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.scaled_matmul_fits(x):
+            return self.scaled_matmul(x)
         if self.tiles:
             shape = x.shape
             x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()

@@ -165,3 +165,47 @@ def test_step_inputs_reach_the_device_whole_and_aligned():
                 continue
             assert v.device.type == "cuda" and v.dtype == dtype and v.tolist() == list(x)
             assert len(x) == 0 or v.data_ptr() % 16 == 0
+
+
+def test_quantized_weights_and_an_fp8_kv_cache_on_cuda(tmp_path):
+    """fp8 weights (compressed-tensors, per channel) and an fp8 KV cache on CUDA: with
+    --dtype float32 the ids equal transformers' on the dequantized weights with K and V
+    rounded to e4m3 (the Triton kernels reading e4m3); in bf16 the layers run W8A8 on
+    torch's fp8 GEMM (_scaled_mm), and the int8 ones on _int_mm, each within bf16 rounding
+    of the same arithmetic."""
+    from engine.quantization.linear import QuantLinear, quantize
+    from engine.quantization.writer import write_dequantized, write_quantized
+
+    base = _write_hf("llama", tmp_path / "llama", builtin_model_path())
+    q = write_quantized(base, tmp_path / "fp8", "fp8", "channel", "compressed-tensors")
+    ref = write_dequantized(q, tmp_path / "ref")
+    engine = LLMEngine.from_config(EngineConfig(
+        model=str(q), dtype="float32", cache=CacheConfig(num_blocks=256, kv_cache_dtype="fp8"),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_model_len=1024, max_num_seqs=16),
+        device=DeviceConfig(device="cuda")))
+    assert engine.runner.kv_cache.kv.dtype == torch.float8_e4m3fn
+    prompts = random_prompts(LENGTHS, seed=33)
+    got = run(engine, prompts, SamplingParams(max_tokens=12, temperature=0))
+    for p, g in zip(prompts, got):
+        assert g == hf_greedy(ref, p, 12, kv_fp8=(1.0, 1.0))
+    bf16 = LLMEngine.from_config(EngineConfig(
+        model=str(q), dtype="bfloat16", cache=CacheConfig(num_blocks=256, kv_cache_dtype="fp8"),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_model_len=1024, max_num_seqs=16),
+        device=DeviceConfig(device="cuda")))
+    layer = bf16.runner.model.layers[0].mlp.down_proj
+    assert isinstance(layer, QuantLinear) and layer.scaled_matmul_fits(torch.empty(1, 1, dtype=torch.bfloat16))
+    run(bf16, prompts, SamplingParams(max_tokens=12, temperature=0))
+    for method in ("int8", "fp8"):  # a layer alone, 1 and 40 rows: within bf16 rounding of the dequantized product
+        w = torch.randn(256, 512)
+        qw, sw = quantize(w, method)
+        layer = QuantLinear(512, 256, True, method, 512, bias_dtype=torch.bfloat16, device="cuda")
+        with torch.no_grad():
+            layer.weight.copy_(qw)
+            layer.weight_scale.copy_(sw)
+            layer.bias.normal_()
+        for rows in (1, 40):
+            x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+            want = torch.nn.functional.linear(x.float(), layer.dequantized().cuda(), layer.bias.float())
+            got = layer(x)
+            assert got.dtype == torch.bfloat16
+            assert torch.nn.functional.cosine_similarity(got.float(), want, dim=1).min() > 0.995

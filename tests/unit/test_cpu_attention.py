@@ -272,6 +272,37 @@ def test_prefill_kernel_matches_reference_as_closely_as_sdpa(group, head_dim):
 
 
 @needs_bf16_prefill
+@pytest.mark.parametrize("amx", [False, True])
+def test_prefill_kernel_over_an_fp8_cache(amx):
+    """An fp8 e4m3 cache is widened to bf16 as the kernel copies a context (exactly), so the
+    kernel gives the bits it gives over a bf16 cache of the same values (V scale 1); with a
+    V scale, within bf16 tolerance of the reference on the same bytes."""
+    ops = build.load()
+    if amx and not ops.decode_amx_supported():
+        pytest.skip("no AMX tiles here")
+    chunks = [(1, 1), (17, 17), (300, 300), (33, 100), (7, 333)]
+    query, kc, vc, tables, starts, seq_lens, _, _ = prefill_case(4, 64, chunks, seed=8)
+    k8, v8 = quantize_kv(kc.float() * 3, 0.5), quantize_kv(vc.float(), 0.25)
+    scale = 64**-0.5
+    before = ops.set_prefill_amx(amx)
+    try:
+        got = kernels.paged_prefill_attention(query, k8, v8, tables, starts, seq_lens, scale * 0.5)
+        same = kernels.paged_prefill_attention(query, k8.bfloat16(), v8.bfloat16(), tables, starts, seq_lens,
+                                               scale * 0.5)
+        assert torch.equal(got, same)
+        got = kernels.paged_prefill_attention(query, k8, v8, tables, starts, seq_lens, scale * 0.5, v_scale=0.25)
+    finally:
+        ops.set_prefill_amx(before)
+    rows = [(tables[i, pos // 16].long(), pos % 16) for i, (q, n) in enumerate(chunks)
+            for pos in [torch.arange(n - q, n)]]  # each chunk's own rows, as stored
+    key = torch.cat([k8[b, t].float() * 0.5 for b, t in rows])
+    value = torch.cat([v8[b, t].float() * 0.25 for b, t in rows])
+    want = reference.varlen_attention(query.float(), key, value, k8, v8, tables.clamp(min=0),
+                                      [q for q, _ in chunks], [n for _, n in chunks], scale, (0.5, 0.25))
+    torch.testing.assert_close(got.float(), want, **TOL[torch.bfloat16])
+
+
+@needs_bf16_prefill
 def test_prefill_kernel_is_bitwise_independent_of_threads():
     case = prefill_case(4, 64, [(50, 50), (20, 90), (1, 17)], num_kv_heads=4)[:6]
     outs = outputs_over_threads(lambda: kernels.paged_prefill_attention(*case, scale=0.125), (1, 3))

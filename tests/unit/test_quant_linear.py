@@ -213,3 +213,29 @@ def test_w8a8_on_weights_in_tile_order_gives_the_same_bits(bias):
             layer.bias = torch.nn.Parameter(b, requires_grad=False)
     layer.use_kernels(ops, torch.bfloat16)
     assert layer.tiles and torch.equal(layer(x[:9]), w8a8_reference(x[:9], q, s, b))
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_scaled_matmul_path_is_w8a8_on_torchs_8_bit_gemms(method, bias):
+    """The CUDA path of a bf16 layer (torch's _scaled_mm for fp8, _int_mm for int8), run on
+    the CPU, which has both: each row of x quantized to the weight's format with its own
+    scale, then the 8-bit product scaled by both; against that arithmetic in fp32."""
+    layer = QuantLinear(64, 48, bias, method, 64)
+    q, s = _case(48, 64, method, 64, seed=4)
+    with torch.no_grad():
+        layer.weight.copy_(q)
+        layer.weight_scale.copy_(s)
+        if bias:
+            layer.bias.normal_()
+    x = torch.randn(2, 5, 64).bfloat16()
+    x[0, 1] = 0  # a zero row: scale clamped, output the bias
+    assert layer.scaled_matmul_fits(x) and not layer.scaled_matmul_fits(x.float())
+    top = 127.0 if method == "int8" else 448.0
+    xf = x.reshape(-1, 64).float()
+    sx = (xf.abs().amax(dim=1, keepdim=True) / top).clamp(min=1e-12)
+    xq = torch.round(xf / sx) if method == "int8" else (xf / sx).to(FP8).float()
+    want = (xq @ q.float().T) * sx * s.T + (layer.bias.float() if bias else 0)
+    got = layer.scaled_matmul(x)
+    assert got.shape == (2, 5, 48) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.reshape(-1, 48).float(), want, atol=3e-2, rtol=1e-2)

@@ -1,7 +1,8 @@
 """CPU attention backend: paged decode and the KV store run the C++ kernels (kernels.py,
 engine/cpu_kernels). Prefill runs the C++ paged prefill kernel for bf16 models where the
-CPU has AVX512-BF16 (head_dim 64 or 128), and the torch reference (SDPA) otherwise: fp32
-models keep torch's own attention, the same as transformers'.
+CPU has AVX512-BF16 (head_dim 64 or 128; its cache bf16 or fp8 e4m3, widened as the kernel
+copies a context), and the torch reference (SDPA) otherwise: fp32 models keep torch's own
+attention, the same as transformers'.
 
 Where the CPU also has AMX, the kernel's products run on AMX tiles (16 query rows of a
 head at a time; `TANDEM_CPU_AMX_ATTENTION=0` keeps them on AVX512-BF16). Before it did,
@@ -64,16 +65,19 @@ class CpuAttention(AttentionBackend):
                                               bf16_pairs=self.bf16_pairs)
 
     def prefill(self, query, key, value, k_cache, v_cache, meta, scale: float, kv_scales=(1.0, 1.0)) -> torch.Tensor:
-        if (self._bf16_prefill and query.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
+        if (self._bf16_prefill and query.dtype == torch.bfloat16 and k_cache.dtype in (torch.bfloat16, FP8)
                 and query.shape[-1] in (64, 128) and query.stride(-1) == 1 and k_cache.is_contiguous()
                 and v_cache.is_contiguous() and meta.prefill_query_start_loc is not None):
             if self.long_chunks_sdpa and max(meta.prefill_query_lens) >= SDPA_MIN_ROWS:
-                return self._prefill_split(query, key, value, k_cache, v_cache, meta, scale)
+                return self._prefill_split(query, key, value, k_cache, v_cache, meta, scale, kv_scales)
+            # an fp8 cache: widened to bf16 as the kernel copies it, the K scale in the softmax's
             return kernels.paged_prefill_attention(query, k_cache, v_cache, meta.prefill_block_tables,
-                                                   meta.prefill_query_start_loc, meta.prefill_seq_lens_tensor, scale)
+                                                   meta.prefill_query_start_loc, meta.prefill_seq_lens_tensor,
+                                                   scale * kv_scales[0], v_scale=kv_scales[1])
         return super().prefill(query, key, value, k_cache, v_cache, meta, scale, kv_scales)
 
-    def _prefill_split(self, query, key, value, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+    def _prefill_split(self, query, key, value, k_cache, v_cache, meta, scale: float,
+                       kv_scales=(1.0, 1.0)) -> torch.Tensor:
         """Chunks of SDPA_MIN_ROWS tokens or more through SDPA (a run of fresh neighbours
         of one length in one batched call), shorter ones through the paged kernel, one
         call each."""
@@ -88,13 +92,14 @@ class CpuAttention(AttentionBackend):
             if q_len < SDPA_MIN_ROWS:
                 out[lo:hi] = kernels.paged_prefill_attention(
                     query[lo:hi], k_cache, v_cache, meta.prefill_block_tables[i:i + 1],
-                    torch.tensor([0, q_len], dtype=torch.int32), meta.prefill_seq_lens_tensor[i:i + 1], scale)
+                    torch.tensor([0, q_len], dtype=torch.int32), meta.prefill_seq_lens_tensor[i:i + 1],
+                    scale * kv_scales[0], v_scale=kv_scales[1])
                 i += 1
                 continue
             if q_len != s_len:  # over a cached context: gathered, with a causal mask
                 out[lo:hi] = reference.varlen_attention(
                     query[lo:hi], key[lo:hi], value[lo:hi], k_cache, v_cache,
-                    meta.prefill_block_tables[i:i + 1], [q_len], [s_len], scale)
+                    meta.prefill_block_tables[i:i + 1], [q_len], [s_len], scale, kv_scales)
                 i += 1
                 continue
             j = i + 1

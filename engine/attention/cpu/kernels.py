@@ -33,18 +33,20 @@ def paged_decode_attention(
 
 def paged_prefill_attention(
     query: torch.Tensor,  # [T, H, D] bf16, last dim contiguous: the step's prefill rows
-    k_cache: torch.Tensor,  # [N, bs, Hkv, D] bf16, the rows' own K/V already stored
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D] bf16 or float8_e4m3fn, the rows' own K/V already stored
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [Bp, M] int32
     query_start: torch.Tensor,  # [Bp + 1] int32, cumulative rows
     seq_lens: torch.Tensor,  # [Bp] int32, context incl. the rows
     scale: float,
+    v_scale: float = 1.0,  # an fp8 cache's V scale (its K scale goes into `scale`)
 ) -> torch.Tensor:  # [T, H, D]
-    """Causal attention of each sequence's new rows over its paged context (bf16, AVX512-BF16)."""
+    """Causal attention of each sequence's new rows over its paged context (bf16, AVX512-BF16;
+    the cache bf16 or fp8 e4m3)."""
     out = torch.empty(query.shape, dtype=query.dtype)
     if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
         block_tables = block_tables.to(torch.int32).contiguous()
     build.load().paged_prefill_attention(out, query, k_cache, v_cache, block_tables,
                                          query_start.to(torch.int32).contiguous(),
-                                         seq_lens.to(torch.int32).contiguous(), float(scale))
+                                         seq_lens.to(torch.int32).contiguous(), float(scale), float(v_scale))
     return out
