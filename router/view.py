@@ -131,9 +131,13 @@ class ClusterView(AdminInterface):
                 if w.role == role and w.state == WorkerState.READY and w.stats and not w.stats.draining]
 
     def starting(self, role: Role) -> bool:
-        """Whether the controller is starting a worker of this role (a replacement or a
-        scale-up): one is coming, though none of them is routable yet."""
-        return any(st is WorkerState.STARTING and self._roles.get(wid) == role for wid, st in self._said.items())
+        """Whether a worker of this role is on its way: the controller is starting it (a
+        replacement or a scale-up), or has called it ready and this router has not read
+        its stats yet (not routable here for a moment more)."""
+        routable = {w.worker_id for w in self.ready(role)}
+        draining = {w.worker_id for w in self.workers.values() if w.stats and w.stats.draining}
+        return any(self._roles.get(wid) == role and wid not in routable | draining
+                   and st in (WorkerState.STARTING, WorkerState.READY) for wid, st in self._said.items())
 
     def get(self, worker_id: str) -> Worker | None:
         return self.workers.get(worker_id)

@@ -194,12 +194,14 @@ def parse_args(role: Role, argv: list[str] | None) -> WorkerConfig:
 
 async def drain(worker: WorkerService, grace_s: float, force: asyncio.Event) -> tuple[int, bool]:
     """Refuse new requests and wait for the running ones (at most `grace_s`, or until
-    `force` is set). Returns (requests live at the start, whether all finished)."""
+    `force` is set). A worker whose engine has failed (a tensor-parallel rank lost, a
+    step that raised) has nothing left that could finish: it stops at once. Returns
+    (requests live at the start, whether all finished)."""
     worker.draining = True
     start = worker.stats().live_requests
     deadline = asyncio.get_running_loop().time() + grace_s
     while not worker.stats().idle:
-        if force.is_set() or asyncio.get_running_loop().time() >= deadline:
+        if force.is_set() or asyncio.get_running_loop().time() >= deadline or not worker.engine_loop.healthy:
             return start, False
         await asyncio.sleep(0.05)
     return start, True
@@ -230,7 +232,8 @@ def main(role: Role, make_service: ServiceFactory, argv: list[str] | None = None
         t0 = asyncio.get_running_loop().time()
         start, finished = await drain(worker, config.shutdown_grace_s, force)
         await worker.stop()
-        cut = "by a second signal" if force.is_set() else "by the grace period"
+        cut = ("by a second signal" if force.is_set() else "by the grace period" if worker.engine_loop.healthy
+               else f"at once: the engine had failed ({worker.engine_loop.error})")
         how = f"all {start} finished" if finished else f"cut off {cut}"
         log.info("%s %s stopped on %s after draining for %.1f s (requests live: %d, %s)", role.value,
                  config.worker_id, got[0], asyncio.get_running_loop().time() - t0, start, how)

@@ -105,7 +105,7 @@ async def test_a_rank_killed_on_either_side(spawn, checkpoints):
     no block, and the prefill worker reports itself unhealthy (its controller would
     replace it). Then a decode rank killed mid-stream: the stream ends with the
     worker-lost error (a router moves such requests, test above), and the decode worker
-    reports itself unhealthy."""
+    reports itself unhealthy. SIGTERM then stops both at once."""
     model = str(checkpoints["llama-kv2"])
     common = ("--model", model, "--block-size", "16", "--tensor-parallel-size", "2")
     d, p = spawn.together(("decode", "decode-0", {"args": (*common, "--reservation-quarantine-s", "1")}),
@@ -141,6 +141,12 @@ async def test_a_rank_killed_on_either_side(spawn, checkpoints):
     assert error and error.startswith(WORKER_LOST) and len(got) < 400, (error, len(got))
     assert got == hf_greedy(model, prompt[:20], len(got), ignore_eos=True)
     assert not (await dc.health()).healthy
+    # SIGTERM (a pod's deletion) stops a worker whose engine failed at once: none of its
+    # requests can finish, so it does not wait out the drain's grace for them
+    for w in (d, p):
+        w.proc.send_signal(signal.SIGTERM)
+        assert w.proc.wait(5) == 0
+        assert "at once: the engine had failed (worker lost a tensor-parallel rank" in w.log.read_text()
 
 async def with_usage(stream):
     """(token ids, the last batch: its usage)."""
