@@ -667,7 +667,7 @@ def test_a_decode_worker_drains_on_sigterm_and_one_killed_mid_stream_is_migrated
     import psutil
 
     srv = serve("--colocated", "--decode", "2", "--num-blocks", "4096", "--worker-shutdown-grace-s", "120")
-    n_streams, n_tokens = 48, 2000  # 24 a worker: 3,000 of its 4,096 blocks
+    n_streams, n_tokens = 48, 1000  # 24 a worker, each stream several seconds long
     body = {"model": "tandem-tiny-v2", "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     # both workers routable by the router itself (the controller's "ready" can come first)

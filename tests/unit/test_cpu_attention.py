@@ -320,7 +320,7 @@ def test_prefill_kernel_rejects_bad_input():
         kernels.paged_prefill_attention(query, kc, vc, tables, starts, seq_lens * 0 + 4, 0.125)
     with pytest.raises(RuntimeError, match="query_start must run from 0"):
         kernels.paged_prefill_attention(query, kc, vc, tables, starts + 1, seq_lens, 0.125)
-    with pytest.raises(RuntimeError, match="bf16 only"):
+    with pytest.raises(RuntimeError, match="takes a bf16 query over a bf16 or float8_e4m3fn cache"):
         kernels.paged_prefill_attention(query.float(), kc.float(), vc.float(), tables, starts, seq_lens, 0.125)
 
 
