@@ -124,7 +124,7 @@ class AttentionBackend(abc.ABC):
     ) -> torch.Tensor:  # [T, H, D]
         nd = meta.num_decode_tokens
         if nd == query.shape[0]:
-            self.store_kv(*self._for_cache(key, value, k_cache, kv_scales), k_cache, v_cache, meta.slot_mapping)
+            self.store_for_decode(key, value, k_cache, v_cache, meta.slot_mapping, kv_scales)
             return self.decode(query, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
                                meta.decode_max_seq_len, kv_scales)
         key, value = self.write_kv(key, value, k_cache, v_cache, meta.slot_mapping, kv_scales)
@@ -137,12 +137,13 @@ class AttentionBackend(abc.ABC):
         out[nd:] = prefill
         return out
 
-    @staticmethod
-    def _for_cache(key, value, k_cache, kv_scales) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows as the cache stores them (rounded to fp8 for an fp8 cache)."""
-        if k_cache.dtype != FP8:
-            return key, value
-        return quantize_kv(key, kv_scales[0]), quantize_kv(value, kv_scales[1])
+    def store_for_decode(self, key, value, k_cache, v_cache, slot_mapping,
+                         kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
+        """Store the new rows of a step of decodes, which read them back from the cache
+        only (quantized first for an fp8 cache)."""
+        if k_cache.dtype == FP8:
+            key, value = quantize_kv(key, kv_scales[0]), quantize_kv(value, kv_scales[1])
+        self.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def prefill(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:

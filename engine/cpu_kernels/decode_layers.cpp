@@ -41,6 +41,8 @@ using Norm = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, doubl
 using AddNorm = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
 using Rotary = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using Store = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using StoreFp8 = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                      double, double);
 using Attend = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                     const at::Tensor&, double, bool, double);
 
@@ -69,13 +71,14 @@ at::Tensor decode_layers(const at::Tensor& residual, at::TensorList norms,
                    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim, double scale, double eps, bool bf16_pairs,
-                   int64_t small_rows, int64_t tile_rows) {
+                   int64_t small_rows, int64_t tile_rows, at::ArrayRef<double> kv_scales) {
   static const auto linear = sibling<Linear>("small_batch_linear");
   static const auto tile_linear = sibling<Linear>("tile_linear");
   static const auto norm = sibling<Norm>("rms_norm");
   static const auto add_norm = sibling<AddNorm>("add_rms_norm");
   static const auto rotary = sibling<Rotary>("rotary_");
   static const auto store = sibling<Store>("store_kv");
+  static const auto store_fp8 = sibling<StoreFp8>("store_kv_fp8");
   static const auto attend = sibling<Attend>("paged_decode_attention");
 
   const int64_t L = static_cast<int64_t>(k_caches.size());
@@ -88,6 +91,10 @@ at::Tensor decode_layers(const at::Tensor& residual, at::TensorList norms,
               " row-major or tile-order) weights and one K and V cache per layer");
   TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "decode_layers: residual must be contiguous [M, hidden]");
   const int64_t M = residual.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  // an fp8 cache (--kv-cache-dtype fp8): each layer's (K, V) scales, 2 a layer
+  const bool fp8 = k_caches[0].scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(!fp8 || static_cast<int64_t>(kv_scales.size()) == 2 * L,
+              "decode_layers: an fp8 cache needs a K and a V scale per layer");
   const auto opts = residual.options();
   // the linear layers as engine/models/packed.py runs them: the tile kernel on the
   // tile-order copy, or the row-major kernel on the row-major one, for steps of up to
@@ -113,9 +120,16 @@ at::Tensor decode_layers(const at::Tensor& residual, at::TensorList norms,
     rotary.call(qk, positions, cos, sin);
     at::Tensor k = qk.narrow(1, num_heads, num_kv_heads);
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({M, num_kv_heads, head_dim});
-    store.call(k_caches[l], v_caches[l], k, v, slots);
     at::Tensor o = at::empty({M, num_heads, head_dim}, opts);
-    attend.call(o, qk.narrow(1, 0, num_heads), k_caches[l], v_caches[l], block_tables, seq_lens, scale, bf16_pairs, 1.0);
+    if (fp8) {  // the K scale into the softmax scale, the V scale onto the output (as the Python layers)
+      store_fp8.call(k_caches[l], v_caches[l], k, v, slots, kv_scales[2 * l], kv_scales[2 * l + 1]);
+      attend.call(o, qk.narrow(1, 0, num_heads), k_caches[l], v_caches[l], block_tables, seq_lens,
+                  scale * kv_scales[2 * l], bf16_pairs, kv_scales[2 * l + 1]);
+    } else {
+      store.call(k_caches[l], v_caches[l], k, v, slots);
+      attend.call(o, qk.narrow(1, 0, num_heads), k_caches[l], v_caches[l], block_tables, seq_lens, scale, bf16_pairs,
+                  1.0);
+    }
     at::Tensor attn = project(o.view({M, q_size}), l, 1, residual.size(1));
     h = at::empty_like(residual);
     add_norm.call(h, residual, attn, norms[2 * l + 1], eps);
@@ -135,6 +149,6 @@ TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers(Tensor(a!) residual, Tensor[] norms, Tensor[] packed, Tensor[] plain, Tensor[] tiles, "
         "Tensor[] k_caches, Tensor[] v_caches, Tensor positions, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, "
         "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float scale, float eps, bool bf16_pairs, "
-        "int small_rows, int tile_rows) -> Tensor",
+        "int small_rows, int tile_rows, float[] kv_scales=[]) -> Tensor",
         &decode_layers);
 }

@@ -6,6 +6,8 @@
 //   add_rms_norm(out, residual, delta, w, eps)  residual += delta; out = w * norm(residual)
 //   rotary_(x, positions, cos, sin)          x rotated in place (rotate-half RoPE)
 //   store_kv(k_cache, v_cache, k, v, slots)  K/V rows into their cache slots (< 0: skip)
+//   store_kv_fp8(..., k_scale, v_scale)      the same into an fp8 e4m3 cache: x / scale,
+//                                            saturated at +-448, rounded to nearest even
 //
 // They keep the rounding of the torch code they replace (engine/models/llama.py, after
 // Hugging Face transformers): in a bf16 or fp16 model every torch operator rounds its
@@ -17,6 +19,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -172,6 +175,48 @@ void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
   }
 }
 
+template <typename T>
+void quantize_rows(uint8_t* cache, const T* src, const int64_t* sp, int64_t T_, int64_t row, int64_t stride,
+                   float scale) {
+  for (int64_t t = 0; t < T_; ++t) {
+    if (sp[t] < 0) continue;
+    uint8_t* dst = cache + sp[t] * row;
+    const T* x = src + t * stride;
+    for (int64_t i = 0; i < row; ++i) {
+      float v = static_cast<float>(x[i]);
+      if (scale != 1.f) v = v / scale;  // as engine/attention quantize_kv: a division, then the clamp
+      v = std::fmin(std::fmax(v, -448.f), 448.f);
+      dst[i] = c10::detail::fp8e4m3fn_from_fp32_value(v);
+    }
+  }
+}
+
+// K/V rows of the model's dtype into an fp8 e4m3 cache, quantized as they go (the same
+// bits as engine/attention quantize_kv's torch operators, then store_kv).
+void store_kv_fp8(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& key,
+                  const at::Tensor& value, const at::Tensor& slots, double k_scale, double v_scale) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat8_e4m3fn &&
+                  v_cache.scalar_type() == at::kFloat8_e4m3fn,
+              "store_kv_fp8: caches must be contiguous float8_e4m3fn [N, bs, Hkv, D] of one shape");
+  const int64_t row = k_cache.size(2) * k_cache.size(3), nslots = k_cache.size(0) * k_cache.size(1);
+  const int64_t T = key.size(0);
+  for (const at::Tensor* t : {&key, &value})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == T && t->size(1) * t->size(2) == row && t->stride(2) == 1 &&
+                t->stride(1) == t->size(2) && t->scalar_type() == key.scalar_type(),
+                "store_kv_fp8: key and value must be [T, Hkv, D] with contiguous [Hkv, D] rows, of one dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T,
+              "store_kv_fp8: slots must be a contiguous int64 [", T, "]");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] < nslots, "store_kv_fp8: slot ", sp[t], " outside the cache");
+  uint8_t* kc = static_cast<uint8_t*>(k_cache.data_ptr());
+  uint8_t* vc = static_cast<uint8_t*>(v_cache.data_ptr());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "store_kv_fp8", [&] {
+    quantize_rows(kc, key.data_ptr<scalar_t>(), sp, T, row, key.stride(0), static_cast<float>(k_scale));
+    quantize_rows(vc, value.data_ptr<scalar_t>(), sp, T, row, value.stride(0), static_cast<float>(v_scale));
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
@@ -180,4 +225,6 @@ TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
         &add_rms_norm);
   m.def("rotary_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()", &rotary_);
   m.def("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slots) -> ()", &store_kv);
+  m.def("store_kv_fp8(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slots, "
+        "float k_scale, float v_scale) -> ()", &store_kv_fp8);
 }

@@ -269,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
                                           positions, self.rotary.cos, self.rotary.sin, meta.slot_mapping.contiguous(),
                                           tables, lens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                           self.layers[0].self_attn.scale, self.layers[0].input_layernorm.eps,
-                                          backend.bf16_pairs, self._small_rows, TILE_ROWS)
+                                          backend.bf16_pairs, self._small_rows, TILE_ROWS, self._kv_scales)
                 return self.norm.add_forward(residual, delta, ops)
         rope = self.rotary.rotation(positions, residual.dtype, ops)
         delta = None
@@ -288,14 +288,18 @@ class LlamaForCausalLM(nn.Module):
         layer or none), or None where
         that operator cannot run this model: no such operator in the build, a linear
         layer not packed for oneDNN or with a bias, a head_dim the attention kernel does
-        not walk, a cache dtype other than the model's. Decided once."""
+        not walk, a cache dtype other than the model's or fp8 e4m3. Decided once."""
         if getattr(self, "_stack_checked", False):
             return self._stack
         self._stack_checked, self._stack = True, None
         # the one-call stack has no place for the all-reduces tensor parallelism adds
         if self.tp is not None or not hasattr(ops, "decode_layers") or self.cfg.head_dim % 16 or any(
-                k.dtype != dtype or not k.is_contiguous() or not v.is_contiguous() for k, v in kv_caches):
+                k.dtype not in (dtype, torch.float8_e4m3fn) or not k.is_contiguous() or not v.is_contiguous()
+                for k, v in kv_caches):
             return None
+        # an fp8 cache: every layer's K and V scale, in order (decode_layers stores and reads with them)
+        self._kv_scales = ([s for layer in self.layers for s in layer.self_attn.kv_scales]
+                           if kv_caches[0][0].dtype == torch.float8_e4m3fn else [])
         norms, packed, plain, tiles = [], [], [], []
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp

@@ -28,9 +28,10 @@ class Counting:
         return getattr(self._ops, name)
 
 
-def run(builtin_dir, fused: bool, dtype: str = "bfloat16"):
+def run(builtin_dir, fused: bool, dtype: str = "bfloat16", kv_cache_dtype: str = "auto"):
     engine = LLMEngine.from_config(EngineConfig(
-        model=str(builtin_dir), dtype=dtype, device=DeviceConfig(), cache=CacheConfig(num_blocks=256),
+        model=str(builtin_dir), dtype=dtype, device=DeviceConfig(),
+        cache=CacheConfig(num_blocks=256, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_model_len=1024)))
     model = engine.runner.model
     if model.cpu_ops is None:
@@ -58,25 +59,29 @@ def run(builtin_dir, fused: bool, dtype: str = "bfloat16"):
 
 @pytest.mark.parametrize("dtype,env", [
     ("bfloat16", {}),
+    # an fp8 KV cache: stored quantized by store_kv_fp8 in the call, by torch's operators in Python
+    ("bfloat16", {"kv_cache_dtype": "fp8"}),
     ("bfloat16", {"TANDEM_CPU_TILE_LINEAR": "0"}),
     # fp32 and bf16 without oneDNN's packing: the checkpoint's own weights (PlainLinear),
     # the row-major kernel up to four tokens, at::linear above; bf16 on the AVX2 build
     ("float32", {}),
     ("bfloat16", {"TANDEM_CPU_PACKED_WEIGHTS": "0", "TANDEM_CPU_KERNELS": "avx2"}),
-], ids=["bf16", "bf16-row-major", "fp32", "bf16-plain-avx2"])
+], ids=["bf16", "bf16-fp8-kv", "bf16-row-major", "fp32", "bf16-plain-avx2"])
 def test_fused_decode_layers_equal_the_python_layers_bitwise(builtin_dir, dtype, env, monkeypatch):
     from engine.cpu_kernels import build
 
     if env.get("TANDEM_CPU_KERNELS") and not build.variant(env["TANDEM_CPU_KERNELS"]).runs_on(build.cpu_flag_set()):
         pytest.skip(f"this CPU does not run the {env['TANDEM_CPU_KERNELS']} build")
+    env = dict(env)
+    kv = env.pop("kv_cache_dtype", "auto")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     build._load_once.cache_clear()
     try:
-        got, calls, available = run(builtin_dir, fused=True, dtype=dtype)
+        got, calls, available = run(builtin_dir, fused=True, dtype=dtype, kv_cache_dtype=kv)
         if not available:
             pytest.skip("no small-batch kernel here: the layers stay in Python")
-        want, python_calls, _ = run(builtin_dir, fused=False, dtype=dtype)
+        want, python_calls, _ = run(builtin_dir, fused=False, dtype=dtype, kv_cache_dtype=kv)
     finally:
         monkeypatch.undo()
         build._load_once.cache_clear()

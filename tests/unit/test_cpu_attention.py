@@ -124,6 +124,25 @@ def test_decode_over_an_fp8_cache_matches_the_reference_on_its_rounded_values(dt
         kernels.paged_decode_attention(query.to(torch.bfloat16), k, v, tables, lens, scale)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_fp8_gives_the_bytes_of_quantize_kv_then_store(dtype):
+    """The compiled store into an fp8 cache (decode steps and the one-call decoder layers)
+    quantizes as engine/attention quantize_kv's torch operators do, to the bit: scales,
+    saturation beyond 448, subnormals, skipped slots."""
+    ops = build.load()
+    g = torch.Generator().manual_seed(3)
+    key = (torch.randn(6, 2, 64, generator=g) * 40).to(dtype)
+    value = (torch.randn(6, 2, 64, generator=g) * 1e-3).to(dtype)
+    key[0, 0, :4] = torch.tensor([1e5, -1e5, 0.0, 3e-3])
+    slots = torch.tensor([3, -1, 0, 17, 9, 30])
+    got = [torch.zeros(4, 8, 2, 64, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    ops.store_kv_fp8(*got, key, value, slots, 0.5, 0.25)
+    want = [torch.zeros(4, 8, 2, 64, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    ops.store_kv(*want, quantize_kv(key, 0.5), quantize_kv(value, 0.25), slots)
+    for a, b in zip(got, want):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 @pytest.mark.usefixtures("kernel_build")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -53,6 +53,16 @@ class CpuAttention(AttentionBackend):
             return
         self.ops.store_kv(k_cache, v_cache, key, value, slot_mapping)
 
+    def store_for_decode(self, key, value, k_cache, v_cache, slot_mapping, kv_scales=(1.0, 1.0)) -> None:
+        if (k_cache.dtype == FP8 and hasattr(self.ops, "store_kv_fp8") and key.dtype == value.dtype
+                and k_cache.is_contiguous() and v_cache.is_contiguous() and key.stride(-1) == 1
+                and value.stride(-1) == 1 and key.stride(-2) == key.shape[-1] and value.stride(-2) == value.shape[-1]
+                and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
+            # quantized as they are stored, one pass (the bits of quantize_kv's torch operators)
+            self.ops.store_kv_fp8(k_cache, v_cache, key, value, slot_mapping, *kv_scales)
+            return
+        super().store_for_decode(key, value, k_cache, v_cache, slot_mapping, kv_scales)
+
     def decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
                kv_scales=(1.0, 1.0)) -> torch.Tensor:
         if query.shape[-1] % 16 or query.stride(-1) != 1:  # the kernel walks D in 16-lane steps
