@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import reference
+from engine.quantization.linear import FP8, to_format
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +65,12 @@ class AttentionMetadata:
     kept: KeptRows | None = None
 
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # e4m3's largest finite value
-
-
 def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
     """`x / scale` rounded to e4m3 (to nearest even), saturating at +-FP8_MAX."""
     y = x.float()
     if scale != 1.0:
         y = y / scale
-    return y.clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return to_format(y, "fp8")
 
 
 def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
