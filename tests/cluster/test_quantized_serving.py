@@ -52,8 +52,11 @@ def test_int8_colocated_through_http(serve, qwen2, tmp_path):
                 r = await c.post("/v1/completions", json=body)
                 assert r.status_code == 200, r.text
                 return r.json()
-            first = await one(prompts[1])
-            return [first, *await asyncio.gather(*(one(p) for p in prompts[:1] + prompts[2:]))]
+            # The prefix hit goes in alone after the prompt it shares blocks with: under the
+            # three concurrent requests its blocks would be evicted first if it were admitted
+            # last (CI saw that: a hit of 0 tokens).
+            first, hit = await one(prompts[1]), await one(prompts[4])
+            return [first, *await asyncio.gather(*(one(p) for p in prompts[0:1] + prompts[2:4])), hit]
 
     answers = asyncio.run(all_at_once())
     for i, a in zip([1, 0, 2, 3, 4], answers):
