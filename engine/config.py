@@ -15,6 +15,14 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+}
+# where a family's sparse MLP block and its experts' three weights sit (HF names)
+MOE_NAMING = {
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
 }
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -101,6 +109,16 @@ class ModelConfig:
     # the KV cache's dtype where it differs from `dtype`: "float8_e4m3fn" under
     # --kv-cache-dtype fp8 (engine/attention: stored as K / k_scale rounded to e4m3)
     kv_cache_dtype: str | None = None
+    # Qwen3: an RMSNorm over each query and key head (head_dim wide) before the rotation
+    qk_norm: bool = False
+    # mixture of experts (Mixtral, Qwen3-MoE): the layers in `moe_layers` replace the MLP
+    # with `num_experts` experts of `moe_intermediate_size`, `num_experts_per_tok` a token
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
+    norm_topk_prob: bool = True  # the top-k routing weights divided by their sum
+    router_weights_fp32: bool = False  # Mixtral keeps them in fp32 (Qwen3-MoE: the model's dtype)
 
     def __post_init__(self) -> None:
         _require(
@@ -122,6 +140,13 @@ class ModelConfig:
             f"num_key_value_heads ({self.num_kv_heads})",
         )
         _require(self.dtype in DTYPES, f"dtype {self.dtype!r} is not one of {DTYPES}")
+        if self.moe_layers:
+            _require(self.num_experts > 0 and 0 < self.num_experts_per_tok <= self.num_experts,
+                     f"config.json: num_experts_per_tok ({self.num_experts_per_tok}) must be in 1.."
+                     f"{self.num_experts} (the experts)")
+            _require(self.moe_intermediate_size > 0, "config.json: moe_intermediate_size must be > 0")
+            _require(self.quant is None, "quantized weights are not supported for mixture-of-experts models yet "
+                     "(drop --quantization, or serve a bf16 checkpoint)")
         _require(self.kv_cache_dtype in (None, FP8_KV_DTYPE), f"kv_cache_dtype {self.kv_cache_dtype!r} is not "
                  f"{FP8_KV_DTYPE!r}")
 
@@ -134,8 +159,11 @@ class ModelConfig:
     def num_params(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * layer + h
+        layer = h * (q + 2 * kv) + q * h + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        mlp = 3 * h * i
+        moe = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # the experts and the router's row each
+        total = self.num_layers * (layer + mlp) + len(self.moe_layers) * (moe - mlp)
+        return v * h * (1 if self.tie_word_embeddings else 2) + total + h
 
     @classmethod
     def from_hf(cls, d: dict[str, Any], dtype: str | None = None) -> "ModelConfig":
@@ -186,7 +214,27 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=_sliding_window(d),
+            qk_norm=family in ("qwen3", "qwen3_moe"),
+            **_moe(family, d),
         )
+
+
+def _moe(family: str, d: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Mixtral or Qwen3-MoE config.json; {} otherwise."""
+    if family not in MOE_NAMING:
+        return {}
+    experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
+    layers = int(d["num_hidden_layers"])
+    if family == "mixtral":
+        sparse, size = range(layers), int(d["intermediate_size"])
+    else:  # Qwen3-MoE: every `decoder_sparse_step`-th layer not listed in mlp_only_layers
+        step, dense = int(d.get("decoder_sparse_step", 1) or 1), set(d.get("mlp_only_layers") or ())
+        sparse = [i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0]
+        size = int(d.get("moe_intermediate_size") or 0)
+    return dict(num_experts=experts, num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
+                moe_intermediate_size=size, moe_layers=tuple(sparse),
+                norm_topk_prob=family == "mixtral" or bool(d.get("norm_topk_prob", False)),
+                router_weights_fp32=family == "mixtral")
 
 
 def _sliding_window(d: dict[str, Any]) -> int | None:

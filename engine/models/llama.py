@@ -19,6 +19,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig, RopeScaling
+from engine.models.moe import SparseMoe
 from engine.models.packed import SMALL_BATCH_ROWS, TILE_ROWS
 from engine.models.shapes import expected_shapes  # noqa: F401 - re-exported
 from engine.quantization.linear import STORAGE, QuantLinear
@@ -155,9 +156,29 @@ class Attention(nn.Module):
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads sit side by side: one rotation for both (the same elementwise
         # math per head as rotating each, half the operator calls)
-        qk = rope(qk.view(t, self.nh + self.nkv, self.hd))
+        qk = rope(self._norm_heads(qk.view(t, self.nh + self.nkv, self.hd)))
         q, k = qk.split([self.nh, self.nkv], dim=1)
         return q, k, v.view(t, self.nkv, self.hd)
+
+    def _norm_heads(self, qk: torch.Tensor) -> torch.Tensor:
+        return qk
+
+
+class QKNormAttention(Attention):
+    """Qwen3's attention: an RMSNorm over each query head and each key head (weights of
+    head_dim, one for the queries and one for the keys) before the rotation."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+
+    def _norm_heads(self, qk: torch.Tensor) -> torch.Tensor:
+        t = qk.shape[0]
+        q, k = qk.split([self.nh, self.nkv], dim=1)
+        q = self.q_norm(q.reshape(t * self.nh, self.hd))
+        k = self.k_norm(k.reshape(t * self.nkv, self.hd))
+        return torch.cat((q.view(t, self.nh, self.hd), k.view(t, self.nkv, self.hd)), dim=1)
 
 
 class MLP(nn.Module):
@@ -176,12 +197,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """One decoder layer; the config picks its parts: Qwen3's per-head q/k norms, a
+    mixture of experts in place of the MLP on Mixtral's and Qwen3-MoE's sparse layers."""
+
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = QKNormAttention(cfg) if cfg.qk_norm else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoe(cfg) if index in cfg.moe_layers else MLP(cfg)
 
     def forward(self, residual, delta, rope, kv, meta, backend, ops=None, last=False):
         """The skip connection is carried as (residual, delta), their sum being the
@@ -213,7 +237,7 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg) if rotary else None
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -292,7 +316,10 @@ class LlamaForCausalLM(nn.Module):
         if getattr(self, "_stack_checked", False):
             return self._stack
         self._stack_checked, self._stack = True, None
-        # the one-call stack has no place for the all-reduces tensor parallelism adds
+        # the one-call stack has no place for the all-reduces tensor parallelism adds, nor
+        # for q/k norms or experts
+        if self.cfg.qk_norm or self.cfg.moe_layers:
+            return None
         if self.tp is not None or not hasattr(ops, "decode_layers") or self.cfg.head_dim % 16 or any(
                 k.dtype not in (dtype, torch.float8_e4m3fn) or not k.is_contiguous() or not v.is_contiguous()
                 for k, v in kv_caches):
@@ -371,9 +398,13 @@ class LlamaForCausalLM(nn.Module):
         layer, group, kind = self.layers[int(parts[2])], parts[3], parts[-1]
         if group in ("input_layernorm", "post_attention_layernorm"):
             return getattr(layer, group).weight
+        if isinstance(layer.mlp, SparseMoe) and group != "self_attn":
+            return layer.mlp.param(parts[4:-1])
         proj = parts[4]
         if group == "self_attn":
             attn = layer.self_attn
+            if proj in ("q_norm", "k_norm"):
+                return getattr(attn, proj).weight
             if proj == "o_proj":
                 return getattr(attn.o_proj, kind)
             off = {

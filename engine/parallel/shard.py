@@ -7,7 +7,8 @@ Per decoder layer, rank r of N holds:
   r // (N / Hkv), so N / Hkv ranks hold each KV head (replicated, as vLLM does). q, k
   and v are column-parallel (rows of their weights), o_proj row-parallel (its columns);
 * the MLP: gate and up column-parallel, down row-parallel, over the intermediate size
-  I/N;
+  I/N; a mixture of experts the same way inside every expert (each rank holds 1/N of each
+  expert's intermediate size; the router whole);
 * the embedding and the norms: whole, on every rank; the LM head is split by vocabulary
   after loading (engine/models/llama.py `set_tensor_parallel`) and its logits gathered
   on rank 0, which alone samples (engine/runner.py).
@@ -52,6 +53,8 @@ def check_divisible(cfg: ModelConfig, size: int) -> None:
         problems.append(f"{cfg.num_kv_heads} KV heads (nor is {size} a multiple of them)")
     if cfg.intermediate_size % size:
         problems.append(f"intermediate size {cfg.intermediate_size}")
+    if cfg.moe_layers and cfg.moe_intermediate_size % size:
+        problems.append(f"experts' intermediate size {cfg.moe_intermediate_size}")
     if problems:
         raise ConfigError(f"--tensor-parallel-size {size} does not divide the model's {', '.join(problems)}")
 
@@ -82,10 +85,12 @@ def local_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
     check_divisible(cfg, shard.size)
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // shard.size,
                                num_kv_heads=kv_heads_per_rank(cfg, shard.size),
-                               intermediate_size=cfg.intermediate_size // shard.size)
+                               intermediate_size=cfg.intermediate_size // shard.size,
+                               moe_intermediate_size=cfg.moe_intermediate_size // shard.size)
 
 
 ROW_PARALLEL = ("o_proj", "down_proj")  # row-parallel: a rank holds columns of their weights
+EXPERT_COLUMN, EXPERT_ROW = ("gate_proj", "up_proj", "w1", "w3"), ("down_proj", "w2")  # Qwen3-MoE's, Mixtral's
 
 
 def shard_tensor(name: str, get, cfg: ModelConfig, shard: Shard) -> torch.Tensor:
@@ -97,6 +102,13 @@ def shard_tensor(name: str, get, cfg: ModelConfig, shard: Shard) -> torch.Tensor
     parts = name.split(".")
     proj, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
     hd = cfg.head_dim
+    if ".experts." in name:
+        n = cfg.moe_intermediate_size // shard.size
+        part = range(shard.rank * n, (shard.rank + 1) * n)
+        if proj in EXPERT_COLUMN:
+            return get(part, None)
+        if proj in EXPERT_ROW:
+            return get(None, part)
     if proj == "q_proj":
         n = cfg.num_heads // shard.size * hd
         rows = range(shard.rank * n, (shard.rank + 1) * n)

@@ -50,6 +50,18 @@ def _write_hf(kind: str, path: Path, tokenizer_src: Path, window: int | None = N
     elif kind == "mistral":
         cfg = transformers.MistralConfig(tie_word_embeddings=False, sliding_window=window, head_dim=32, **common)
         cls = transformers.MistralForCausalLM
+    elif kind == "qwen3":
+        cfg = transformers.Qwen3Config(tie_word_embeddings=True, head_dim=32, **common)
+        cls = transformers.Qwen3ForCausalLM
+    elif kind == "qwen3_moe":  # layer 0 dense, layer 1 sparse; top-k weights not renormalised
+        cfg = transformers.Qwen3MoeConfig(tie_word_embeddings=False, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=64, mlp_only_layers=[0], norm_topk_prob=False,
+                                          **common)
+        cls = transformers.Qwen3MoeForCausalLM
+    elif kind == "mixtral":
+        cfg = transformers.MixtralConfig(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
+                                         **common)
+        cls = transformers.MixtralForCausalLM
     else:
         cfg = transformers.Qwen2Config(tie_word_embeddings=False, **common)
         cls = transformers.Qwen2ForCausalLM

@@ -1,0 +1,75 @@
+"""The sparse mixture-of-experts block of Mixtral and Qwen3-MoE.
+
+A router (a linear layer, one output an expert) scores every token; its softmax's top k
+experts run the token through their SwiGLU MLPs and the outputs are summed, weighted by
+the top-k probabilities (divided by their sum where the family says so). The rounding
+follows transformers' implementation so greedy outputs match it: softmax in fp32, the
+weights cast to the model's dtype (Qwen3-MoE) or kept in fp32 (Mixtral), each expert's
+gate and up projections one [2I, H] matmul, and the weighted outputs added into a zeroed
+tensor expert by expert in ascending order.
+
+Tokens are grouped by expert once a step (a stable sort of the top-k choices), so each
+expert's weights are read once a step for all the tokens routed to it, whatever their
+number. Under tensor parallelism every rank holds a 1/N slice of each expert's
+intermediate size (engine/parallel/shard.py) and the block's output is a partial sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import MOE_NAMING, ModelConfig
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.num_experts, self.top_k, self.inter = e, cfg.num_experts_per_tok, i
+        self.norm_topk, self.weights_fp32 = cfg.norm_topk_prob, cfg.router_weights_fp32
+        self.naming = MOE_NAMING[cfg.architecture][1]  # the checkpoint's names of gate, up and down
+        self.gate = nn.Linear(h, e, bias=False)  # the router
+        self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)  # each expert's gate rows, then up
+        self.down = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        self.tp = None  # under tensor parallelism, the group's Communicator: the output is a partial sum
+        self.tokens_per_expert: torch.Tensor | None = None  # the last step's routing, [E] (load balance)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's top-k experts [T, k] and their weights [T, k]."""
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return experts, weights if self.weights_fp32 else weights.to(logits.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x)
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert, ascending
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        self.tokens_per_expert = counts
+        rows_of, weight_of = order // self.top_k, weights.reshape(-1)[order]
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n == 0:
+                continue
+            rows, w = rows_of[start:start + n], weight_of[start:start + n, None]
+            gate, up = F.linear(x.index_select(0, rows), self.gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[e])
+            out.index_add_(0, rows, (y * w).to(out.dtype))
+            start += n
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def param(self, parts: list[str]) -> torch.Tensor:
+        """The tensor (or the slice of one) a checkpoint name's tail loads into: "gate",
+        "weight" or "experts", e, the family's name of gate, up or down, "weight"."""
+        if parts[0] == "gate":
+            return self.gate.weight
+        e, which = int(parts[1]), self.naming.index(parts[2])
+        if which == 2:
+            return self.down[e]
+        return self.gate_up[e].narrow(0, which * self.inter, self.inter)
