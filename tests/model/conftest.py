@@ -95,6 +95,21 @@ def mistral_window_dir(tmp_path_factory, builtin_dir) -> Path:
     return _write_hf("mistral", tmp_path_factory.mktemp("hf-mistral-w64"), builtin_dir, window=64)
 
 
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory, builtin_dir) -> Path:
+    return _write_hf("qwen3", tmp_path_factory.mktemp("hf-qwen3"), builtin_dir)
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_dir(tmp_path_factory, builtin_dir) -> Path:
+    return _write_hf("qwen3_moe", tmp_path_factory.mktemp("hf-qwen3-moe"), builtin_dir)
+
+
+@pytest.fixture(scope="session")
+def mixtral_dir(tmp_path_factory, builtin_dir) -> Path:
+    return _write_hf("mixtral", tmp_path_factory.mktemp("hf-mixtral"), builtin_dir)
+
+
 @pytest.fixture(scope="session", params=["builtin", "llama", "qwen2", "mistral"])
 def model_dir(request) -> Path:
     return request.getfixturevalue(f"{request.param}_dir")

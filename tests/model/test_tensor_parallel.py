@@ -1,7 +1,8 @@
 """Tensor parallelism in one engine (colocated): two CPU ranks, the second a child
 process following rank 0's steps over the shared-memory all-reduce. Greedy ids equal
 transformers' on random checkpoints whose KV heads split (Llama, 2 KV heads; Qwen2
-with q/k/v biases) and replicate (Llama, 1 KV head), through chunked prefill, a
+with q/k/v biases; Qwen3-MoE and Mixtral, each expert split by its intermediate size)
+and replicate (Llama, 1 KV head), through chunked prefill, a
 prefix-cache hit and preemptions, and on the trained built-in model with n-gram
 speculation; a rank that dies fails the next step with a
 reason, not a hang."""
@@ -57,7 +58,7 @@ def prompts_with_cases():
 
 
 @pytest.mark.parametrize("which,spec", [("llama_dir", None), ("llama_kv1_dir", None), ("qwen2_dir", None),
-                                        ("builtin_dir", "ngram")])
+                                        ("builtin_dir", "ngram"), ("qwen3_moe_dir", None), ("mixtral_dir", None)])
 def test_two_ranks_match_transformers(which, spec, request):
     path = request.getfixturevalue(which)
     engine = tp_engine(path, spec=spec)

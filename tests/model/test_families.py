@@ -1,0 +1,60 @@
+"""The families beyond Llama's: Qwen3 (per-head q/k norms, a tied head), Qwen3-MoE (a
+dense layer then a sparse one, top-k weights not renormalised) and Mixtral (every layer
+sparse, renormalised top-k weights kept in fp32). Greedy ids equal transformers' on
+random checkpoints made from transformers' own config classes, in one engine through
+chunked prefill, a prefix hit and preemptions; the MoE families on the torch operators
+too, and the router's choices are spread over the experts (the oracle is not one
+expert)."""
+
+from __future__ import annotations
+
+import pytest
+
+from decode_worker.llm_engine import EngineConfig, LLMEngine
+from engine.config import CacheConfig, ConfigError, SchedulerConfig
+from engine.models.checkpoint import load_checkpoint
+from engine.models.moe import SparseMoe
+from engine.sampling_params import SamplingParams
+from tests.model.test_exactness import run
+from tests.oracle import hf_greedy, random_prompts
+
+pytestmark = pytest.mark.model
+
+NEW = 16
+
+
+def cases():
+    """Prompts chunked at 48 tokens a step: the 130-token one alone, then one sharing its
+    first 96 tokens (a prefix hit), then four at once that 16 blocks of 16 tokens cannot
+    hold together (preemptions)."""
+    ps = random_prompts([3, 130, 61, 17], seed=81)
+    return [[ps[1]], [ps[1][:96] + [11, 12]], ps]
+
+
+@pytest.mark.parametrize("kind,fused", [("qwen3", True), ("qwen3_moe", True), ("mixtral", True),
+                                        ("qwen3_moe", False), ("mixtral", False)])
+def test_families_match_transformers(kind, fused, monkeypatch, request):
+    if not fused:
+        monkeypatch.setenv("TANDEM_CPU_FUSED_OPS", "0")
+    path = request.getfixturevalue(f"{kind}_dir")
+    engine = LLMEngine.from_config(EngineConfig(
+        model=str(path), cache=CacheConfig(block_size=16, num_blocks=16),
+        scheduler=SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=8, max_model_len=1024)))
+    greedy = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    for i, prompts in enumerate(cases()):
+        usage: list = []
+        for p, got in zip(prompts, run(engine, prompts, greedy, usage)):
+            assert got == hf_greedy(path, p, NEW, ignore_eos=True), f"batch {i}"
+        if i == 1:
+            assert usage[0].cached_tokens == 96
+    assert engine.scheduler.num_preemptions > 0
+    assert (engine.runner.model.cpu_ops is not None) == fused
+    moe = [layer.mlp for layer in engine.runner.model.layers if isinstance(layer.mlp, SparseMoe)]
+    assert len(moe) == {"qwen3": 0, "qwen3_moe": 1, "mixtral": 2}[kind]
+    for block in moe:  # the last step's routing used more than one expert
+        assert (block.tokens_per_expert > 0).sum() >= 2
+
+
+def test_quantization_of_experts_is_refused_with_a_reason(mixtral_dir):
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        load_checkpoint(mixtral_dir, quantization="int8")
