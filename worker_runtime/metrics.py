@@ -87,6 +87,35 @@ class _ReadCounter(Collector):
         yield fam
 
 
+class _ExpertCollector(Collector):
+    """A mixture of experts' routing, read off its sparse layers (engine/models/moe.py) at
+    scrape time: tokens sent to each expert since start (summed over the layers), and how
+    uneven the last step was (its busiest expert's tokens over the mean, averaged over
+    the layers: 1 is perfectly even, the number of experts is one expert taking all)."""
+
+    def __init__(self, labels: list[str], blocks: list) -> None:
+        self.labels, self.blocks = labels, blocks
+
+    def collect(self):
+        lab = ["worker_id", "role"]
+        fam = CounterMetricFamily("tandem:moe_expert_tokens", "Tokens the router sent to each expert, summed over "
+                                  "the sparse layers (a token counts once for each of its top-k experts).",
+                                  labels=[*lab, "expert"])
+        totals = [sum(col) for col in zip(*(list(b.expert_tokens) for b in self.blocks))]
+        for e, n in enumerate(totals):
+            fam.add_metric([*self.labels, str(e)], n)
+        yield fam
+        ratios = []
+        for b in self.blocks:
+            last = list(b.tokens_per_expert)
+            if sum(last):
+                ratios.append(max(last) * len(last) / sum(last))
+        g = GaugeMetricFamily("tandem:moe_expert_load_imbalance", "The last step's busiest expert's tokens over "
+                              "the mean tokens an expert, averaged over the sparse layers (1: even).", labels=lab)
+        g.add_metric(self.labels, sum(ratios) / len(ratios) if ratios else 1.0)
+        yield g
+
+
 class WorkerMetrics:
     def __init__(self, worker_id: str, role: Role, read_stats: Callable[[], WorkerStats]) -> None:
         self.registry = reg = CollectorRegistry()
@@ -158,6 +187,10 @@ class WorkerMetrics:
     def add_spec(self, read: Callable[[], object]) -> None:
         """Export speculative decoding's counters (`read` returns the engine's SpecStats)."""
         self.registry.register(_SpecCollector(self.labels, read))
+
+    def add_experts(self, blocks: list) -> None:
+        """Export a mixture of experts' routing (`blocks`: its sparse layers)."""
+        self.registry.register(_ExpertCollector(self.labels, blocks))
 
     def add_counter(self, name: str, doc: str, read: Callable[[], int]) -> None:
         """Export a counter the engine keeps (`read` returns its value)."""

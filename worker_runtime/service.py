@@ -71,7 +71,11 @@ class WorkerRpcs(abc.ABC):
     `check_integrity()` (run on the engine thread)."""
 
     def add_parallel_metrics(self, runner) -> None:
-        """Tensor parallel (rank 0): its time in all-reduces, against its step time."""
+        """Tensor parallel (rank 0): its time in all-reduces, against its step time; a
+        mixture of experts: the tokens its router sent to each expert."""
+        blocks = [layer.mlp for layer in getattr(runner.model, "layers", ()) if hasattr(layer.mlp, "expert_tokens")]
+        if blocks:
+            self.metrics.add_experts(blocks)
         comm = runner.comm
         if comm is None:
             return

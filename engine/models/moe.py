@@ -34,7 +34,9 @@ class SparseMoe(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)  # each expert's gate rows, then up
         self.down = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
         self.tp = None  # under tensor parallelism, the group's Communicator: the output is a partial sum
-        self.tokens_per_expert: torch.Tensor | None = None  # the last step's routing, [E] (load balance)
+        # load balance (the worker's /metrics): the last step's tokens per expert, and since start
+        self.tokens_per_expert: list[int] = [0] * e
+        self.expert_tokens: list[int] = [0] * e
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's top-k experts [T, k] and their weights [T, k]."""
@@ -49,14 +51,15 @@ class SparseMoe(nn.Module):
         experts, weights = self.route(x)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert, ascending
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         self.tokens_per_expert = counts
         rows_of, weight_of = order // self.top_k, weights.reshape(-1)[order]
         out = torch.zeros_like(x)
         start = 0
-        for e, n in enumerate(counts.tolist()):
+        for e, n in enumerate(counts):
             if n == 0:
                 continue
+            self.expert_tokens[e] += n
             rows, w = rows_of[start:start + n], weight_of[start:start + n, None]
             gate, up = F.linear(x.index_select(0, rows), self.gate_up[e]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down[e])

@@ -42,6 +42,8 @@ def checkpoints(tmp_path_factory, model_path):
     return {"llama-kv2": _write_hf("llama", root / "llama-kv2", model_path),
             "llama-kv1": _write_hf("llama", root / "llama-kv1", model_path, kv_heads=1),
             "qwen2": _write_hf("qwen2", root / "qwen2", model_path),
+            "qwen3_moe": _write_hf("qwen3_moe", root / "qwen3_moe", model_path),
+            "mixtral": _write_hf("mixtral", root / "mixtral", model_path),
             "builtin": model_path}
 
 
@@ -266,13 +268,14 @@ def test_colocated_ranks_through_http_and_a_rank_killed_mid_stream(serve, checkp
 
 
 @pytest.mark.parametrize("name,p_tp,d_tp,extra", [
-    ("qwen2", 2, 1, ()),
+    ("qwen3_moe", 2, 1, ()),
     ("llama-kv2", 1, 2, ()),
     ("llama-kv1", 2, 2, ("--speculative-method", "ngram", "--no-adaptive-speculation")),
 ])
 def test_disaggregated_ranks_through_http(serve, checkpoints, name, p_tp, d_tp, extra):
-    """Prefill and decode workers of 2 and 1, 1 and 2, 2 and 2 ranks (the last verifying
-    n-gram drafts on both decode ranks): HTTP answers equal transformers'."""
+    """Prefill and decode workers of 2 and 1 (Qwen3-MoE: q/k norms, experts split by
+    their intermediate size), 1 and 2, 2 and 2 ranks (the last verifying n-gram drafts
+    on both decode ranks): HTTP answers equal transformers'."""
     model = str(checkpoints[name])
     srv = serve("--prefill", "1", "--decode", "1", "--prefill-tensor-parallel-size", str(p_tp),
                 "--decode-tensor-parallel-size", str(d_tp), "--model", model, "--block-size", "16",
@@ -284,3 +287,39 @@ def test_disaggregated_ranks_through_http(serve, checkpoints, name, p_tp, d_tp, 
     for p in prompts:
         assert complete(srv.url, model, p)["choices"][0]["token_ids"] == hf_greedy(model, p, NEW, ignore_eos=True)
     assert srv.metrics()["tandem:kv_transfer_bytes_total"] > 0  # prefilled on the prefill worker, handed off
+
+
+def test_mixtral_colocated_through_http(serve, checkpoints):
+    """Mixtral served on one colocated worker: a prefix hit and preemptions among
+    concurrent requests; HTTP answers equal transformers'; /metrics counts each expert's
+    tokens."""
+    model = str(checkpoints["mixtral"])
+    srv = serve("--colocated", "--decode", "1", "--model", model, "--block-size", "16", "--num-blocks", "16",
+                "--max-num-batched-tokens", "48")
+    prompts = random_prompts([130, 3, 61, 17], seed=64)
+    hit = prompts[0][:96] + [5, 6]
+    assert complete(srv.url, model, prompts[0], 2 * NEW)["choices"][0]["token_ids"] == hf_greedy(
+        model, prompts[0], 2 * NEW, ignore_eos=True)
+    answer = complete(srv.url, model, hit, 2 * NEW)
+    assert answer["choices"][0]["token_ids"] == hf_greedy(model, hit, 2 * NEW, ignore_eos=True)
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+
+    async def all_at_once():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+            async def one(p):
+                body = {"model": os.path.basename(model), "prompt": p, "max_tokens": 2 * NEW, "temperature": 0, "ignore_eos": True,
+                        "return_token_ids": True}
+                r = await c.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["token_ids"]
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    for p, got in zip(prompts, asyncio.run(all_at_once())):
+        assert got == hf_greedy(model, p, 2 * NEW, ignore_eos=True)
+    [worker] = srv.pools()["decode"]["workers"]
+    text = httpx.get("http://" + worker["metrics"] + "/metrics").text
+    per_expert = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("tandem:moe_expert_tokens_total{")]
+    assert len(per_expert) == 4 and sum(n > 0 for n in per_expert) >= 2, per_expert
+    m = srv.metrics("http://" + worker["metrics"] + "/metrics")
+    assert m["tandem:num_preemptions_total"] > 0 and m["tandem:moe_expert_load_imbalance"] >= 1

@@ -52,7 +52,7 @@ def test_families_match_transformers(kind, fused, monkeypatch, request):
     moe = [layer.mlp for layer in engine.runner.model.layers if isinstance(layer.mlp, SparseMoe)]
     assert len(moe) == {"qwen3": 0, "qwen3_moe": 1, "mixtral": 2}[kind]
     for block in moe:  # the last step's routing used more than one expert
-        assert (block.tokens_per_expert > 0).sum() >= 2
+        assert sum(n > 0 for n in block.tokens_per_expert) >= 2
 
 
 def test_quantization_of_experts_is_refused_with_a_reason(mixtral_dir):
