@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Phi3ForCausalLM": "phi3",
 }
 # where a family's sparse MLP block and its experts' three weights sit (HF names)
 MOE_NAMING = {
@@ -190,6 +191,10 @@ class ModelConfig:
         # have `rope_theta` and `rope_scaling` at the top level.
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        partial = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) or 1.0)
+        if partial != 1.0:
+            raise ConfigError(f"config.json: partial_rotary_factor={partial} (a rotation of part of each head) is "
+                              "not supported yet")
         torch_dtype = d.get("torch_dtype") or d.get("dtype") or "float32"
         if torch_dtype not in DTYPES:
             torch_dtype = "float32"

@@ -19,7 +19,7 @@ from typing import Any
 from safetensors import SafetensorError, safe_open
 
 from engine.config import ConfigError, ModelConfig, kv_cache_dtype_of
-from engine.models.shapes import expected_shapes
+from engine.models.shapes import expected_shapes, fused_parts
 from engine.quantization import scheme as quant_scheme
 from engine.tokenizer import Tokenizer, TokenizerError, merged_eos_ids
 
@@ -219,6 +219,9 @@ def _check_quantized(path: Path, config: ModelConfig, files: dict[str, Path], sh
         if dt not in quant_scheme.STORED:
             continue
         where = f"{files[name]}: tensor {name!r} is stored as {dt}"
+        if fused_parts(config, name) is not None:
+            raise CheckpointError(f"{where}: a quantized fused weight is not supported yet (serve the unquantized "
+                                  "checkpoint with --quantization, which quantizes each weight it stacks)")
         if not (quant_scheme.linear_name(name) or name == "lm_head.weight"):
             raise CheckpointError(f"{where}; only linear layers (and the LM head) may be quantized")
         if quant is None or quant.online:

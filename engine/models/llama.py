@@ -366,7 +366,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v. Checks names, shapes and, for the
         quantized layers (`self.quantized`, set by the loader), dtypes and scales."""
-        expected = expected_shapes(self.cfg)
+        expected = expected_shapes(self.cfg, as_stored=False)  # a fused tensor arrives as its parts
         for prefix in getattr(self, "quantized", ()):
             expected[f"{prefix}.weight_scale"] = tuple(self._param_slice(f"{prefix}.weight_scale").shape)
         seen: set[str] = set()

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from engine.config import ConfigError
 from engine.models.checkpoint import IGNORED_SUFFIXES, Checkpoint, kv_scale_names, read_kv_scale
 from engine.models.llama import LlamaForCausalLM, Rotary
+from engine.models.shapes import fused_parts
 from engine.parallel.shard import ROW_PARALLEL, Shard, local_config, shard_scale, shard_tensor
 from engine.quantization.linear import QuantLinear, quantize, spread_scale
 from engine.quantization.scheme import linear_name
@@ -44,6 +45,10 @@ def iter_tensors(checkpoint: Checkpoint, shard: Shard = Shard()) -> Iterator[tup
     for file, names in by_file.items():
         with safe_open(str(file), framework="pt") as f:
             for name in names:
+                parts = fused_parts(cfg, name)
+                if parts is not None:  # read whole, then each stacked weight as if stored alone
+                    yield from _unfused(checkpoint, f.get_tensor(name), parts, shard)
+                    continue
                 prefix = name.removesuffix(".weight")
                 if prefix in checkpoint.quantized or (quant is not None and quant.online and (
                         linear_name(name) or name == "lm_head.weight")):
@@ -62,6 +67,21 @@ def iter_tensors(checkpoint: Checkpoint, shard: Shard = Shard()) -> Iterator[tup
                     return part[:, cols.start:cols.stop]
 
                 yield name, shard_tensor(name, get, cfg, shard).to(dtype)
+
+
+def _unfused(checkpoint: Checkpoint, whole: torch.Tensor, parts, shard: Shard):
+    """The weights a fused tensor stacks (`parts`: engine/models/shapes.py fused_parts),
+    each rank `shard`'s part, quantized under --quantization as its own layer."""
+    cfg, quant = checkpoint.config, checkpoint.config.quant
+    for name, row, rows in parts:
+        t = whole[row:row + rows]
+        if quant is not None and quant.online and linear_name(name):
+            q, scale = quantize(t, quant.method)
+            yield name, shard_tensor(name, lambda r, c, q=q: _part(q, r, c), cfg, shard)
+            yield f"{name.removesuffix('.weight')}.weight_scale", shard_scale(
+                name, scale, quant.group_size(q.shape[1]), q.shape[1], cfg, shard)
+        else:
+            yield name, shard_tensor(name, lambda r, c, t=t: _part(t, r, c), cfg, shard).to(torch_dtype(checkpoint))
 
 
 def _quantized(checkpoint: Checkpoint, f, name: str, shard: Shard):

@@ -6,8 +6,37 @@ from __future__ import annotations
 from engine.config import MOE_NAMING, ModelConfig
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint must (or, for lm_head when tied, may) hold, by HF name."""
+# Families that store some of a layer's weights as one tensor: its name (after
+# "model.layers.{i}.") and the weights it stacks, row after row (Phi-3)
+FUSED = {"phi3": {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                  "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}}
+
+
+def fused_parts(cfg: ModelConfig, name: str) -> list[tuple[str, int, int]] | None:
+    """For a fused checkpoint tensor's `name` ("....weight"), the weights it stacks as
+    (name, first row, rows); None for any other tensor."""
+    fused = FUSED.get(cfg.architecture)
+    if not fused or not name.startswith("model.layers."):
+        return None
+    head, _, tail = name.partition(".layers.")
+    index, _, rest = tail.partition(".")
+    stem, _, kind = rest.rpartition(".")
+    if stem not in fused:
+        return None
+    shapes = expected_shapes(cfg, as_stored=False)
+    out, row = [], 0
+    for part in fused[stem]:
+        full = f"{head}.layers.{index}.{part}.{kind}"
+        rows = shapes[full][0]
+        out.append((full, row, rows))
+        row += rows
+    return out
+
+
+def expected_shapes(cfg: ModelConfig, as_stored: bool = True) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint must (or, for lm_head when tied, may) hold, by HF name;
+    with `as_stored` False, a fused tensor's parts instead of it (the names the model
+    loads)."""
     h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
     for i in range(cfg.num_layers):
@@ -43,6 +72,15 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 shapes[p + f"mlp.{n}.bias"] = (dim,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    if as_stored and cfg.architecture in FUSED:
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            for stem, parts in FUSED[cfg.architecture].items():
+                for kind in ("weight", "bias"):
+                    names = [f"{p}{part}.{kind}" for part in parts]
+                    if names[0] in shapes:
+                        tail = shapes[names[0]][1:]
+                        shapes[f"{p}{stem}.{kind}"] = (sum(shapes.pop(n)[0] for n in names), *tail)
     return shapes
 
 

@@ -37,7 +37,8 @@ from typing import Any
 METHODS = ("int8", "fp8")  # --quantization
 # a checkpoint tensor's dtype (as safetensors names it) -> the method its values are
 STORED = {"I8": "int8", "F8_E4M3": "fp8"}
-LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                   "qkv_proj", "gate_up_proj")  # the last two: Phi-3's fused layers
 
 
 class QuantizationError(ValueError):

@@ -58,6 +58,9 @@ def _write_hf(kind: str, path: Path, tokenizer_src: Path, window: int | None = N
                                           moe_intermediate_size=64, mlp_only_layers=[0], norm_topk_prob=False,
                                           **common)
         cls = transformers.Qwen3MoeForCausalLM
+    elif kind == "phi3":  # q/k/v and gate/up stored fused
+        cfg = transformers.Phi3Config(tie_word_embeddings=False, pad_token_id=0, **common)
+        cls = transformers.Phi3ForCausalLM
     elif kind == "mixtral":
         cfg = transformers.MixtralConfig(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
                                          **common)
@@ -103,6 +106,11 @@ def qwen3_dir(tmp_path_factory, builtin_dir) -> Path:
 @pytest.fixture(scope="session")
 def qwen3_moe_dir(tmp_path_factory, builtin_dir) -> Path:
     return _write_hf("qwen3_moe", tmp_path_factory.mktemp("hf-qwen3-moe"), builtin_dir)
+
+
+@pytest.fixture(scope="session")
+def phi3_dir(tmp_path_factory, builtin_dir) -> Path:
+    return _write_hf("phi3", tmp_path_factory.mktemp("hf-phi3"), builtin_dir)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""The families beyond Llama's: Qwen3 (per-head q/k norms, a tied head), Qwen3-MoE (a
+"""The families beyond Llama's: Qwen3 (per-head q/k norms, a tied head), Phi-3 (q/k/v
+and gate/up stored as two fused tensors), Qwen3-MoE (a
 dense layer then a sparse one, top-k weights not renormalised) and Mixtral (every layer
 sparse, renormalised top-k weights kept in fp32). Greedy ids equal transformers' on
 random checkpoints made from transformers' own config classes, in one engine through
@@ -31,7 +32,7 @@ def cases():
     return [[ps[1]], [ps[1][:96] + [11, 12]], ps]
 
 
-@pytest.mark.parametrize("kind,fused", [("qwen3", True), ("qwen3_moe", True), ("mixtral", True),
+@pytest.mark.parametrize("kind,fused", [("qwen3", True), ("phi3", True), ("qwen3_moe", True), ("mixtral", True),
                                         ("qwen3_moe", False), ("mixtral", False)])
 def test_families_match_transformers(kind, fused, monkeypatch, request):
     if not fused:
@@ -50,7 +51,7 @@ def test_families_match_transformers(kind, fused, monkeypatch, request):
     assert engine.scheduler.num_preemptions > 0
     assert (engine.runner.model.cpu_ops is not None) == fused
     moe = [layer.mlp for layer in engine.runner.model.layers if isinstance(layer.mlp, SparseMoe)]
-    assert len(moe) == {"qwen3": 0, "qwen3_moe": 1, "mixtral": 2}[kind]
+    assert len(moe) == {"qwen3": 0, "phi3": 0, "qwen3_moe": 1, "mixtral": 2}[kind]
     for block in moe:  # the last step's routing used more than one expert
         assert sum(n > 0 for n in block.tokens_per_expert) >= 2
 
@@ -58,3 +59,13 @@ def test_families_match_transformers(kind, fused, monkeypatch, request):
 def test_quantization_of_experts_is_refused_with_a_reason(mixtral_dir):
     with pytest.raises(ConfigError, match="mixture-of-experts"):
         load_checkpoint(mixtral_dir, quantization="int8")
+
+
+def test_a_partial_rotation_is_refused_with_a_reason(tmp_path):
+    from engine.config import ModelConfig
+
+    cfg = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "hidden_act": "silu",
+           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}}
+    with pytest.raises(ConfigError, match="partial_rotary_factor"):
+        ModelConfig.from_hf(cfg)

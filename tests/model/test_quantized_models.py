@@ -44,7 +44,8 @@ def base(tmp_path_factory, builtin_dir):
     """A random Llama (2 KV heads, tied embeddings) and a random Qwen2 (q/k/v biases)."""
     root = tmp_path_factory.mktemp("quant-base")
     return {"llama": _write_hf("llama", root / "llama", builtin_dir),
-            "qwen2": _write_hf("qwen2", root / "qwen2", builtin_dir)}
+            "qwen2": _write_hf("qwen2", root / "qwen2", builtin_dir),
+            "phi3": _write_hf("phi3", root / "phi3", builtin_dir)}
 
 
 def prompts():
@@ -128,11 +129,12 @@ def test_published_checkpoints_match_their_dequantized_weights(base, tmp_path, n
     check(eng, write_dequantized(q, tmp_path / f"{name}-ref"))
 
 
-@pytest.mark.parametrize("family,method", [("llama", "int8"), ("qwen2", "int8"), ("qwen2", "fp8")])
+@pytest.mark.parametrize("family,method", [("llama", "int8"), ("qwen2", "int8"), ("qwen2", "fp8"), ("phi3", "int8")])
 def test_quantized_as_it_loads(base, tmp_path, family, method):
+    """Phi-3's fused q/k/v and gate/up tensors: each weight they stack quantized per row."""
     eng = engine(base[family], method)
-    # Qwen2's own head is quantized too; Llama's is its (tied) embedding, left as it is
-    assert (type(eng.runner.model.lm_head).__name__ == "QuantLinear") == (family == "qwen2")
+    # Qwen2's and Phi-3's own heads are quantized too; Llama's is its (tied) embedding, left as it is
+    assert (type(eng.runner.model.lm_head).__name__ == "QuantLinear") == (family != "llama")
     check(eng, write_online_reference(base[family], tmp_path / f"{family}-{method}-ref", method))
 
 

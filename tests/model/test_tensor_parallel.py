@@ -1,7 +1,8 @@
 """Tensor parallelism in one engine (colocated): two CPU ranks, the second a child
 process following rank 0's steps over the shared-memory all-reduce. Greedy ids equal
 transformers' on random checkpoints whose KV heads split (Llama, 2 KV heads; Qwen2
-with q/k/v biases; Qwen3-MoE and Mixtral, each expert split by its intermediate size)
+with q/k/v biases; Qwen3-MoE and Mixtral, each expert split by its intermediate size; Phi-3's fused
+q/k/v and gate/up, split into their weights before the ranks take their rows)
 and replicate (Llama, 1 KV head), through chunked prefill, a
 prefix-cache hit and preemptions, and on the trained built-in model with n-gram
 speculation; a rank that dies fails the next step with a
@@ -58,7 +59,8 @@ def prompts_with_cases():
 
 
 @pytest.mark.parametrize("which,spec", [("llama_dir", None), ("llama_kv1_dir", None), ("qwen2_dir", None),
-                                        ("builtin_dir", "ngram"), ("qwen3_moe_dir", None), ("mixtral_dir", None)])
+                                        ("builtin_dir", "ngram"), ("qwen3_moe_dir", None), ("mixtral_dir", None),
+                                        ("phi3_dir", None)])
 def test_two_ranks_match_transformers(which, spec, request):
     path = request.getfixturevalue(which)
     engine = tp_engine(path, spec=spec)
