@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from engine.config import MOE_NAMING, ModelConfig
 
-
 # Families that store some of a layer's weights as one tensor: its name (after
 # "model.layers.{i}.") and the weights it stacks, row after row (Phi-3)
 FUSED = {"phi3": {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),

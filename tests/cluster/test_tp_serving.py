@@ -307,8 +307,8 @@ def test_mixtral_colocated_through_http(serve, checkpoints):
     async def all_at_once():
         async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
             async def one(p):
-                body = {"model": os.path.basename(model), "prompt": p, "max_tokens": 2 * NEW, "temperature": 0, "ignore_eos": True,
-                        "return_token_ids": True}
+                body = {"model": os.path.basename(model), "prompt": p, "max_tokens": 2 * NEW, "temperature": 0,
+                        "ignore_eos": True, "return_token_ids": True}
                 r = await c.post("/v1/completions", json=body)
                 assert r.status_code == 200, r.text
                 return r.json()["choices"][0]["token_ids"]
