@@ -53,7 +53,8 @@ def worker_actor_name(worker_id: str) -> str:
 
 def _model_of(info: dict) -> dict:
     """The model dtypes in a worker's `info()` (worker_runtime/metrics.py model_dtypes)."""
-    return {k: info[k] for k in ("dtype", "weights", "weight_scales", "quantization", "kv_cache_dtype") if k in info}
+    return {k: info[k] for k in ("dtype", "weights", "weight_scales", "quantization", "kv_cache_dtype", "experts")
+            if k in info}
 
 
 def kv_disagreement(worker_id: str, model: dict, others: dict[str, dict]) -> str | None:

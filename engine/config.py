@@ -118,6 +118,8 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     moe_layers: tuple[int, ...] = ()
+    # the experts this model (one rank's, under expert parallelism) holds: [first, stop)
+    local_experts: tuple[int, int] | None = None
     norm_topk_prob: bool = True  # the top-k routing weights divided by their sum
     router_weights_fp32: bool = False  # Mixtral keeps them in fp32 (Qwen3-MoE: the model's dtype)
 
@@ -150,6 +152,11 @@ class ModelConfig:
                      "(drop --quantization, or serve a bf16 checkpoint)")
         _require(self.kv_cache_dtype in (None, FP8_KV_DTYPE), f"kv_cache_dtype {self.kv_cache_dtype!r} is not "
                  f"{FP8_KV_DTYPE!r}")
+
+    @property
+    def expert_range(self) -> range:
+        """The experts whose weights this model holds (all of them but under expert parallelism)."""
+        return range(*self.local_experts) if self.local_experts else range(self.num_experts)
 
     @property
     def cache_dtype(self) -> str:
@@ -406,6 +413,9 @@ class ParallelConfig:
     # samples (when the ranks divide the vocabulary); False: every rank holds it whole
     # and rank 0 alone computes it (docs/performance.md has both)
     vocab_parallel_head: bool = True
+    # --enable-expert-parallel: a mixture of experts' experts spread whole over the ranks
+    # (E/N each) instead of every expert split N ways; attention stays tensor parallel
+    enable_expert_parallel: bool = False
     rank_timeout_s: float = 60.0  # the longest one collective waits for a rank
     start_timeout_s: float = 600.0  # the longest rank 0 waits for the others to load their shards
 

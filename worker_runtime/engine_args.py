@@ -60,6 +60,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="ranks (processes) one worker's model is split across, Megatron-style: one device each on "
                    "CUDA, an equal share of the worker's cores each on CPU (tandem serve: both pools, unless "
                    "--prefill-/--decode-tensor-parallel-size say otherwise)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="a mixture of experts: spread whole experts over the tensor-parallel ranks (E/N each) "
+                   "instead of splitting every expert N ways; attention stays tensor parallel")
     g.add_argument("--cpu-affinity", default=None, help="cores this worker may use, e.g. 0-3,6")
     g.add_argument("--serial-step-work", type=float, default=None, metavar="N",
                    help="CPU: a step whose tokens x weight parameters are at most N runs on one torch thread "
@@ -133,5 +136,6 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         speculative=SpeculativeConfig(method=a.speculative_method, num_speculative_tokens=a.num_speculative_tokens,
                                       model=a.speculative_model, adaptive=not a.no_adaptive_speculation),
         grammar=GrammarLimits(max_spec_bytes=a.max_grammar_bytes, compile_timeout_s=a.grammar_compile_timeout_s),
-        parallel=ParallelConfig(tensor_parallel_size=a.tensor_parallel_size),
+        parallel=ParallelConfig(tensor_parallel_size=a.tensor_parallel_size,
+                                enable_expert_parallel=a.enable_expert_parallel),
     )

@@ -237,4 +237,13 @@ def model_dtypes(runner) -> dict:
     return {"dtype": cfg.dtype, "weights": quant.method if quant else cfg.dtype,
             "weight_scales": quant.strategy if quant else "",
             "quantization": quant.describe() if quant else None,
-            "kv_cache_dtype": str(runner.kv_cache.kv.dtype).removeprefix("torch.")}
+            "kv_cache_dtype": str(runner.kv_cache.kv.dtype).removeprefix("torch."), "experts": _experts(cfg)}
+
+
+def _experts(cfg) -> str:
+    """A mixture of experts in words ("" for a dense model): how many, how many a token,
+    and how a tensor-parallel worker holds them."""
+    if not cfg.moe_layers:
+        return ""
+    held = "" if cfg.local_experts is None else f"; expert parallel, {len(cfg.expert_range)} a rank"
+    return f"{cfg.num_experts} experts, {cfg.num_experts_per_tok} a token{held}"

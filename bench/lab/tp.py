@@ -5,6 +5,8 @@ steps (rank 0's time in all-reduces, waits for rank 1 included, over its step ti
     python -m bench.lab.tp MODEL_DIR OUT [--dtype bfloat16] [--cores 0,1] [--batch 64]
                            [--prompt-len 256] [--output-len 128] [--rounds 2]
     python -m bench.lab.tp --allreduce OUT [--cores 0,1]
+    python -m bench.lab.tp --experts MODEL_DIR OUT [...]   (a mixture of experts)
+    python -m bench.lab.tp --write-moe DIR                 (a random Mixtral-shaped MoE)
 
 `--allreduce`: the collective alone, two processes pinned a core each: tandem's
 shared-memory all-reduce against gloo's (torch.distributed), 1, 16 and 256 rows of 768
@@ -14,6 +16,12 @@ and OUT/allreduce.json.
 Two loads: one stream (a prompt, then its tokens one step at a time: ms a token) and a
 batch of `--batch` prompts at once (output tokens a second). The sizes alternate round
 by round (`--rounds`), so a noisy host hits both alike. OUT/report.md and OUT/runs.json.
+`--experts`: TP=1 against TP=2 with every expert split over both ranks and TP=2 with
+--enable-expert-parallel (half the experts whole on each rank), and the routing's share
+of the steps (rank 0's router, top-k and grouping by expert over its step time: the
+dispatch; the combine is the all-reduce). `--write-moe DIR` writes the model it is run
+on: Mixtral's shape scaled down, 8 experts, 2 a token, hidden 1024, 10 layers, about
+420M parameters (about 130M a token), random bf16 weights, the built-in tokenizer.
 The served figures come from `python -m bench.lab.peers side-by-side ... --tandem-args
 "--tensor-parallel-size 2"` (docs/performance.md).
 """
@@ -29,8 +37,30 @@ import time
 from pathlib import Path
 
 
+def write_moe(path: Path) -> Path:
+    """A random Mixtral of about 420M parameters (module docstring) at `path`."""
+    import torch
+    import transformers
+
+    from engine.models.builtin import builtin_model_path
+    from engine.models.writer import copy_tokenizer_files
+
+    cfg = transformers.MixtralConfig(vocab_size=8192, hidden_size=1024, intermediate_size=1536, num_hidden_layers=10,
+                                     num_attention_heads=16, num_key_value_heads=4, num_local_experts=8,
+                                     num_experts_per_tok=2, max_position_embeddings=4096, tie_word_embeddings=False,
+                                     bos_token_id=0, eos_token_id=[1, 4])
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    for name, data in copy_tokenizer_files(builtin_model_path()).items():
+        if name != "generation_config.json":
+            (path / name).write_bytes(data)
+    print(f"{path}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters")
+    return path
+
+
 def run_once(model: str, tp: int, dtype: str, cores: tuple[int, ...], batch: int, prompt_len: int,
-             output_len: int, vocab_parallel: bool = True) -> dict:
+             output_len: int, vocab_parallel: bool = True, ep: bool = False) -> dict:
     import torch
 
     from decode_worker.llm_engine import LLMEngine
@@ -42,11 +72,14 @@ def run_once(model: str, tp: int, dtype: str, cores: tuple[int, ...], batch: int
                           scheduler=SchedulerConfig(max_num_seqs=max(batch, 1), max_num_batched_tokens=2048,
                                                     max_model_len=prompt_len + output_len + 8),
                           device=DeviceConfig(num_threads=len(cores), cpu_affinity=cores),
-                          parallel=ParallelConfig(tensor_parallel_size=tp, vocab_parallel_head=vocab_parallel))
+                          parallel=ParallelConfig(tensor_parallel_size=tp, vocab_parallel_head=vocab_parallel,
+                                                  enable_expert_parallel=ep))
     engine = LLMEngine.from_config(config)
     comm = engine.runner.comm
+    moe = [layer.mlp for layer in engine.runner.model.layers if hasattr(layer.mlp, "route_seconds")]
     g = torch.Generator().manual_seed(0)
     out = {"tp": tp, "threads_per_rank": len(cores) // tp, "dtype": dtype,
+           "experts": "" if not moe else "expert-parallel" if ep and tp > 1 else "split" if tp > 1 else "whole",
            "head": "vocab-parallel" if engine.runner.model.vocab_comm is not None else "whole"}
     try:
         with torch.inference_mode():
@@ -57,6 +90,7 @@ def run_once(model: str, tp: int, dtype: str, cores: tuple[int, ...], batch: int
                     engine.add_request(f"{label}-{i}", torch.randint(5, 8000, (prompt_len,), generator=g).tolist(),
                                        params)
                 first_done, decode_s, decode_tokens, ar0, t_start = None, 0.0, 0, None, time.perf_counter()
+                route0 = 0.0
                 while engine.has_work():
                     t0 = time.perf_counter()
                     before = comm.seconds if comm is not None else 0.0
@@ -66,6 +100,7 @@ def run_once(model: str, tp: int, dtype: str, cores: tuple[int, ...], batch: int
                     if first_done is None:  # prefill steps: until every sequence has its first token
                         if all(len(s.output_ids) > 0 for s in engine.seqs.values()):
                             first_done, ar0 = time.perf_counter(), 0.0
+                            route0 = sum(b.route_seconds for b in moe)
                         continue
                     decode_s += dt
                     decode_tokens += toks
@@ -77,6 +112,8 @@ def run_once(model: str, tp: int, dtype: str, cores: tuple[int, ...], batch: int
                               "tokens_per_s": round(decode_tokens / decode_s, 1) if decode_s else 0.0,
                               "allreduce_s": round(ar0 or 0.0, 4),
                               "allreduce_share": round((ar0 or 0.0) / decode_s, 4) if decode_s else 0.0,
+                              "routing_share": round((sum(b.route_seconds for b in moe) - route0) / decode_s, 4)
+                              if decode_s and moe else 0.0,
                               "wall_s": round(time.perf_counter() - t_start, 2)}
         out["allreduce_calls"] = comm.calls if comm is not None else 0
     finally:
@@ -169,25 +206,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)  # a child: one run of this TP size
     p.add_argument("--whole-head", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ep", action="store_true", help=argparse.SUPPRESS)  # a child: with expert parallelism
+    p.add_argument("--experts", action="store_true", help="a mixture of experts: its experts split against "
+                   "expert parallel (see above)")
+    p.add_argument("--write-moe", type=Path, default=None, metavar="DIR", help="write the random MoE (see above)")
     a = p.parse_args(argv)
     cores = tuple(int(c) for c in a.cores.split(","))
     if a.allreduce is not None:
         return allreduce(a.allreduce, cores)
+    if a.write_moe is not None:
+        write_moe(a.write_moe)
+        return 0
     if a.model is None or a.out is None:
         p.error("MODEL_DIR and OUT are needed (or --allreduce OUT)")
     if a.one:
         print(json.dumps(run_once(a.model, a.one, a.dtype, cores, a.batch, a.prompt_len, a.output_len,
-                                  not a.whole_head)))
+                                  not a.whole_head, a.ep)))
         return 0
     import subprocess
 
     a.out.mkdir(parents=True, exist_ok=True)
     runs = []
     for r in range(a.rounds):
-        for tp, whole in ((1, False), (2, False), (2, True)):  # each run a process of its own
+        configs = ((1, False, False), (2, False, False), (2, False, True)) if a.experts else (
+            (1, False, False), (2, False, False), (2, True, False))
+        for tp, whole, ep in configs:  # each run a process of its own
             cmd = [sys.executable, "-m", "bench.lab.tp", a.model, str(a.out), "--dtype", a.dtype, "--cores", a.cores,
                    "--batch", str(a.batch), "--prompt-len", str(a.prompt_len), "--output-len", str(a.output_len),
-                   "--one", str(tp), *(["--whole-head"] if whole else [])]
+                   "--one", str(tp), *(["--whole-head"] if whole else []), *(["--ep"] if ep else [])]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
             if done.returncode != 0:
                 print(done.stderr[-3000:], file=sys.stderr)
@@ -197,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run)
             print(json.dumps(run), flush=True)
     (a.out / "runs.json").write_text(json.dumps(runs, indent=1) + "\n")
+    if a.experts:
+        return experts_report(a, runs)
     lines = [f"# tensor parallelism offline: {Path(a.model).name}, {a.dtype}", "",
              f"Machine: {cpu_name()}, cores {a.cores}; {a.rounds} rounds, TP=1 and TP=2 in turn, "
              "each a process.",
@@ -218,6 +266,36 @@ def main(argv: list[str] | None = None) -> int:
                      f"(median {statistics.median(ms):.2f}) | {' / '.join(f'{v:.1%}' for v in s1)} | "
                      f"{' / '.join(f'{v:.0f}' for v in bt)} (median {statistics.median(bt):.0f}) | "
                      f"{' / '.join(f'{v:.1%}' for v in sb)} |")
+    (a.out / "report.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+def experts_report(a, runs: list[dict]) -> int:
+    lines = [f"# a mixture of experts, offline: {Path(a.model).name}, {a.dtype}", "",
+             f"Machine: {cpu_name()}, cores {a.cores}; {a.rounds} rounds, the three configurations in turn, "
+             "each a process.",
+             f"Loads: one stream of {a.prompt_len} in / {a.output_len} out; a batch of {a.batch} such requests "
+             "at once. Decode steps only.",
+             "Experts: whole (one rank), split (TP=2: each rank half of every expert's intermediate size), "
+             "expert-parallel (TP=2 with --enable-expert-parallel: half the experts whole on each rank). "
+             "routing share: rank 0's router, top-k and grouping by expert over its decode seconds (the dispatch); "
+             "all-reduce share: its seconds in collectives, waits for rank 1 included (the combine, and "
+             "attention's).", "",
+             "| TP | experts | one stream ms/token | routing | all-reduce | batch tok/s | routing | all-reduce |",
+             "|---|---|---|---|---|---|---|---|"]
+    for tp, kind in ((1, "whole"), (2, "split"), (2, "expert-parallel")):
+        mine = [x for x in runs if x["tp"] == tp and x["experts"] == kind]
+        ms = [x["one_stream"]["ms_per_step"] for x in mine]
+        bt = [x["batch"]["tokens_per_s"] for x in mine]
+
+        def share(load, key, mine=mine):
+            return " / ".join(f"{x[load][key]:.1%}" for x in mine)
+
+        lines.append(f"| {tp} | {kind} | {' / '.join(f'{v:.2f}' for v in ms)} (median {statistics.median(ms):.2f}) "
+                     f"| {share('one_stream', 'routing_share')} | {share('one_stream', 'allreduce_share')} "
+                     f"| {' / '.join(f'{v:.0f}' for v in bt)} (median {statistics.median(bt):.0f}) "
+                     f"| {share('batch', 'routing_share')} | {share('batch', 'allreduce_share')} |")
     (a.out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

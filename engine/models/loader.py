@@ -14,7 +14,7 @@ from engine.config import ConfigError
 from engine.models.checkpoint import IGNORED_SUFFIXES, Checkpoint, kv_scale_names, read_kv_scale
 from engine.models.llama import LlamaForCausalLM, Rotary
 from engine.models.shapes import fused_parts
-from engine.parallel.shard import ROW_PARALLEL, Shard, local_config, shard_scale, shard_tensor
+from engine.parallel.shard import ROW_PARALLEL, Shard, holds, local_config, shard_scale, shard_tensor
 from engine.quantization.linear import QuantLinear, quantize, spread_scale
 from engine.quantization.scheme import linear_name
 
@@ -40,7 +40,7 @@ def iter_tensors(checkpoint: Checkpoint, shard: Shard = Shard()) -> Iterator[tup
     scales = {f"{p}.{quant.scale_name}" for p in checkpoint.quantized} if quant is not None else set()
     by_file: dict[Path, list[str]] = {}
     for name, file in checkpoint.tensor_files.items():
-        if name not in scales and not name.endswith(IGNORED_SUFFIXES):
+        if name not in scales and not name.endswith(IGNORED_SUFFIXES) and holds(name, cfg, shard):
             by_file.setdefault(file, []).append(name)
     for file, names in by_file.items():
         with safe_open(str(file), framework="pt") as f:

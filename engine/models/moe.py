@@ -11,10 +11,15 @@ tensor expert by expert in ascending order.
 Tokens are grouped by expert once a step (a stable sort of the top-k choices), so each
 expert's weights are read once a step for all the tokens routed to it, whatever their
 number. Under tensor parallelism every rank holds a 1/N slice of each expert's
-intermediate size (engine/parallel/shard.py) and the block's output is a partial sum.
+intermediate size (engine/parallel/shard.py); under expert parallelism E/N whole experts.
+Either way every rank has every token (attention is tensor parallel, its output
+all-reduced), so each routes them all the same and runs its own experts' share: the
+dispatch is local, and the combine is the all-reduce of the block's partial output.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -28,15 +33,19 @@ class SparseMoe(nn.Module):
         super().__init__()
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.num_experts, self.top_k, self.inter = e, cfg.num_experts_per_tok, i
+        # the experts held here: all, or under expert parallelism this rank's run of them
+        self.experts = cfg.expert_range
+        held = len(self.experts)
         self.norm_topk, self.weights_fp32 = cfg.norm_topk_prob, cfg.router_weights_fp32
         self.naming = MOE_NAMING[cfg.architecture][1]  # the checkpoint's names of gate, up and down
         self.gate = nn.Linear(h, e, bias=False)  # the router
-        self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)  # each expert's gate rows, then up
-        self.down = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        self.gate_up = nn.Parameter(torch.empty(held, 2 * i, h), requires_grad=False)  # each one's gate rows, then up
+        self.down = nn.Parameter(torch.empty(held, h, i), requires_grad=False)
         self.tp = None  # under tensor parallelism, the group's Communicator: the output is a partial sum
         # load balance (the worker's /metrics): the last step's tokens per expert, and since start
         self.tokens_per_expert: list[int] = [0] * e
         self.expert_tokens: list[int] = [0] * e
+        self.route_seconds = 0.0  # routing and grouping by expert, since start (the dispatch's cost here)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's top-k experts [T, k] and their weights [T, k]."""
@@ -48,23 +57,26 @@ class SparseMoe(nn.Module):
         return experts, weights if self.weights_fp32 else weights.to(logits.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
         experts, weights = self.route(x)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert, ascending
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         self.tokens_per_expert = counts
         rows_of, weight_of = order // self.top_k, weights.reshape(-1)[order]
+        self.route_seconds += time.perf_counter() - t0
         out = torch.zeros_like(x)
         start = 0
+        first = self.experts.start
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
             self.expert_tokens[e] += n
-            rows, w = rows_of[start:start + n], weight_of[start:start + n, None]
-            gate, up = F.linear(x.index_select(0, rows), self.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[e])
+            begin, start = start, start + n
+            if n == 0 or e not in self.experts:  # another rank's expert (expert parallelism)
+                continue
+            rows, w = rows_of[begin:start], weight_of[begin:start, None]
+            gate, up = F.linear(x.index_select(0, rows), self.gate_up[e - first]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[e - first])
             out.index_add_(0, rows, (y * w).to(out.dtype))
-            start += n
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def param(self, parts: list[str]) -> torch.Tensor:
@@ -72,7 +84,7 @@ class SparseMoe(nn.Module):
         "weight" or "experts", e, the family's name of gate, up or down, "weight"."""
         if parts[0] == "gate":
             return self.gate.weight
-        e, which = int(parts[1]), self.naming.index(parts[2])
+        e, which = int(parts[1]) - self.experts.start, self.naming.index(parts[2])
         if which == 2:
             return self.down[e]
         return self.gate_up[e].narrow(0, which * self.inter, self.inter)

@@ -89,7 +89,7 @@ def moe_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
     p = f"{prefix}{block}."
     shapes = {p + "gate.weight": (cfg.num_experts, h)}
-    for e in range(cfg.num_experts):
+    for e in cfg.expert_range:
         shapes |= {f"{p}experts.{e}.{gate}.weight": (i, h), f"{p}experts.{e}.{up}.weight": (i, h),
                    f"{p}experts.{e}.{down}.weight": (h, i)}
     return shapes

@@ -157,7 +157,7 @@ def run_rank(spec: RankSpec, rank: int) -> int:
     try:
         ckpt = load_checkpoint(cfg.model or builtin_model_path(), dtype=cfg.dtype, quantization=cfg.quantization,
                                kv_cache_dtype=cfg.cache.kv_cache_dtype)
-        shard = Shard(rank, spec.size)
+        shard = Shard(rank, spec.size, cfg.parallel.enable_expert_parallel)
         model = build_model(ckpt, device.device, shard)
         model.set_tensor_parallel(comm, cfg.parallel.vocab_parallel_head)
         cache: CacheConfig = cfg.cache

@@ -34,13 +34,14 @@ class Shard:
 
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False  # a mixture of experts: whole experts per rank, not a slice of each
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
             raise ValueError(f"rank {self.rank} of {self.size}")
 
 
-def check_divisible(cfg: ModelConfig, size: int) -> None:
+def check_divisible(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> None:
     """Raise ConfigError, naming the numbers, when `size` ranks cannot split the model."""
     if size < 1:
         raise ConfigError(f"tensor_parallel_size must be >= 1, got {size}")
@@ -53,7 +54,9 @@ def check_divisible(cfg: ModelConfig, size: int) -> None:
         problems.append(f"{cfg.num_kv_heads} KV heads (nor is {size} a multiple of them)")
     if cfg.intermediate_size % size:
         problems.append(f"intermediate size {cfg.intermediate_size}")
-    if cfg.moe_layers and cfg.moe_intermediate_size % size:
+    if cfg.moe_layers and expert_parallel and cfg.num_experts % size:
+        problems.append(f"{cfg.num_experts} experts")
+    elif cfg.moe_layers and not expert_parallel and cfg.moe_intermediate_size % size:
         problems.append(f"experts' intermediate size {cfg.moe_intermediate_size}")
     if problems:
         raise ConfigError(f"--tensor-parallel-size {size} does not divide the model's {', '.join(problems)}")
@@ -82,11 +85,26 @@ def local_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
     """The shape one rank's modules and KV cache take."""
     if shard.size == 1:
         return cfg
-    check_divisible(cfg, shard.size)
+    check_divisible(cfg, shard.size, shard.expert_parallel)
+    experts = {}
+    if shard.expert_parallel and cfg.moe_layers:
+        n = cfg.num_experts // shard.size
+        experts = dict(local_experts=(shard.rank * n, (shard.rank + 1) * n))
+    elif cfg.moe_layers:
+        experts = dict(moe_intermediate_size=cfg.moe_intermediate_size // shard.size)
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // shard.size,
                                num_kv_heads=kv_heads_per_rank(cfg, shard.size),
-                               intermediate_size=cfg.intermediate_size // shard.size,
-                               moe_intermediate_size=cfg.moe_intermediate_size // shard.size)
+                               intermediate_size=cfg.intermediate_size // shard.size, **experts)
+
+
+def holds(name: str, cfg: ModelConfig, shard: Shard) -> bool:
+    """Whether rank `shard` loads checkpoint tensor `name` at all: under expert
+    parallelism another rank's experts are not read."""
+    if not (shard.expert_parallel and shard.size > 1 and ".experts." in name):
+        return True
+    e = int(name.split(".experts.", 1)[1].split(".", 1)[0])
+    n = cfg.num_experts // shard.size
+    return shard.rank * n <= e < (shard.rank + 1) * n
 
 
 ROW_PARALLEL = ("o_proj", "down_proj")  # row-parallel: a rank holds columns of their weights
@@ -102,6 +120,8 @@ def shard_tensor(name: str, get, cfg: ModelConfig, shard: Shard) -> torch.Tensor
     parts = name.split(".")
     proj, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
     hd = cfg.head_dim
+    if ".experts." in name and shard.expert_parallel:
+        return get(None, None)  # a whole expert (`holds` said it is this rank's)
     if ".experts." in name:
         n = cfg.moe_intermediate_size // shard.size
         part = range(shard.rank * n, (shard.rank + 1) * n)

@@ -64,8 +64,8 @@ def start_ranks(config: EngineConfig, ckpt, step_limits: tuple[int, int, int], l
                 name: str = "worker") -> StartedRanks:
     par = config.parallel
     size = par.tensor_parallel_size
-    check_divisible(ckpt.config, size)
-    shard = Shard(0, size)
+    check_divisible(ckpt.config, size, par.enable_expert_parallel)
+    shard = Shard(0, size, par.enable_expert_parallel)
     local = local_config(ckpt.config, shard)
     device = config.device
     launcher = launcher or default_launcher()

@@ -290,12 +290,16 @@ def test_disaggregated_ranks_through_http(serve, checkpoints, name, p_tp, d_tp, 
 
 
 def test_mixtral_colocated_through_http(serve, checkpoints):
-    """Mixtral served on one colocated worker: a prefix hit and preemptions among
+    """Mixtral served on one colocated worker of 2 ranks with --enable-expert-parallel
+    (each rank holding 2 of the 4 experts whole): a prefix hit and preemptions among
     concurrent requests; HTTP answers equal transformers'; /metrics counts each expert's
     tokens."""
     model = str(checkpoints["mixtral"])
     srv = serve("--colocated", "--decode", "1", "--model", model, "--block-size", "16", "--num-blocks", "16",
-                "--max-num-batched-tokens", "48")
+                "--max-num-batched-tokens", "48", "--tensor-parallel-size", "2", "--enable-expert-parallel")
+    [worker] = srv.pools()["decode"]["workers"]
+    assert worker["tensor_parallel_size"] == 2
+    assert worker["experts"] == "4 experts, 2 a token; expert parallel, 2 a rank"
     prompts = random_prompts([130, 3, 61, 17], seed=64)
     hit = prompts[0][:96] + [5, 6]
     assert complete(srv.url, model, prompts[0], 2 * NEW)["choices"][0]["token_ids"] == hf_greedy(
@@ -316,7 +320,6 @@ def test_mixtral_colocated_through_http(serve, checkpoints):
 
     for p, got in zip(prompts, asyncio.run(all_at_once())):
         assert got == hf_greedy(model, p, 2 * NEW, ignore_eos=True)
-    [worker] = srv.pools()["decode"]["workers"]
     text = httpx.get("http://" + worker["metrics"] + "/metrics").text
     per_expert = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                   if line.startswith("tandem:moe_expert_tokens_total{")]

@@ -34,12 +34,13 @@ def llama_kv1_dir(tmp_path_factory, builtin_dir):
     return _write_hf("llama", tmp_path_factory.mktemp("hf-llama-kv1"), builtin_dir, kv_heads=1)
 
 
-def tp_engine(path, size=2, spec=None, comm="auto", blocks=40, vocab_parallel=True):
+def tp_engine(path, size=2, spec=None, comm="auto", blocks=40, vocab_parallel=True, ep=False):
     return LLMEngine.from_config(EngineConfig(
         model=str(path), cache=CacheConfig(block_size=16, num_blocks=blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=1024),
         speculative=SpeculativeConfig(method=spec, adaptive=False) if spec else SpeculativeConfig(),
-        parallel=ParallelConfig(tensor_parallel_size=size, comm=comm, vocab_parallel_head=vocab_parallel)))
+        parallel=ParallelConfig(tensor_parallel_size=size, comm=comm, vocab_parallel_head=vocab_parallel,
+                                enable_expert_parallel=ep)))
 
 
 def run(engine: LLMEngine, prompts, params):
@@ -58,16 +59,21 @@ def prompts_with_cases():
     return ps
 
 
-@pytest.mark.parametrize("which,spec", [("llama_dir", None), ("llama_kv1_dir", None), ("qwen2_dir", None),
-                                        ("builtin_dir", "ngram"), ("qwen3_moe_dir", None), ("mixtral_dir", None),
-                                        ("phi3_dir", None)])
-def test_two_ranks_match_transformers(which, spec, request):
+@pytest.mark.parametrize("which,spec,ep", [
+    ("llama_dir", None, False), ("llama_kv1_dir", None, False), ("qwen2_dir", None, False),
+    ("builtin_dir", "ngram", False), ("qwen3_moe_dir", None, False), ("mixtral_dir", None, False),
+    ("phi3_dir", None, False), ("qwen3_moe_dir", None, True), ("mixtral_dir", None, True)])
+def test_two_ranks_match_transformers(which, spec, ep, request):
+    """`ep`: --enable-expert-parallel, each rank holding half the experts whole."""
     path = request.getfixturevalue(which)
-    engine = tp_engine(path, spec=spec)
+    engine = tp_engine(path, spec=spec, ep=ep)
     try:
         assert engine.runner.tp is not None and engine.runner.tp.size == 2
-        heads = engine.runner.model_config.num_kv_heads
-        assert heads == 1  # 2 KV heads split in two, or 1 held by both ranks
+        local = engine.runner.model_config
+        assert local.num_kv_heads == 1  # 2 KV heads split in two, or 1 held by both ranks
+        if ep:  # rank 0 holds experts 0 and 1 of 4, each whole
+            assert local.expert_range == range(0, 2) and local.moe_intermediate_size == {
+                "qwen3_moe_dir": 64, "mixtral_dir": 256}[which]
         prompts = prompts_with_cases()
         got, usage = run(engine, prompts, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
         for p, g in zip(prompts, got):
