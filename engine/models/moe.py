@@ -39,8 +39,10 @@ class SparseMoe(nn.Module):
         self.norm_topk, self.weights_fp32 = cfg.norm_topk_prob, cfg.router_weights_fp32
         self.naming = MOE_NAMING[cfg.architecture][1]  # the checkpoint's names of gate, up and down
         self.gate = nn.Linear(h, e, bias=False)  # the router
-        self.gate_up = nn.Parameter(torch.empty(held, 2 * i, h), requires_grad=False)  # each one's gate rows, then up
-        self.down = nn.Parameter(torch.empty(held, h, i), requires_grad=False)
+        # each expert's gate rows then up rows, and its down projection: linear layers like
+        # the dense MLP's, so that on CPU they are packed or given the row-major kernel alike
+        self.gate_up = nn.ModuleList(nn.Linear(h, 2 * i, bias=False) for _ in range(held))
+        self.down = nn.ModuleList(nn.Linear(i, h, bias=False) for _ in range(held))
         self.tp = None  # under tensor parallelism, the group's Communicator: the output is a partial sum
         # load balance (the worker's /metrics): the last step's tokens per expert, and since start
         self.tokens_per_expert: list[int] = [0] * e
@@ -74,8 +76,8 @@ class SparseMoe(nn.Module):
             if n == 0 or e not in self.experts:  # another rank's expert (expert parallelism)
                 continue
             rows, w = rows_of[begin:start], weight_of[begin:start, None]
-            gate, up = F.linear(x.index_select(0, rows), self.gate_up[e - first]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[e - first])
+            gate, up = self.gate_up[e - first](x.index_select(0, rows)).chunk(2, dim=-1)
+            y = self.down[e - first](F.silu(gate) * up)
             out.index_add_(0, rows, (y * w).to(out.dtype))
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -86,5 +88,5 @@ class SparseMoe(nn.Module):
             return self.gate.weight
         e, which = int(parts[1]) - self.experts.start, self.naming.index(parts[2])
         if which == 2:
-            return self.down[e]
-        return self.gate_up[e].narrow(0, which * self.inter, self.inter)
+            return self.down[e].weight
+        return self.gate_up[e].weight.narrow(0, which * self.inter, self.inter)
