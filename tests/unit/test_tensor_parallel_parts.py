@@ -12,7 +12,7 @@ import torch
 
 from engine.config import ConfigError, ModelConfig
 from engine.parallel.comm import RankLost, ShmComm
-from engine.parallel.shard import Shard, check_divisible, kv_heads_of, local_config, shard_tensor
+from engine.parallel.shard import Shard, check_divisible, holds, kv_heads_of, local_config, shard_tensor
 
 pytestmark = pytest.mark.unit
 
@@ -87,6 +87,39 @@ def _ranks(size, slot_bytes, fn, timeout_s=10.0, path=None):
     for c in comms:
         c.close()
     return out, errors
+
+
+def moe_cfg(experts=4, inter=48):
+    return ModelConfig(architecture="mixtral", vocab_size=32, hidden_size=16, intermediate_size=inter, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=4, max_position_embeddings=64, num_experts=experts,
+                       num_experts_per_tok=2, moe_intermediate_size=inter, moe_layers=(0, 1))
+
+
+def test_experts_split_or_spread_over_the_ranks():
+    """Split: each rank half of every expert's rows (gate, up) or columns (down).
+    Expert parallel: rank r holds experts [r*E/N, (r+1)*E/N) whole and reads no other."""
+    c = moe_cfg(experts=6)
+    w1 = torch.arange(48 * 16).view(48, 16)
+    w2 = torch.arange(16 * 48).view(16, 48)
+
+    def get(t):
+        return lambda rows, cols: t[rows.start:rows.stop] if rows else t[:, cols.start:cols.stop] if cols else t
+
+    name = "model.layers.0.block_sparse_moe.experts.{}.{}.weight"
+    split = Shard(1, 2)
+    assert local_config(c, split).moe_intermediate_size == 24 and local_config(c, split).expert_range == range(6)
+    assert torch.equal(shard_tensor(name.format(0, "w1"), get(w1), c, split), w1[24:48])
+    assert torch.equal(shard_tensor(name.format(0, "w2"), get(w2), c, split), w2[:, 24:48])
+    spread = Shard(1, 2, expert_parallel=True)
+    local = local_config(c, spread)
+    assert local.expert_range == range(3, 6) and local.moe_intermediate_size == 48
+    assert [e for e in range(6) if holds(name.format(e, "w1"), c, spread)] == [3, 4, 5]
+    assert holds("model.layers.0.block_sparse_moe.gate.weight", c, spread)  # the router: every rank
+    assert torch.equal(shard_tensor(name.format(3, "w2"), get(w2), c, spread), w2)
+    with pytest.raises(ConfigError, match="5 experts"):
+        check_divisible(moe_cfg(experts=5), 2, expert_parallel=True)
+    with pytest.raises(ConfigError, match="experts' intermediate size 50"):
+        check_divisible(moe_cfg(inter=50), 4)
 
 
 def test_shared_memory_all_reduce_sums_in_pieces_and_every_rank_gets_the_same_bits():
