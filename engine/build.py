@@ -48,10 +48,9 @@ def build_parts(config: EngineConfig, checkpoint=None, launcher=None) -> EngineP
         ckpt = dataclasses.replace(ckpt, config=dataclasses.replace(ckpt.config, dtype=dtype))
     max_len = min(config.scheduler.max_model_len, ckpt.config.max_position_embeddings)
     window = ckpt.config.sliding_window
-    if window is not None and window < max_len:
-        log.warning("model uses sliding-window attention (%d tokens), which tandem does not implement: "
-                    "max_model_len is capped at %d so every answer is exact", window, window)
-        max_len = window
+    if window is not None and window < max_len and ckpt.config.sliding_layers:
+        log.info("sliding-window attention: %d of the %d layers see the last %d positions",
+                 len(ckpt.config.sliding_layers), ckpt.config.num_layers, window)
     sched = dataclasses.replace(config.scheduler, max_model_len=max_len)
     if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_len:
         sched = dataclasses.replace(sched, max_num_batched_tokens=max_len)

@@ -101,9 +101,10 @@ class ModelConfig:
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # Mistral / Qwen2 sliding-window attention is not implemented: contexts are capped
-    # at the window instead (engine/build.py), where full attention is the same thing.
+    # sliding-window attention (Mistral, Qwen2 where configured): the layers in
+    # `sliding_layers` see the last `sliding_window` positions only (the others all)
     sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
     # quantized linear weights (engine/quantization): the checkpoint's own, or made as it
     # loads under --quantization; None: weights in `dtype`
     quant: WeightQuant | None = None
@@ -152,6 +153,10 @@ class ModelConfig:
                      "(drop --quantization, or serve a bf16 checkpoint)")
         _require(self.kv_cache_dtype in (None, FP8_KV_DTYPE), f"kv_cache_dtype {self.kv_cache_dtype!r} is not "
                  f"{FP8_KV_DTYPE!r}")
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: it sees the whole context)."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
     @property
     def expert_range(self) -> range:
@@ -226,6 +231,7 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=_sliding_window(d),
+            sliding_layers=_sliding_layers(d),
             qk_norm=family in ("qwen3", "qwen3_moe"),
             **_moe(family, d),
         )
@@ -247,6 +253,20 @@ def _moe(family: str, d: dict[str, Any]) -> dict[str, Any]:
                 moe_intermediate_size=size, moe_layers=tuple(sparse),
                 norm_topk_prob=family == "mixtral" or bool(d.get("norm_topk_prob", False)),
                 router_weights_fp32=family == "mixtral")
+
+
+def _sliding_layers(d: dict[str, Any]) -> tuple[int, ...]:
+    """The layers with a sliding window: those `layer_types` calls so (transformers 5
+    writes it; Qwen2 from max_window_layers on), else every layer when there is a window."""
+    if _sliding_window(d) is None:
+        return ()
+    n = int(d["num_hidden_layers"])
+    types = d.get("layer_types")
+    if types:
+        return tuple(i for i, t in enumerate(types[:n]) if t == "sliding_attention")
+    if "max_window_layers" in d and d.get("model_type") == "qwen2":
+        return tuple(range(int(d["max_window_layers"]), n))
+    return tuple(range(n))
 
 
 def _sliding_window(d: dict[str, Any]) -> int | None:

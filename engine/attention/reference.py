@@ -12,7 +12,8 @@ prefill chunk, a whole prompt and a decode token are the same case:
     seq i:   |<------------- seq_len[i] ------------->|
              |  cached (already in k_cache/v_cache) | q_len new |
     query j of seq i sits at position seq_len[i] - q_len[i] + j and attends to
-    positions 0 .. that position (causal).
+    positions 0 .. that position (causal); with a sliding window of W tokens, to the
+    last W of them only (positions > its own - W, as transformers masks them).
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ def paged_decode_attention(
     scale: float,
     max_seq_len: int | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 cache's
+    window: int | None = None,  # a sliding window: the last `window` positions only
 ) -> torch.Tensor:  # [B, H, D]
-    """One query token per sequence, attending to its whole cached context."""
+    """One query token per sequence, attending to its cached context (or its window's part)."""
     b, h, d = query.shape
     bs = k_cache.shape[1]
     if max_seq_len is None:
@@ -77,7 +79,11 @@ def paged_decode_attention(
     k = gather_context(k_cache, block_tables, nb, kv_scales[0], query.dtype)  # [B, L, Hkv, D]
     v = gather_context(v_cache, block_tables, nb, kv_scales[1], query.dtype)
     length = nb * bs
-    mask = torch.arange(length, device=query.device)[None, :] < seq_lens[:, None].to(query.device)
+    pos = torch.arange(length, device=query.device)[None, :]
+    lens = seq_lens[:, None].to(query.device)
+    mask = pos < lens
+    if window is not None:
+        mask &= pos >= lens - window
     out = F.scaled_dot_product_attention(
         query.unsqueeze(2),  # [B, H, 1, D]
         k.transpose(1, 2),  # [B, Hkv, L, D]
@@ -100,6 +106,7 @@ def varlen_attention(
     seq_lens: list[int],  # [B]
     scale: float,
     kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 cache's
+    window: int | None = None,  # a sliding window (module docstring)
 ) -> torch.Tensor:  # [T, H, D]
     """Ragged causal attention for sequences with any number of new tokens.
 
@@ -111,7 +118,7 @@ def varlen_attention(
     for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
         end = start + q_len
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        if q_len == s_len:
+        if q_len == s_len and (window is None or q_len <= window):
             k = key[start:end].transpose(0, 1).unsqueeze(0)
             v = value[start:end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -123,7 +130,10 @@ def varlen_attention(
             k, v = k.transpose(1, 2), v.transpose(1, 2)
             # query j (at position s_len - q_len + j) sees keys 0 .. s_len - q_len + j
             qpos = torch.arange(s_len - q_len, s_len, device=query.device)
-            mask = torch.arange(s_len, device=query.device)[None, :] <= qpos[:, None]
+            kpos = torch.arange(s_len, device=query.device)[None, :]
+            mask = kpos <= qpos[:, None]
+            if window is not None:
+                mask &= kpos > qpos[:, None] - window
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = o.squeeze(0).transpose(0, 1)
         start = end

@@ -113,8 +113,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, window: int | None = None) -> None:
         super().__init__()
+        self.window = window  # a sliding window's tokens (None: the whole context)
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
@@ -132,7 +133,7 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ):
         q, k, v = self._project(x, rope)
-        o = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale, self.kv_scales)
+        o = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale, self.kv_scales, self.window)
         out = self.o_proj(o.reshape(x.shape[0], self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -147,7 +148,7 @@ class Attention(nn.Module):
             return None
         q = q.index_select(0, kept.rows)  # [K, H, D], contiguous
         o = backend.decode(q, kv[0], kv[1], kept.block_tables, kept.seq_lens, self.scale, kept.max_seq_len,
-                           self.kv_scales)
+                           self.kv_scales, self.window)
         out = self.o_proj(o.reshape(q.shape[0], self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -168,8 +169,8 @@ class QKNormAttention(Attention):
     """Qwen3's attention: an RMSNorm over each query head and each key head (weights of
     head_dim, one for the queries and one for the keys) before the rotation."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: ModelConfig, window: int | None = None) -> None:
+        super().__init__(cfg, window)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
 
@@ -203,7 +204,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = QKNormAttention(cfg) if cfg.qk_norm else Attention(cfg)
+        self.self_attn = (QKNormAttention if cfg.qk_norm else Attention)(cfg, cfg.window_of(index))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoe(cfg) if index in cfg.moe_layers else MLP(cfg)
 
@@ -282,7 +283,7 @@ class LlamaForCausalLM(nn.Module):
         residual = self.embed_tokens(input_ids)  # a new tensor: the layers add into it in place
         ops = self.cpu_ops if residual.is_cpu else None
         if (ops is not None and on_layer_done is None and meta.num_decode_tokens == residual.shape[0]
-                and backend.name == "cpu"):
+                and backend.name == "cpu" and not self._windowed(meta.decode_max_seq_len)):
             stack = self._decode_stack(ops, kv_caches, residual.dtype)
             if stack is not None:
                 # the layers in one C++ call, the same kernels and rounding (cpu_kernels/decode_layers.cpp)
@@ -305,6 +306,11 @@ class LlamaForCausalLM(nn.Module):
         if residual.shape[0] == 0:  # no row kept
             return residual
         return self.norm(residual, ops) if delta is None else self.norm.add_forward(residual, delta, ops)
+
+    def _windowed(self, longest: int | None) -> bool:
+        """Whether a sliding window hides part of a context of `longest` tokens (None: unknown)."""
+        w = self.cfg.sliding_window
+        return bool(self.cfg.sliding_layers) and w is not None and (longest is None or longest > w)
 
     def _decode_stack(self, ops, kv_caches, dtype: torch.dtype):
         """The weights `ops.decode_layers` takes: (norms, 2 a layer; packed linear

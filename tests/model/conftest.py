@@ -65,6 +65,10 @@ def _write_hf(kind: str, path: Path, tokenizer_src: Path, window: int | None = N
         cfg = transformers.MixtralConfig(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
                                          **common)
         cls = transformers.MixtralForCausalLM
+    elif window is not None:  # Qwen2 with layer 0 global, layer 1 windowed
+        cfg = transformers.Qwen2Config(tie_word_embeddings=False, use_sliding_window=True, sliding_window=window,
+                                       max_window_layers=1, **common)
+        cls = transformers.Qwen2ForCausalLM
     else:
         cfg = transformers.Qwen2Config(tie_word_embeddings=False, **common)
         cls = transformers.Qwen2ForCausalLM
@@ -90,6 +94,12 @@ def qwen2_dir(tmp_path_factory, builtin_dir) -> Path:
 @pytest.fixture(scope="session")
 def mistral_dir(tmp_path_factory, builtin_dir) -> Path:
     return _write_hf("mistral", tmp_path_factory.mktemp("hf-mistral"), builtin_dir)
+
+
+@pytest.fixture(scope="session")
+def qwen2_window_dir(tmp_path_factory, builtin_dir) -> Path:
+    """Qwen2 whose second layer has a 48-token sliding window (the first sees everything)."""
+    return _write_hf("qwen2", tmp_path_factory.mktemp("hf-qwen2-w48"), builtin_dir, window=48)
 
 
 @pytest.fixture(scope="session")

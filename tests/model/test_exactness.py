@@ -117,13 +117,36 @@ def test_shared_prefix_from_prefix_cache_matches_transformers(model_dir):
         assert g == hf_greedy(model_dir, p, NEW)
 
 
-def test_sliding_window_caps_the_context(mistral_window_dir):
-    engine = make_engine(mistral_window_dir)
-    assert engine.max_model_len == 64  # capped: inside the window full attention is exact
-    [prompt] = random_prompts([40], seed=5)
-    assert run(engine, [prompt], SamplingParams(max_tokens=NEW, temperature=0)) == [
-        hf_greedy(mistral_window_dir, prompt, NEW)
-    ]
+@pytest.mark.parametrize("which", ["mistral_window_dir", "qwen2_window_dir"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_sliding_window_past_the_window(which, fused, request, monkeypatch, tmp_path):
+    """Contexts longer than the window: Mistral's every layer sees the last 64 positions,
+    Qwen2's second layer the last 48 (its first sees all), through whole and chunked
+    prefills (24-token chunks over a cached context) and decodes, a prefix hit among
+    them; the fused operators and the torch ones. The same weights without the window
+    answer otherwise (the oracle sees the window)."""
+    import json
+    import shutil
+
+    if not fused:
+        monkeypatch.setenv("TANDEM_CPU_FUSED_OPS", "0")
+    path = request.getfixturevalue(which)
+    prompts = random_prompts([30, 100, 150], seed=5)
+    prompts.append(prompts[2][:128] + [7, 8])  # a prefix hit past the window
+    n = 40
+    want = [hf_greedy(path, p, n, ignore_eos=True) for p in prompts]
+    for chunk in (4096, 24):
+        engine = make_engine(path, max_num_batched_tokens=chunk)
+        assert engine.max_model_len == 1024  # no cap at the window
+        greedy = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        got = run(engine, prompts[:3], greedy) + run(engine, prompts[3:], greedy)
+        assert got == want, chunk
+    full = tmp_path / "full"
+    shutil.copytree(path, full)
+    cfg = json.loads((full / "config.json").read_text())
+    cfg["sliding_window"] = 4096  # wider than any context here: full attention
+    (full / "config.json").write_text(json.dumps(cfg))
+    assert [hf_greedy(full, p, n, ignore_eos=True) for p in prompts[1:3]] != want[1:3]
 
 
 def bf16_engine(path, max_num_batched_tokens: int = 4096) -> LLMEngine:

@@ -41,7 +41,8 @@ def check_decode(case, **kw):
     max_len = int(seq_lens.max())
     out = kernels.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, max_len, **kw)
     ref = reference.paged_decode_attention(
-        query.float(), k_cache.float(), v_cache.float(), block_tables, seq_lens, scale, max_len
+        query.float(), k_cache.float(), v_cache.float(), block_tables, seq_lens, scale, max_len,
+        window=kw.get("window")
     )
     assert out.shape == query.shape and out.dtype == query.dtype
     torch.testing.assert_close(out.float(), ref, **TOL[query.dtype])
@@ -82,6 +83,20 @@ def test_decode_split_context(num_splits):
     """Flash-decoding splits: short sequences leave whole splits empty."""
     case = make_decode_case(4, 64, 16, torch.float32, lens=[1, 17, 250, 64])
     check_decode(case, num_splits=num_splits, use_dot=False)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window", [1, 20, 64])
+def test_decode_sliding_window(num_splits, window):
+    """Each query sees its last `window` positions: the blocks before the window's are
+    skipped, the window's first block masked up to its start; contexts shorter than the
+    window see everything. The oracle differs from full attention (it is not vacuous)."""
+    case = make_decode_case(4, 64, 16, torch.float32, lens=[1, 17, 250, 64])
+    check_decode(case, num_splits=num_splits, use_dot=False, window=window)
+    query, k_cache, v_cache, block_tables, seq_lens = case
+    full = reference.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 0.125)
+    ref = reference.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 0.125, window=window)
+    assert not torch.allclose(full[2], ref[2])
 
 
 @pytest.mark.parametrize("num_splits", [4, 16])

@@ -54,7 +54,7 @@ def check(lens, group, head_dim, block_size, dtype, **kw):
                                            max(q for q, _ in lens), **kw)
     f = torch.float32
     ref = reference.varlen_attention(query.to(f), key.to(f), value.to(f), k_cache.to(f), v_cache.to(f), tables,
-                                     [q for q, _ in lens], [s for _, s in lens], scale)
+                                     [q for q, _ in lens], [s for _, s in lens], scale, window=kw.get("window"))
     assert out.shape == query.shape and out.dtype == query.dtype
     torch.testing.assert_close(out.float(), ref, **TOL[dtype])
 
@@ -96,3 +96,12 @@ def test_prefill_rejects_bad_inputs():
         kernels.varlen_prefill_attention(query, k_cache, v_cache, tables, starts[:-1], seq_lens, 1.0, 19)
     with pytest.raises(AssertionError, match="dtype"):
         kernels.varlen_prefill_attention(query.half(), k_cache, v_cache, tables, starts, seq_lens, 1.0, 19)
+
+
+@pytest.mark.parametrize("window", [1, 7, 40])
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (16, 32)])
+def test_prefill_sliding_window(window, block_m, block_n):
+    """Each query row sees the keys after its position - window: key tiles before a
+    query tile's first visible key are skipped, and rows of a tile whose window starts
+    in a later key tile stay at zero weight until then (no NaN)."""
+    check(ragged(16) + [(40, 90)], 2, 64, 16, torch.float32, block_m=block_m, block_n=block_n, window=window)

@@ -143,8 +143,11 @@ def _softmax_step(q, k, v, visible, m, denom, acc, qk_scale, USE_DOT: tl.constex
         s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
     s = tl.where(visible, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    # a row that has seen no visible key yet (a sliding window's, before its first) keeps
+    # m = -inf: exponents taken against 0 leave it at zero weight instead of NaN
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
     denom = denom * alpha + tl.sum(p, axis=1)
     if USE_DOT:
         pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -165,11 +168,14 @@ def _paged_decode_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, GROUP_P: tl.constexpr, DIM_P: tl.constexpr,
     NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    window,  # a sliding window's tokens; 0: none
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # the first position the query sees: its window's, else 0; blocks before it are skipped
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
 
     g = tl.arange(0, GROUP_P)
     d = tl.arange(0, DIM_P)
@@ -191,9 +197,9 @@ def _paged_decode_kernel(
     denom = tl.full([GROUP_P], 0.0, tl.float32)  # running sum of exp2(s - m)
     acc = tl.full([GROUP_P, DIM_P], 0.0, tl.float32)  # running sum of exp2(s - m) * v
     kv_head_off = kv_head * stride_ch
-    for i in range(split, num_blocks, NUM_SPLITS):
+    for i in range(lo // BLOCK_SIZE + split, num_blocks, NUM_SPLITS):
         block = tl.load(block_tables_ptr + seq * stride_bt + i).to(tl.int64)
-        t_mask = i * BLOCK_SIZE + t < seq_len
+        t_mask = (i * BLOCK_SIZE + t < seq_len) & (i * BLOCK_SIZE + t >= lo)
         kv_mask = t_mask[:, None] & d_mask[None, :]
         off = block * stride_cn + t[:, None] * stride_cb + kv_head_off + d[None, :]
         k = tl.load(k_cache_ptr + off, mask=kv_mask, other=0.0)  # [BLOCK_SIZE, DIM_P]
@@ -271,6 +277,7 @@ def paged_decode_attention(
     num_splits: int | None = None,  # context splits (flash-decoding); None = heuristic
     use_dot: bool | None = None,  # tl.dot vs broadcast-multiply; None = dot for fp16/bf16 on CUDA
     kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 cache's (K, V) scales
+    window: int | None = None,  # a sliding window: the last `window` positions only
 ) -> torch.Tensor:  # [B, H, D], query dtype
     """One query token per sequence attending to its paged context (= reference version)."""
     _check_cache(k_cache, v_cache)
@@ -324,7 +331,7 @@ def paged_decode_attention(
         NUM_HEADS=h, GROUP=group, HEAD_DIM=d, BLOCK_SIZE=bs, GROUP_P=group_p, DIM_P=dim_p,
         NUM_SPLITS=num_splits, USE_DOT=use_dot,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # no tf32 for fp32 caches
-        KV_FP8=fp8,
+        KV_FP8=fp8, window=window or 0,
     )
     if num_splits > 1:
         _combine_kernel[(b, h)](
@@ -348,6 +355,7 @@ def _varlen_prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    window,  # a sliding window's tokens; 0: none
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -372,10 +380,14 @@ def _varlen_prefill_kernel(
         # causal: this tile's last query sees keys up to its own position, no further
         hi = tl.minimum(seq_len, cached + (tile + 1) * BLOCK_M)
 
+        # a sliding window: this tile's first query sees keys after its position - window,
+        # so the key tiles before that one are skipped
+        lo = tl.where(window > 0, tl.maximum(cached + tile * BLOCK_M - window + 1, 0), 0)
+
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 scores)
         l_i = tl.full([BLOCK_M], 0.0, tl.float32)  # running sum of exp2(s - m_i)
         acc = tl.full([BLOCK_M, DIM_P], 0.0, tl.float32)
-        for start in range(0, hi, BLOCK_N):
+        for start in range(lo // BLOCK_N * BLOCK_N, hi, BLOCK_N):
             kpos = start + n
             k_valid = kpos < hi
             # a key tile may span pages: each key finds its own block (never past the context)
@@ -388,7 +400,7 @@ def _varlen_prefill_kernel(
                 k = k.to(q_ptr.dtype.element_ty)
                 v = v.to(q_ptr.dtype.element_ty)
             visible = (kpos[None, :] <= qpos[:, None]) & k_valid[None, :]
-            # key 0 is visible to every row, so after the first tile the running max is finite
+            visible = visible & ((window == 0) | (kpos[None, :] > qpos[:, None] - window))
             m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, USE_DOT, DOT_PRECISION)
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         if KV_FP8:
@@ -419,6 +431,7 @@ def varlen_prefill_attention(
     block_n: int | None = None,
     use_dot: bool | None = None,  # None: tl.dot, except for bf16 under the interpreter (see tests)
     kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 cache's (K, V) scales
+    window: int | None = None,  # a sliding window: each query sees the last `window` positions
 ) -> torch.Tensor:  # [T, H, D], query dtype
     """Ragged causal attention over the paged cache (= reference.varlen_attention).
 
@@ -463,6 +476,6 @@ def varlen_prefill_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=h // hkv, HEAD_DIM=d, DIM_P=triton.next_power_of_2(d),
         BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=block_n, USE_DOT=use_dot,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", KV_FP8=fp8,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", KV_FP8=fp8, window=window or 0,
     )
     return out
