@@ -52,6 +52,9 @@ def build_parts(config: EngineConfig, checkpoint=None, launcher=None) -> EngineP
         log.info("sliding-window attention: %d of the %d layers see the last %d positions",
                  len(ckpt.config.sliding_layers), ckpt.config.num_layers, window)
     sched = dataclasses.replace(config.scheduler, max_model_len=max_len)
+    if (window is not None and len(ckpt.config.sliding_layers) == ckpt.config.num_layers
+            and config.speculative.method != "draft"):  # a draft model's layers read the whole context
+        sched = dataclasses.replace(sched, free_outside_window=window)
     if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_len:
         sched = dataclasses.replace(sched, max_num_batched_tokens=max_len)
     step_limits = (sched.max_num_batched_tokens, sched.max_num_seqs, max_len)

@@ -361,6 +361,10 @@ class SchedulerConfig:
     # and no speculative decoding; False: off (`--no-async-scheduling`); True: on (on CPU
     # it only reorders the same work: for tests).
     async_scheduling: bool | None = None
+    # Every layer of the model has this sliding window (engine/build.py sets it): a
+    # decoding sequence's blocks wholly before its window go back to the pool (into the
+    # prefix cache, where they were named) as it grows. None: every block is kept.
+    free_outside_window: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")

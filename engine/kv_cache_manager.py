@@ -30,6 +30,9 @@ from engine.block_pool import BlockPool, hash_block
 from engine.sequence import Sequence
 
 _EMPTY = array("i")  # for lookups here that only read a missing table; never handed out
+# a table entry whose block went back to the pool because every layer's sliding window
+# has passed it (`release_before`); the attention paths never read such a position
+NO_BLOCK = -1
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class KVCacheManager:
         self._tables: dict[str, array] = {}
         self._hashes: dict[str, list[bytes]] = {}
         self._named: dict[str, int] = {}
+        self._released: dict[str, int] = {}  # leading table entries given back (NO_BLOCK now)
 
     # ---- queries ---------------------------------------------------------------
     @property
@@ -122,10 +126,33 @@ class KVCacheManager:
             self.pool.cache_block(table[i], hashes[i], seq.token_slice(i * bs, (i + 1) * bs))
         self._named[seq.seq_id] = full
 
+    def release_before(self, seq: Sequence, num_tokens: int) -> int:
+        """Give back the blocks that hold only tokens before position `num_tokens` (a
+        sliding window has passed them: no later query reads them). They were named in
+        the prefix cache when they filled, so they stay there, evictable, for another
+        request's hit. Their table entries become NO_BLOCK. Returns how many went back."""
+        sid = seq.seq_id
+        table = self._tables.get(sid)
+        done = self._released.get(sid, 0)
+        upto = min(num_tokens // self.block_size, self._named.get(sid, 0))
+        if table is None or upto <= done:
+            return 0
+        blocks = table[done:upto].tolist()
+        for i in range(done, upto):
+            table[i] = NO_BLOCK
+        self._released[sid] = upto
+        self.pool.release(blocks[::-1])
+        return len(blocks)
+
+    def num_held(self, seq_id: str) -> int:
+        """Blocks the sequence holds now (its table less the released entries)."""
+        return len(self._tables.get(seq_id, _EMPTY)) - self._released.get(seq_id, 0)
+
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's blocks (tail first: its prefix is evicted last)."""
         table = self._tables.pop(seq.seq_id, _EMPTY)
-        self.pool.release(table[::-1].tolist())
+        done = self._released.pop(seq.seq_id, 0)
+        self.pool.release(table[done:][::-1].tolist())
         self._named.pop(seq.seq_id, None)
 
     def forget(self, seq: Sequence) -> None:
@@ -142,7 +169,8 @@ class KVCacheManager:
         refs: dict[int, int] = {}
         for table in self._tables.values():
             for b in table:
-                refs[b] = refs.get(b, 0) + 1
+                if b != NO_BLOCK:
+                    refs[b] = refs.get(b, 0) + 1
         return refs
 
     def check_integrity(self, live_ids: set[str]) -> None:

@@ -85,6 +85,8 @@ class Scheduler:
         self.watermark_blocks = math.ceil(config.watermark * pool.num_blocks)
         self.cache = KVCacheManager(pool, self.watermark_blocks)
         self.num_preemptions = 0
+        # decode only: blocks a sliding window has passed go back as the sequence grows
+        self.window = None if hand_off else config.free_outside_window
 
     # ---- queries -------------------------------------------------------------
     @property
@@ -425,6 +427,8 @@ class Scheduler:
                 commit(seq)
                 if seq.draft_ids:
                     self.cache.trim(seq, seq.num_computed + 1)
+                if self.window is not None:  # the next query (at num_computed) sees positions > it - window
+                    self.cache.release_before(seq, seq.num_computed - self.window)
                 append(seq, tok)
             got.append(seq)
         return got

@@ -49,7 +49,7 @@ def gather_context(
     an fp8 cache's values times `scale`, in `dtype`."""
     b = block_tables.shape[0]
     _, bs, h, d = cache.shape
-    idx = block_tables[:, :num_blocks].long()
+    idx = block_tables[:, :num_blocks].long().clamp_min(0)  # a released block (-1): masked by the caller
     out = cache[idx].view(b, num_blocks * bs, h, d)
     if cache.dtype == torch.float8_e4m3fn:
         out = out.float()

@@ -149,6 +149,32 @@ def test_sliding_window_past_the_window(which, fused, request, monkeypatch, tmp_
     assert [hf_greedy(full, p, n, ignore_eos=True) for p in prompts[1:3]] != want[1:3]
 
 
+def test_a_long_generation_holds_the_blocks_of_its_window_only(mistral_window_dir, qwen2_window_dir):
+    """Mistral (every layer a 64-token window, 16-token blocks): a 300-token answer holds
+    at most the window's blocks and two more at any step, where full attention would hold
+    21; its blocks go back as it grows and the answer equals transformers'. Qwen2 (a
+    global layer beside the windowed one) keeps every block."""
+    [prompt] = random_prompts([30], seed=8)
+    n = 300
+    for path, bound in ((mistral_window_dir, 64 // 16 + 2), (qwen2_window_dir, None)):
+        engine = make_engine(path)
+        engine.add_request("long", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        out, held = [], []
+        for _ in range(2 * n):
+            if not engine.has_work():
+                break
+            out += [ev.token_id for ev in engine.step() if ev.token_id is not None]
+            if engine.has_work():
+                held.append(engine.scheduler.cache.num_held("long"))
+        engine.check_integrity()
+        assert out == hf_greedy(path, prompt, n, ignore_eos=True)
+        if bound is None:
+            assert max(held) == -(-(30 + n - 1) // 16)  # every block of the context
+        else:
+            assert max(held) <= bound, max(held)
+            assert engine.pool.num_free_blocks == engine.pool.num_blocks  # every block back, none leaked
+
+
 def bf16_engine(path, max_num_batched_tokens: int = 4096) -> LLMEngine:
     """The model in bf16 on this machine's default device settings (kernels as they come)."""
     from engine.config import DeviceConfig

@@ -53,3 +53,16 @@ def test_triton_chunked_prefill_and_prefix_hits_match_transformers(llama_dir):
     assert engine.pool.hits >= 32  # the second prompt took the prefix's two full blocks from the cache
     for p, g in zip(prompts, first + rest):
         assert g == hf_greedy(llama_dir, p, NEW)
+
+
+def test_triton_sliding_window_with_released_blocks(mistral_window_dir):
+    """Contexts past Mistral's 64-token window, chunked prefill over a cached part, and
+    decodes whose blocks before the window went back to the pool (released table
+    entries the kernels must never read)."""
+    prompts = random_prompts([70, 100], seed=14)
+    engine = make_engine(mistral_window_dir, max_num_batched_tokens=48)
+    n = 40
+    got = run(engine, prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    for p, g in zip(prompts, got):
+        assert g == hf_greedy(mistral_window_dir, p, n, ignore_eos=True)
+    assert engine.scheduler.window == 64

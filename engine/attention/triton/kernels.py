@@ -389,7 +389,7 @@ def _varlen_prefill_kernel(
         acc = tl.full([BLOCK_M, DIM_P], 0.0, tl.float32)
         for start in range(lo // BLOCK_N * BLOCK_N, hi, BLOCK_N):
             kpos = start + n
-            k_valid = kpos < hi
+            k_valid = (kpos < hi) & (kpos >= lo)  # before lo a block may be released (-1): never read it
             # a key tile may span pages: each key finds its own block (never past the context)
             block = tl.load(block_tables_ptr + seq * stride_bt + kpos // BLOCK_SIZE, mask=k_valid, other=0)
             off = (block.to(tl.int64) * stride_cn + (kpos % BLOCK_SIZE) * stride_cb)[:, None] + kv_off + d[None, :]
