@@ -19,7 +19,10 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
+GEMMA = ("gemma2", "gemma3")
 # where a family's sparse MLP block and its experts' three weights sit (HF names)
 MOE_NAMING = {
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
@@ -123,6 +126,16 @@ class ModelConfig:
     local_experts: tuple[int, int] | None = None
     norm_topk_prob: bool = True  # the top-k routing weights divided by their sum
     router_weights_fp32: bool = False  # Mixtral keeps them in fp32 (Qwen3-MoE: the model's dtype)
+    # Gemma 2 / 3: RMSNorm as x * (1 + w) in fp32; norms after attention and around the
+    # MLP too ("sandwich"); the embedding times sqrt(hidden); GeGLU; attention scaled by
+    # query_pre_attn_scalar^-0.5; scores and logits soft-capped (cap * tanh(x / cap));
+    # Gemma 3's windowed layers rotate with their own rope
+    gemma: bool = False
+    hidden_act: str = "silu"  # or "gelu_pytorch_tanh"
+    attn_scale: float | None = None  # None: head_dim^-0.5
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    local_rope_theta: float | None = None  # the windowed layers' rope theta (default rope), where it differs
 
     def __post_init__(self) -> None:
         _require(
@@ -191,9 +204,11 @@ class ModelConfig:
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if key not in d:
                 raise ConfigError(f"config.json: missing required field {key!r}")
-        act = d.get("hidden_act", "silu")
-        if act != "silu":
-            raise ConfigError(f"config.json: hidden_act={act!r} is not supported (only silu)")
+        gemma = family in GEMMA
+        act = d.get("hidden_activation") or d.get("hidden_act") or "silu" if gemma else d.get("hidden_act", "silu")
+        if act not in ("silu", "gelu_pytorch_tanh") or (act != "silu") != gemma:
+            raise ConfigError(f"config.json: hidden_act={act!r} is not supported for {arch} (silu; Gemma's "
+                              "gelu_pytorch_tanh)")
         num_heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         head_dim = d.get("head_dim") or hidden // num_heads
@@ -202,6 +217,10 @@ class ModelConfig:
         # transformers >= 5 writes `rope_parameters` (theta inside); older checkpoints
         # have `rope_theta` and `rope_scaling` at the top level.
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        local_theta = d.get("rope_local_base_freq") if family == "gemma3" else None
+        if "full_attention" in rope:  # transformers 5's Gemma 3: one rope a layer type
+            local_theta = rope.get("sliding_attention", {}).get("rope_theta", local_theta)
+            rope = rope["full_attention"]
         rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         partial = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) or 1.0)
         if partial != 1.0:
@@ -232,9 +251,19 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             sliding_window=_sliding_window(d),
             sliding_layers=_sliding_layers(d),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
+            gemma=gemma,
+            hidden_act=act,
+            attn_scale=float(d["query_pre_attn_scalar"]) ** -0.5 if gemma and d.get("query_pre_attn_scalar") else None,
+            attn_softcap=_cap(d.get("attn_logit_softcapping")) if gemma else None,
+            final_softcap=_cap(d.get("final_logit_softcapping")) if gemma else None,
+            local_rope_theta=float(local_theta) if local_theta and float(local_theta) != float(rope_theta) else None,
             **_moe(family, d),
         )
+
+
+def _cap(value: Any) -> float | None:
+    return float(value) if value else None
 
 
 def _moe(family: str, d: dict[str, Any]) -> dict[str, Any]:

@@ -93,10 +93,12 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
-               kv_scales: tuple[float, float] = (1.0, 1.0), window: int | None = None) -> torch.Tensor:
+               kv_scales: tuple[float, float] = (1.0, 1.0), window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
         """Paged attention for one query token per sequence: [B, H, D] -> [B, H, D].
         `kv_scales`: an fp8 cache's (K, V) scales; `window`: a sliding window's tokens
-        (each query sees the last `window` positions, itself included)."""
+        (each query sees the last `window` positions, itself included); `softcap`: the
+        scaled scores soft-capped as softcap * tanh(s / softcap) (Gemma 2)."""
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping,
                  kv_scales: tuple[float, float] = (1.0, 1.0)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,19 +122,21 @@ class AttentionBackend(abc.ABC):
         scale: float,
         kv_scales: tuple[float, float] = (1.0, 1.0),
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [T, H, D]
         nd = meta.num_decode_tokens
         if nd == query.shape[0]:
             self.store_for_decode(key, value, k_cache, v_cache, meta.slot_mapping, kv_scales)
             return self.decode(query, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
-                               meta.decode_max_seq_len, kv_scales, window)
+                               meta.decode_max_seq_len, kv_scales, window, softcap)
         key, value = self.write_kv(key, value, k_cache, v_cache, meta.slot_mapping, kv_scales)
-        prefill = self.prefill(query[nd:], key[nd:], value[nd:], k_cache, v_cache, meta, scale, kv_scales, window)
+        prefill = self.prefill(query[nd:], key[nd:], value[nd:], k_cache, v_cache, meta, scale, kv_scales, window,
+                               softcap)
         if nd == 0:
             return prefill
         out = torch.empty_like(query)
         out[:nd] = self.decode(query[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
-                               meta.decode_max_seq_len, kv_scales, window)
+                               meta.decode_max_seq_len, kv_scales, window, softcap)
         out[nd:] = prefill
         return out
 
@@ -145,12 +149,14 @@ class AttentionBackend(abc.ABC):
         self.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def prefill(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                kv_scales: tuple[float, float] = (1.0, 1.0), window: int | None = None) -> torch.Tensor:
+                kv_scales: tuple[float, float] = (1.0, 1.0), window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         """Ragged causal attention of the step's prefill chunks, their K/V already stored
-        (`key`, `value`: as stored, see write_kv); `window` as decode's."""
+        (`key`, `value`: as stored, see write_kv); `window` and `softcap` as decode's."""
         return reference.varlen_attention(
             query, key, value, k_cache, v_cache,
             meta.prefill_block_tables, meta.prefill_query_lens, meta.prefill_seq_lens, scale, kv_scales, window,
+            softcap,
         )
 
 
@@ -161,9 +167,9 @@ class TorchAttention(AttentionBackend):
         reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, kv_scales=(1.0, 1.0),
-               window=None):
+               window=None, softcap=None):
         return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
-                                                kv_scales, window)
+                                                kv_scales, window, softcap)
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:

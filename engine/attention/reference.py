@@ -38,6 +38,20 @@ def store_kv(
     v_cache.view(n * bs, h, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
+def attend(q, k, v, mask, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """q [B, H, Lq, D] over k, v [B, Hkv, L, D] where `mask` [.., Lq, L] is True. With a
+    `softcap`, transformers' eager attention, which Gemma 2 uses: scores in the query's
+    dtype, softcap * tanh(s / softcap), softmax in fp32 cast back, then times V; else SDPA."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 def gather_context(
     cache: torch.Tensor,  # [N, bs, Hkv, D]
     block_tables: torch.Tensor,  # [B, M] int32/int64
@@ -69,6 +83,7 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 cache's
     window: int | None = None,  # a sliding window: the last `window` positions only
+    softcap: float | None = None,  # scores soft-capped (see `attend`)
 ) -> torch.Tensor:  # [B, H, D]
     """One query token per sequence, attending to its cached context (or its window's part)."""
     b, h, d = query.shape
@@ -84,15 +99,8 @@ def paged_decode_attention(
     mask = pos < lens
     if window is not None:
         mask &= pos >= lens - window
-    out = F.scaled_dot_product_attention(
-        query.unsqueeze(2),  # [B, H, 1, D]
-        k.transpose(1, 2),  # [B, Hkv, L, D]
-        v.transpose(1, 2),
-        attn_mask=mask[:, None, None, :],
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out.squeeze(2)
+    out = attend(query.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale, softcap)
+    return out.squeeze(2)  # from [B, H, 1, D]
 
 
 def varlen_attention(
@@ -107,6 +115,7 @@ def varlen_attention(
     scale: float,
     kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 cache's
     window: int | None = None,  # a sliding window (module docstring)
+    softcap: float | None = None,  # scores soft-capped (see `attend`)
 ) -> torch.Tensor:  # [T, H, D]
     """Ragged causal attention for sequences with any number of new tokens.
 
@@ -118,7 +127,7 @@ def varlen_attention(
     for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
         end = start + q_len
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        if q_len == s_len and (window is None or q_len <= window):
+        if q_len == s_len and (window is None or q_len <= window) and not softcap:
             k = key[start:end].transpose(0, 1).unsqueeze(0)
             v = value[start:end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -134,7 +143,7 @@ def varlen_attention(
             mask = kpos <= qpos[:, None]
             if window is not None:
                 mask &= kpos > qpos[:, None] - window
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = attend(q, k, v, mask, scale, softcap)
         out[start:end] = o.squeeze(0).transpose(0, 1)
         start = end
     return out

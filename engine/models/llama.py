@@ -10,6 +10,7 @@ positions; attention reads and writes the paged cache through an AttentionBacken
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, Iterable
 
@@ -50,12 +51,17 @@ class RMSNorm(nn.Module):
     """RMSNorm; with `ops` (the compiled CPU kernels, engine/cpu_kernels/fused.cpp) one
     operator instead of eight, rounding at the same points."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, gemma: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.gemma = gemma  # Gemma's: x * (1 + w) in fp32, then the dtype (the kernels do Llama's)
 
     def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
+        if self.gemma:
+            x32 = x.float()
+            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         if ops is not None:
             out = torch.empty_like(x)
             ops.rms_norm(out, x, self.weight, self.eps)
@@ -67,11 +73,11 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, residual: torch.Tensor, delta: torch.Tensor, ops=None) -> torch.Tensor:
         """`residual += delta` in place (the decoder's skip connection), then its norm."""
-        if ops is not None:
+        if ops is not None and not self.gemma:
             out = torch.empty_like(residual)
             ops.add_rms_norm(out, residual, delta, self.weight, self.eps)
             return out
-        return self.forward(residual.add_(delta))
+        return self.forward(residual.add_(delta), ops)
 
 
 class Rotary(nn.Module):
@@ -120,7 +126,8 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.nh * self.hd, self.nkv * self.hd
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.scale = self.hd**-0.5
+        self.scale = cfg.attn_scale or self.hd**-0.5
+        self.softcap = cfg.attn_softcap  # Gemma 2: scores as cap * tanh(s / cap)
         self.kv_scales = (1.0, 1.0)  # an fp8 KV cache's K and V scales (engine/models/loader.py)
         self.tp = None  # under tensor parallelism, the group's Communicator: o_proj's output is a partial sum
 
@@ -133,7 +140,7 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ):
         q, k, v = self._project(x, rope)
-        o = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale, self.kv_scales, self.window)
+        o = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale, self.kv_scales, self.window, self.softcap)
         out = self.o_proj(o.reshape(x.shape[0], self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -148,7 +155,7 @@ class Attention(nn.Module):
             return None
         q = q.index_select(0, kept.rows)  # [K, H, D], contiguous
         o = backend.decode(q, kv[0], kv[1], kept.block_tables, kept.seq_lens, self.scale, kept.max_seq_len,
-                           self.kv_scales, self.window)
+                           self.kv_scales, self.window, self.softcap)
         out = self.o_proj(o.reshape(q.shape[0], self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -171,8 +178,8 @@ class QKNormAttention(Attention):
 
     def __init__(self, cfg: ModelConfig, window: int | None = None) -> None:
         super().__init__(cfg, window)
-        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, cfg.gemma)
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, cfg.gemma)
 
     def _norm_heads(self, qk: torch.Tensor) -> torch.Tensor:
         t = qk.shape[0]
@@ -191,9 +198,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.tp = None  # as Attention's: down_proj's output is a partial sum under tensor parallelism
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # Gemma's GeGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
+        g = self.gate_proj(x)
+        g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g, inplace=True)
+        out = self.down_proj(g.mul_(self.up_proj(x)))
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -203,10 +213,16 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
         self.self_attn = (QKNormAttention if cfg.qk_norm else Attention)(cfg, cfg.window_of(index))
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
         self.mlp = SparseMoe(cfg) if index in cfg.moe_layers else MLP(cfg)
+        # Gemma: post_attention_layernorm normalises the attention's output, and two more
+        # norms wrap the MLP ("sandwich" norms)
+        self.sandwich = cfg.gemma
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True)
 
     def forward(self, residual, delta, rope, kv, meta, backend, ops=None, last=False):
         """The skip connection is carried as (residual, delta), their sum being the
@@ -218,6 +234,8 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm(residual, ops)
         else:
             h = self.input_layernorm.add_forward(residual, delta, ops)
+        if self.sandwich:
+            return self._sandwich(residual, h, rope, kv, meta, backend, last)
         if last and meta.kept is not None:
             o = self.self_attn.forward_kept(h, rope, kv, meta, backend)
             if o is None:
@@ -227,6 +245,19 @@ class DecoderLayer(nn.Module):
             o = self.self_attn(h, rope, kv, meta, backend)
         h = self.post_attention_layernorm.add_forward(residual, o, ops)
         return residual, self.mlp(h)
+
+    def _sandwich(self, residual, h, rope, kv, meta, backend, last):
+        """Gemma's layer from its input norm on: x += norm(attn(h)); the MLP's output,
+        normalised, is the delta the next layer adds."""
+        if last and meta.kept is not None:
+            o = self.self_attn.forward_kept(h, rope, kv, meta, backend)
+            if o is None:
+                return residual[:0], None
+            residual = residual.index_select(0, meta.kept.rows)
+        else:
+            o = self.self_attn(h, rope, kv, meta, backend)
+        residual.add_(self.post_attention_layernorm(o))
+        return residual, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(residual)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -239,13 +270,24 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
         self.rotary = Rotary(cfg) if rotary else None
+        self.rotary_local = None  # Gemma 3's windowed layers' own rope (set with `rotary`)
+        if rotary:
+            self.set_rotary(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # the compiled CPU kernels (engine/cpu_kernels), set by ModelRunner on CPU; None: torch operators
         self.cpu_ops = None
         self.tp = None  # the tensor-parallel group's Communicator (set_tensor_parallel)
         self.vocab_comm = None  # set when the LM head is vocab-parallel: its logits are gathered on rank 0
+
+    def set_rotary(self, cfg: ModelConfig) -> None:
+        """The cos/sin tables: every layer's, and where the windowed layers rotate with a
+        theta of their own (Gemma 3), theirs (default rope, no scaling)."""
+        self.rotary = Rotary(cfg)
+        if cfg.local_rope_theta is not None:
+            self.rotary_local = Rotary(dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta,
+                                                           rope_scaling=RopeScaling()))
 
     def set_tensor_parallel(self, comm, vocab_parallel: bool = True) -> None:
         """Sum the row-parallel layers' partial outputs over `comm`'s ranks (this model
@@ -281,6 +323,8 @@ class LlamaForCausalLM(nn.Module):
         on_layer_done=None,  # called with the layer index once its KV is in the cache
     ) -> torch.Tensor:  # [T, hidden]; with `meta.kept`, [K, hidden] of its rows
         residual = self.embed_tokens(input_ids)  # a new tensor: the layers add into it in place
+        if self.cfg.gemma:  # times sqrt(hidden), rounded to the dtype first (as transformers)
+            residual = residual * torch.tensor(self.cfg.hidden_size**0.5, dtype=residual.dtype)
         ops = self.cpu_ops if residual.is_cpu else None
         if (ops is not None and on_layer_done is None and meta.num_decode_tokens == residual.shape[0]
                 and backend.name == "cpu" and not self._windowed(meta.decode_max_seq_len)):
@@ -297,10 +341,13 @@ class LlamaForCausalLM(nn.Module):
                                           backend.bf16_pairs, self._small_rows, TILE_ROWS, self._kv_scales)
                 return self.norm.add_forward(residual, delta, ops)
         rope = self.rotary.rotation(positions, residual.dtype, ops)
+        local = rope if self.rotary_local is None else self.rotary_local.rotation(positions, residual.dtype, ops)
+        windowed = self.cfg.sliding_layers
         delta = None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            residual, delta = layer(residual, delta, rope, kv_caches[i], meta, backend, ops, i == last)
+            residual, delta = layer(residual, delta, local if i in windowed else rope, kv_caches[i], meta, backend,
+                                    ops, i == last)
             if on_layer_done is not None:
                 on_layer_done(i)
         if residual.shape[0] == 0:  # no row kept
@@ -324,7 +371,7 @@ class LlamaForCausalLM(nn.Module):
         self._stack_checked, self._stack = True, None
         # the one-call stack has no place for the all-reduces tensor parallelism adds, nor
         # for q/k norms or experts
-        if self.cfg.qk_norm or self.cfg.moe_layers:
+        if self.cfg.qk_norm or self.cfg.moe_layers or self.cfg.gemma:
             return None
         if self.tp is not None or not hasattr(ops, "decode_layers") or self.cfg.head_dim % 16 or any(
                 k.dtype not in (dtype, torch.float8_e4m3fn) or not k.is_contiguous() or not v.is_contiguous()
@@ -366,6 +413,9 @@ class LlamaForCausalLM(nn.Module):
             logits = self.vocab_comm.gather_cols(logits)
             if logits is None:
                 return None
+        if self.cfg.final_softcap:  # Gemma 2, in the model's dtype as transformers does
+            cap = self.cfg.final_softcap
+            logits = torch.tanh(logits / cap) * cap
         return logits.float() if fp32 else logits
 
     @torch.no_grad()
@@ -402,7 +452,8 @@ class LlamaForCausalLM(nn.Module):
             return getattr(self.lm_head, name.removeprefix("lm_head."))
         parts = name.split(".")  # model.layers.{i}.{group}[.{proj}].{kind}
         layer, group, kind = self.layers[int(parts[2])], parts[3], parts[-1]
-        if group in ("input_layernorm", "post_attention_layernorm"):
+        if group in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
             return getattr(layer, group).weight
         if isinstance(layer.mlp, SparseMoe) and group != "self_attn":
             return layer.mlp.param(parts[4:-1])

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from engine.config import ConfigError
 from engine.models.checkpoint import IGNORED_SUFFIXES, Checkpoint, kv_scale_names, read_kv_scale
-from engine.models.llama import LlamaForCausalLM, Rotary
+from engine.models.llama import LlamaForCausalLM
 from engine.models.shapes import fused_parts
 from engine.parallel.shard import ROW_PARALLEL, Shard, holds, local_config, shard_scale, shard_tensor
 from engine.quantization.linear import QuantLinear, quantize, spread_scale
@@ -121,7 +121,7 @@ def build_model(checkpoint: Checkpoint, device: str | torch.device = "cpu", shar
             quantize_modules(model, checkpoint, shard)
     _materialize(model, device)
     with torch.device(device):
-        model.rotary = Rotary(cfg)  # its cos/sin tables are computed, not loaded
+        model.set_rotary(cfg)  # its cos/sin tables are computed, not loaded
     model.load_weights(iter_tensors(checkpoint, shard))
     if cfg.kv_cache_dtype is not None:
         set_kv_scales(model, checkpoint)

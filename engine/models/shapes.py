@@ -56,6 +56,8 @@ def expected_shapes(cfg: ModelConfig, as_stored: bool = True) -> dict[str, tuple
                 p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
                 p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
             }
+        if cfg.gemma:
+            shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
         if cfg.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)}
         if cfg.qkv_bias:

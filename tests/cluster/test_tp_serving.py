@@ -44,6 +44,7 @@ def checkpoints(tmp_path_factory, model_path):
             "qwen2": _write_hf("qwen2", root / "qwen2", model_path),
             "qwen3_moe": _write_hf("qwen3_moe", root / "qwen3_moe", model_path),
             "mixtral": _write_hf("mixtral", root / "mixtral", model_path),
+            "gemma2": _write_hf("gemma2", root / "gemma2", model_path),
             "builtin": model_path}
 
 
@@ -271,11 +272,13 @@ def test_colocated_ranks_through_http_and_a_rank_killed_mid_stream(serve, checkp
     ("qwen3_moe", 2, 1, ()),
     ("llama-kv2", 1, 2, ()),
     ("llama-kv1", 2, 2, ("--speculative-method", "ngram", "--no-adaptive-speculation")),
+    ("gemma2", 1, 1, ()),
 ])
 def test_disaggregated_ranks_through_http(serve, checkpoints, name, p_tp, d_tp, extra):
     """Prefill and decode workers of 2 and 1 (Qwen3-MoE: q/k norms, experts split by
     their intermediate size), 1 and 2, 2 and 2 ranks (the last verifying n-gram drafts
-    on both decode ranks): HTTP answers equal transformers'."""
+    on both decode ranks), and Gemma 2 on one rank each (soft caps; a 48-token window its
+    90-token prompt passes): HTTP answers equal transformers'."""
     model = str(checkpoints[name])
     srv = serve("--prefill", "1", "--decode", "1", "--prefill-tensor-parallel-size", str(p_tp),
                 "--decode-tensor-parallel-size", str(d_tp), "--model", model, "--block-size", "16",

@@ -61,6 +61,16 @@ def _write_hf(kind: str, path: Path, tokenizer_src: Path, window: int | None = N
     elif kind == "phi3":  # q/k/v and gate/up stored fused
         cfg = transformers.Phi3Config(tie_word_embeddings=False, pad_token_id=0, **common)
         cls = transformers.Phi3ForCausalLM
+    elif kind == "gemma2":  # a windowed layer then a global one; scores capped at 5 (transformers' default: 50);
+        # untied: with the tied head of a random Gemma every answer is the embedding row of largest norm
+        cfg = transformers.Gemma2Config(head_dim=32, sliding_window=48, query_pre_attn_scalar=24,
+                                        attn_logit_softcapping=5.0, final_logit_softcapping=30.0,
+                                        tie_word_embeddings=False, **common)
+        cls = transformers.Gemma2ForCausalLM
+    elif kind == "gemma3":  # a windowed layer (its own rope theta) then a global one; q/k norms
+        cfg = transformers.Gemma3TextConfig(head_dim=32, sliding_window=48, tie_word_embeddings=False,
+                                            layer_types=["sliding_attention", "full_attention"], **common)
+        cls = transformers.Gemma3ForCausalLM
     elif kind == "mixtral":
         cfg = transformers.MixtralConfig(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
                                          **common)
@@ -121,6 +131,16 @@ def qwen3_moe_dir(tmp_path_factory, builtin_dir) -> Path:
 @pytest.fixture(scope="session")
 def phi3_dir(tmp_path_factory, builtin_dir) -> Path:
     return _write_hf("phi3", tmp_path_factory.mktemp("hf-phi3"), builtin_dir)
+
+
+@pytest.fixture(scope="session")
+def gemma2_dir(tmp_path_factory, builtin_dir) -> Path:
+    return _write_hf("gemma2", tmp_path_factory.mktemp("hf-gemma2"), builtin_dir)
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir(tmp_path_factory, builtin_dir) -> Path:
+    return _write_hf("gemma3", tmp_path_factory.mktemp("hf-gemma3"), builtin_dir)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,7 @@
 """The families beyond Llama's: Qwen3 (per-head q/k norms, a tied head), Phi-3 (q/k/v
-and gate/up stored as two fused tensors), Qwen3-MoE (a
+and gate/up stored as two fused tensors), Gemma 2 (a 48-token window on its first layer,
+sandwich norms, GeGLU, scaled embeddings, scores soft-capped at 5, logits at 30), Gemma 3
+(q/k norms, its windowed layer rotating with its own theta), Qwen3-MoE (a
 dense layer then a sparse one, top-k weights not renormalised) and Mixtral (every layer
 sparse, renormalised top-k weights kept in fp32). Greedy ids equal transformers' on
 random checkpoints made from transformers' own config classes, in one engine through
@@ -33,7 +35,8 @@ def cases():
 
 
 @pytest.mark.parametrize("kind,fused", [("qwen3", True), ("phi3", True), ("qwen3_moe", True), ("mixtral", True),
-                                        ("qwen3_moe", False), ("mixtral", False)])
+                                        ("gemma2", True), ("gemma3", True), ("qwen3_moe", False), ("mixtral", False),
+                                        ("gemma3", False)])
 def test_families_match_transformers(kind, fused, monkeypatch, request):
     if not fused:
         monkeypatch.setenv("TANDEM_CPU_FUSED_OPS", "0")
@@ -42,16 +45,19 @@ def test_families_match_transformers(kind, fused, monkeypatch, request):
         model=str(path), cache=CacheConfig(block_size=16, num_blocks=16),
         scheduler=SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=8, max_model_len=1024)))
     greedy = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    seen: set[int] = set()
     for i, prompts in enumerate(cases()):
         usage: list = []
         for p, got in zip(prompts, run(engine, prompts, greedy, usage)):
             assert got == hf_greedy(path, p, NEW, ignore_eos=True), f"batch {i}"
+            seen |= set(got)
         if i == 1:
             assert usage[0].cached_tokens == 96
+    assert len(seen) > NEW  # the answers vary: the oracle is not one token
     assert engine.scheduler.num_preemptions > 0
     assert (engine.runner.model.cpu_ops is not None) == fused
     moe = [layer.mlp for layer in engine.runner.model.layers if isinstance(layer.mlp, SparseMoe)]
-    assert len(moe) == {"qwen3": 0, "phi3": 0, "qwen3_moe": 1, "mixtral": 2}[kind]
+    assert len(moe) == {"qwen3_moe": 1, "mixtral": 2}.get(kind, 0)
     for block in moe:  # the last step's routing used more than one expert
         assert sum(n > 0 for n in block.tokens_per_expert) >= 2
 

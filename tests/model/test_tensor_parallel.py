@@ -2,7 +2,8 @@
 process following rank 0's steps over the shared-memory all-reduce. Greedy ids equal
 transformers' on random checkpoints whose KV heads split (Llama, 2 KV heads; Qwen2
 with q/k/v biases; Qwen3-MoE and Mixtral, each expert split by its intermediate size; Phi-3's fused
-q/k/v and gate/up, split into their weights before the ranks take their rows)
+q/k/v and gate/up, split into their weights before the ranks take their rows; Gemma 2's
+soft caps, the logits' after the ranks' columns are gathered)
 and replicate (Llama, 1 KV head), through chunked prefill, a
 prefix-cache hit and preemptions, and on the trained built-in model with n-gram
 speculation; a rank that dies fails the next step with a
@@ -62,7 +63,8 @@ def prompts_with_cases():
 @pytest.mark.parametrize("which,spec,ep", [
     ("llama_dir", None, False), ("llama_kv1_dir", None, False), ("qwen2_dir", None, False),
     ("builtin_dir", "ngram", False), ("qwen3_moe_dir", None, False), ("mixtral_dir", None, False),
-    ("phi3_dir", None, False), ("qwen3_moe_dir", None, True), ("mixtral_dir", None, True)])
+    ("phi3_dir", None, False), ("qwen3_moe_dir", None, True), ("mixtral_dir", None, True),
+    ("gemma2_dir", None, False)])
 def test_two_ranks_match_transformers(which, spec, ep, request):
     """`ep`: --enable-expert-parallel, each rank holding half the experts whole."""
     path = request.getfixturevalue(which)

@@ -66,3 +66,13 @@ def test_triton_sliding_window_with_released_blocks(mistral_window_dir):
     for p, g in zip(prompts, got):
         assert g == hf_greedy(mistral_window_dir, p, n, ignore_eos=True)
     assert engine.scheduler.window == 64
+
+
+def test_triton_gemma2_soft_caps_and_a_window(gemma2_dir):
+    """Gemma 2 on the Triton kernels: scores soft-capped in both kernels, a 48-token window
+    on its first layer, contexts past it."""
+    prompts = random_prompts([70, 9], seed=15)
+    engine = make_engine(gemma2_dir, max_num_batched_tokens=32)
+    got = run(engine, prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    for p, g in zip(prompts, got):
+        assert g == hf_greedy(gemma2_dir, p, 12, ignore_eos=True)

@@ -229,3 +229,18 @@ def test_decode_and_prefill_over_an_fp8_cache(dtype):
     torch.testing.assert_close(got.float(), want, **TOL[dtype])
     with pytest.raises(AssertionError, match="needs an fp8 cache"):
         kernels.paged_decode_attention(query, k, v, tables, lens, scale, kv_scales=kv_scales)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_decode_soft_capped_scores(window):
+    """Gemma 2's softcap * tanh(s / softcap) on the scaled scores, alone and with a window;
+    a cap small enough to change every row's answer."""
+    query, k_cache, v_cache, block_tables, seq_lens = make_decode_case(4, 64, 16, torch.float32, lens=[1, 17, 90])
+    query = query * 8  # scores well past the cap
+    out = kernels.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 0.125, 90, num_splits=2,
+                                         use_dot=False, window=window, softcap=5.0)
+    ref = reference.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 0.125, window=window,
+                                           softcap=5.0)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    plain = reference.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 0.125, window=window)
+    assert not torch.allclose(ref[1:], plain[1:])

@@ -54,7 +54,8 @@ def check(lens, group, head_dim, block_size, dtype, **kw):
                                            max(q for q, _ in lens), **kw)
     f = torch.float32
     ref = reference.varlen_attention(query.to(f), key.to(f), value.to(f), k_cache.to(f), v_cache.to(f), tables,
-                                     [q for q, _ in lens], [s for _, s in lens], scale, window=kw.get("window"))
+                                     [q for q, _ in lens], [s for _, s in lens], scale, window=kw.get("window"),
+                                     softcap=kw.get("softcap"))
     assert out.shape == query.shape and out.dtype == query.dtype
     torch.testing.assert_close(out.float(), ref, **TOL[dtype])
 
@@ -105,3 +106,8 @@ def test_prefill_sliding_window(window, block_m, block_n):
     query tile's first visible key are skipped, and rows of a tile whose window starts
     in a later key tile stay at zero weight until then (no NaN)."""
     check(ragged(16) + [(40, 90)], 2, 64, 16, torch.float32, block_m=block_m, block_n=block_n, window=window)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_prefill_soft_capped_scores(window):
+    check(ragged(16), 2, 64, 16, torch.float32, window=window, softcap=0.5)

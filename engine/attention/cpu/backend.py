@@ -70,12 +70,12 @@ class CpuAttention(AttentionBackend):
         super().store_for_decode(key, value, k_cache, v_cache, slot_mapping, kv_scales)
 
     def decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
-               kv_scales=(1.0, 1.0), window=None) -> torch.Tensor:
+               kv_scales=(1.0, 1.0), window=None, softcap=None) -> torch.Tensor:
         # the kernel walks D in 16-lane steps, and a whole context: past a sliding window's
-        # length the reference masks the positions before the window
-        if query.shape[-1] % 16 or query.stride(-1) != 1 or beyond(window, max_seq_len):
+        # length the reference masks the positions before the window; it has no soft cap
+        if query.shape[-1] % 16 or query.stride(-1) != 1 or beyond(window, max_seq_len) or softcap:
             return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
-                                                    kv_scales, window)
+                                                    kv_scales, window, softcap)
         if k_cache.dtype == FP8:  # the K scale folded into the softmax's, the V scale into the output's
             return kernels.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens,
                                                   scale * kv_scales[0], v_scale=kv_scales[1])
@@ -83,9 +83,9 @@ class CpuAttention(AttentionBackend):
                                               bf16_pairs=self.bf16_pairs)
 
     def prefill(self, query, key, value, k_cache, v_cache, meta, scale: float, kv_scales=(1.0, 1.0),
-                window=None) -> torch.Tensor:
-        if beyond(window, max(meta.prefill_seq_lens, default=0)):
-            return super().prefill(query, key, value, k_cache, v_cache, meta, scale, kv_scales, window)
+                window=None, softcap=None) -> torch.Tensor:
+        if beyond(window, max(meta.prefill_seq_lens, default=0)) or softcap:
+            return super().prefill(query, key, value, k_cache, v_cache, meta, scale, kv_scales, window, softcap)
         if (self._bf16_prefill and query.dtype == torch.bfloat16 and k_cache.dtype in (torch.bfloat16, FP8)
                 and query.shape[-1] in (64, 128) and query.stride(-1) == 1 and k_cache.is_contiguous()
                 and v_cache.is_contiguous() and meta.prefill_query_start_loc is not None):

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+_LOG2E_C = tl.constexpr(_LOG2E)  # the same, for use inside the kernels
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -131,17 +132,23 @@ def store_kv(
 
 
 @triton.jit
-def _softmax_step(q, k, v, visible, m, denom, acc, qk_scale, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _softmax_step(q, k, v, visible, m, denom, acc, qk_scale, softcap, USE_DOT: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """One key tile of an fp32 online softmax, base 2 (flash attention's update).
 
     q [R, D] (fp32 unless USE_DOT), k and v [N, D], visible [R, N] or [1, N]; running
     max m [R], denominator denom [R] (sum of exp2(s - m)) and acc [R, D] (the same
-    weights times v). Returns the updated (m, denom, acc)."""
+    weights times v). With SOFTCAP, the scaled score s becomes softcap * tanh(s /
+    softcap) first (Gemma 2). Returns the updated (m, denom, acc)."""
     if USE_DOT:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [R, N]
     else:
         s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-    s = tl.where(visible, s * qk_scale, float("-inf"))
+    s = s * qk_scale
+    if SOFTCAP:  # in natural units: tanh(x) = 1 - 2 / (exp(2x) + 1), saturating cleanly at +-1
+        x = s / (_LOG2E_C * softcap)
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * _LOG2E_C
+    s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     # a row that has seen no visible key yet (a sliding window's, before its first) keeps
     # m = -inf: exponents taken against 0 leave it at zero weight instead of NaN
@@ -169,6 +176,7 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr, GROUP_P: tl.constexpr, DIM_P: tl.constexpr,
     NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     window,  # a sliding window's tokens; 0: none
+    softcap, SOFTCAP: tl.constexpr,  # Gemma 2's score cap (SOFTCAP: one is set)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -208,7 +216,8 @@ def _paged_decode_kernel(
             k = k.to(q_ptr.dtype.element_ty)
             v = v.to(q_ptr.dtype.element_ty)
         # every visited block has >= 1 valid token, so the running max stays finite
-        m, denom, acc = _softmax_step(q, k, v, t_mask[None, :], m, denom, acc, qk_scale, USE_DOT, DOT_PRECISION)
+        m, denom, acc = _softmax_step(q, k, v, t_mask[None, :], m, denom, acc, qk_scale, softcap, USE_DOT,
+                                      DOT_PRECISION, SOFTCAP)
 
     safe_denom = tl.where(denom > 0.0, denom, 1.0)  # empty split (or seq_len == 0): output 0
     out = acc / safe_denom[:, None]
@@ -278,6 +287,7 @@ def paged_decode_attention(
     use_dot: bool | None = None,  # tl.dot vs broadcast-multiply; None = dot for fp16/bf16 on CUDA
     kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 cache's (K, V) scales
     window: int | None = None,  # a sliding window: the last `window` positions only
+    softcap: float | None = None,  # scores as softcap * tanh(s / softcap)
 ) -> torch.Tensor:  # [B, H, D], query dtype
     """One query token per sequence attending to its paged context (= reference version)."""
     _check_cache(k_cache, v_cache)
@@ -331,7 +341,7 @@ def paged_decode_attention(
         NUM_HEADS=h, GROUP=group, HEAD_DIM=d, BLOCK_SIZE=bs, GROUP_P=group_p, DIM_P=dim_p,
         NUM_SPLITS=num_splits, USE_DOT=use_dot,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # no tf32 for fp32 caches
-        KV_FP8=fp8, window=window or 0,
+        KV_FP8=fp8, window=window or 0, softcap=float(softcap or 0.0), SOFTCAP=bool(softcap),
     )
     if num_splits > 1:
         _combine_kernel[(b, h)](
@@ -356,6 +366,7 @@ def _varlen_prefill_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     window,  # a sliding window's tokens; 0: none
+    softcap, SOFTCAP: tl.constexpr,  # Gemma 2's score cap (SOFTCAP: one is set)
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -401,7 +412,8 @@ def _varlen_prefill_kernel(
                 v = v.to(q_ptr.dtype.element_ty)
             visible = (kpos[None, :] <= qpos[:, None]) & k_valid[None, :]
             visible = visible & ((window == 0) | (kpos[None, :] > qpos[:, None] - window))
-            m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, USE_DOT, DOT_PRECISION)
+            m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, softcap, USE_DOT, DOT_PRECISION,
+                                          SOFTCAP)
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         if KV_FP8:
             out = out * v_scale
@@ -432,6 +444,7 @@ def varlen_prefill_attention(
     use_dot: bool | None = None,  # None: tl.dot, except for bf16 under the interpreter (see tests)
     kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 cache's (K, V) scales
     window: int | None = None,  # a sliding window: each query sees the last `window` positions
+    softcap: float | None = None,  # scores as softcap * tanh(s / softcap)
 ) -> torch.Tensor:  # [T, H, D], query dtype
     """Ragged causal attention over the paged cache (= reference.varlen_attention).
 
@@ -477,5 +490,6 @@ def varlen_prefill_attention(
         GROUP=h // hkv, HEAD_DIM=d, DIM_P=triton.next_power_of_2(d),
         BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=block_n, USE_DOT=use_dot,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", KV_FP8=fp8, window=window or 0,
+        softcap=float(softcap or 0.0), SOFTCAP=bool(softcap),
     )
     return out
