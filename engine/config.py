@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
@@ -26,6 +27,7 @@ GEMMA = ("gemma2", "gemma3")
 # where a family's sparse MLP block and its experts' three weights sit (HF names)
 MOE_NAMING = {
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
 }
 
@@ -126,6 +128,9 @@ class ModelConfig:
     local_experts: tuple[int, int] | None = None
     norm_topk_prob: bool = True  # the top-k routing weights divided by their sum
     router_weights_fp32: bool = False  # Mixtral keeps them in fp32 (Qwen3-MoE: the model's dtype)
+    # Qwen2-MoE: a shared expert (an MLP every token goes through) of this size, its
+    # output weighted by a sigmoid gate and added to the routed experts'; 0: none
+    shared_expert_intermediate_size: int = 0
     # Gemma 2 / 3: RMSNorm as x * (1 + w) in fp32; norms after attention and around the
     # MLP too ("sandwich"); the embedding times sqrt(hidden); GeGLU; attention scaled by
     # query_pre_attn_scalar^-0.5; scores and logits soft-capped (cap * tanh(x / cap));
@@ -188,6 +193,7 @@ class ModelConfig:
         layer = h * (q + 2 * kv) + q * h + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         mlp = 3 * h * i
         moe = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # the experts and the router's row each
+        moe += 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_intermediate_size else 0)
         total = self.num_layers * (layer + mlp) + len(self.moe_layers) * (moe - mlp)
         return v * h * (1 if self.tie_word_embeddings else 2) + total + h
 
@@ -243,8 +249,8 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=RopeScaling.from_hf(rope),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or bool(d.get("attention_bias", False)),
-            o_bias=family != "qwen2" and bool(d.get("attention_bias", False)),
+            qkv_bias=family in ("qwen2", "qwen2_moe") or bool(d.get("attention_bias", False)),
+            o_bias=family not in ("qwen2", "qwen2_moe") and bool(d.get("attention_bias", False)),
             mlp_bias=bool(d.get("mlp_bias", False)),
             dtype=dtype if dtype not in (None, "auto") else torch_dtype,
             bos_token_id=d.get("bos_token_id"),
@@ -274,11 +280,13 @@ def _moe(family: str, d: dict[str, Any]) -> dict[str, Any]:
     layers = int(d["num_hidden_layers"])
     if family == "mixtral":
         sparse, size = range(layers), int(d["intermediate_size"])
-    else:  # Qwen3-MoE: every `decoder_sparse_step`-th layer not listed in mlp_only_layers
+    else:  # Qwen2/3-MoE: every `decoder_sparse_step`-th layer not listed in mlp_only_layers
         step, dense = int(d.get("decoder_sparse_step", 1) or 1), set(d.get("mlp_only_layers") or ())
         sparse = [i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0]
         size = int(d.get("moe_intermediate_size") or 0)
+    shared = int(d.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
     return dict(num_experts=experts, num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
+                shared_expert_intermediate_size=shared,
                 moe_intermediate_size=size, moe_layers=tuple(sparse),
                 norm_topk_prob=family == "mixtral" or bool(d.get("norm_topk_prob", False)),
                 router_weights_fp32=family == "mixtral")

@@ -28,6 +28,19 @@ from torch import nn
 from engine.config import MOE_NAMING, ModelConfig
 
 
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's shared expert: a SwiGLU MLP every token goes through."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 class SparseMoe(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -43,6 +56,10 @@ class SparseMoe(nn.Module):
         # the dense MLP's, so that on CPU they are packed or given the row-major kernel alike
         self.gate_up = nn.ModuleList(nn.Linear(h, 2 * i, bias=False) for _ in range(held))
         self.down = nn.ModuleList(nn.Linear(i, h, bias=False) for _ in range(held))
+        self.shared_expert = self.shared_expert_gate = None
+        if cfg.shared_expert_intermediate_size:  # Qwen2-MoE (split like an MLP under tensor parallelism)
+            self.shared_expert = SharedExpert(h, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(h, 1, bias=False)
         self.tp = None  # under tensor parallelism, the group's Communicator: the output is a partial sum
         # load balance (the worker's /metrics): the last step's tokens per expert, and since start
         self.tokens_per_expert: list[int] = [0] * e
@@ -79,13 +96,20 @@ class SparseMoe(nn.Module):
             gate, up = self.gate_up[e - first](x.index_select(0, rows)).chunk(2, dim=-1)
             y = self.down[e - first](F.silu(gate) * up)
             out.index_add_(0, rows, (y * w).to(out.dtype))
+        if self.shared_expert is not None:  # after the routed experts, as transformers adds it
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def param(self, parts: list[str]) -> torch.Tensor:
-        """The tensor (or the slice of one) a checkpoint name's tail loads into: "gate",
-        "weight" or "experts", e, the family's name of gate, up or down, "weight"."""
+        """The tensor (or the slice of one) a checkpoint name's tail (its ".weight" cut) loads
+        into: "gate"; "experts", e, the family's name of gate, up or down; Qwen2-MoE's
+        "shared_expert", its projection; "shared_expert_gate"."""
         if parts[0] == "gate":
             return self.gate.weight
+        if parts[0] == "shared_expert_gate":
+            return self.shared_expert_gate.weight
+        if parts[0] == "shared_expert":
+            return getattr(self.shared_expert, parts[1]).weight
         e, which = int(parts[1]) - self.experts.start, self.naming.index(parts[2])
         if which == 2:
             return self.down[e].weight

@@ -94,4 +94,7 @@ def moe_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
     for e in cfg.expert_range:
         shapes |= {f"{p}experts.{e}.{gate}.weight": (i, h), f"{p}experts.{e}.{up}.weight": (i, h),
                    f"{p}experts.{e}.{down}.weight": (h, i)}
+    if (s := cfg.shared_expert_intermediate_size):
+        shapes |= {p + "shared_expert.gate_proj.weight": (s, h), p + "shared_expert.up_proj.weight": (s, h),
+                   p + "shared_expert.down_proj.weight": (h, s), p + "shared_expert_gate.weight": (1, h)}
     return shapes

@@ -54,6 +54,8 @@ def check_divisible(cfg: ModelConfig, size: int, expert_parallel: bool = False) 
         problems.append(f"{cfg.num_kv_heads} KV heads (nor is {size} a multiple of them)")
     if cfg.intermediate_size % size:
         problems.append(f"intermediate size {cfg.intermediate_size}")
+    if cfg.shared_expert_intermediate_size % size:
+        problems.append(f"shared expert's intermediate size {cfg.shared_expert_intermediate_size}")
     if cfg.moe_layers and expert_parallel and cfg.num_experts % size:
         problems.append(f"{cfg.num_experts} experts")
     elif cfg.moe_layers and not expert_parallel and cfg.moe_intermediate_size % size:
@@ -94,7 +96,9 @@ def local_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
         experts = dict(moe_intermediate_size=cfg.moe_intermediate_size // shard.size)
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // shard.size,
                                num_kv_heads=kv_heads_per_rank(cfg, shard.size),
-                               intermediate_size=cfg.intermediate_size // shard.size, **experts)
+                               intermediate_size=cfg.intermediate_size // shard.size,
+                               shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // shard.size,
+                               **experts)
 
 
 def holds(name: str, cfg: ModelConfig, shard: Shard) -> bool:
@@ -136,14 +140,15 @@ def shard_tensor(name: str, get, cfg: ModelConfig, shard: Shard) -> torch.Tensor
     if proj in ("k_proj", "v_proj"):
         heads = kv_heads_of(cfg, shard)
         return get(range(heads.start * hd, heads.stop * hd), None)
+    size = cfg.shared_expert_intermediate_size if ".shared_expert." in name else cfg.intermediate_size
     if proj in ("gate_proj", "up_proj"):
-        n = cfg.intermediate_size // shard.size
+        n = size // shard.size
         return get(range(shard.rank * n, (shard.rank + 1) * n), None)
     if proj in ROW_PARALLEL:
         if kind == "bias":  # added once, after the all-reduce's sum
             t = get(None, None)
             return t if shard.rank == 0 else torch.zeros_like(t)
-        n = (cfg.num_heads * hd if proj == "o_proj" else cfg.intermediate_size) // shard.size
+        n = (cfg.num_heads * hd if proj == "o_proj" else size) // shard.size
         return get(None, range(shard.rank * n, (shard.rank + 1) * n))
     return get(None, None)  # embedding, norms, LM head: every rank holds them whole
 

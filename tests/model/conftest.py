@@ -71,6 +71,11 @@ def _write_hf(kind: str, path: Path, tokenizer_src: Path, window: int | None = N
         cfg = transformers.Gemma3TextConfig(head_dim=32, sliding_window=48, tie_word_embeddings=False,
                                             layer_types=["sliding_attention", "full_attention"], **common)
         cls = transformers.Gemma3ForCausalLM
+    elif kind == "qwen2_moe":  # every layer sparse, with a shared expert; q/k/v biases
+        cfg = transformers.Qwen2MoeConfig(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                                          norm_topk_prob=True, **common)
+        cls = transformers.Qwen2MoeForCausalLM
     elif kind == "mixtral":
         cfg = transformers.MixtralConfig(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
                                          **common)
@@ -141,6 +146,11 @@ def gemma2_dir(tmp_path_factory, builtin_dir) -> Path:
 @pytest.fixture(scope="session")
 def gemma3_dir(tmp_path_factory, builtin_dir) -> Path:
     return _write_hf("gemma3", tmp_path_factory.mktemp("hf-gemma3"), builtin_dir)
+
+
+@pytest.fixture(scope="session")
+def qwen2_moe_dir(tmp_path_factory, builtin_dir) -> Path:
+    return _write_hf("qwen2_moe", tmp_path_factory.mktemp("hf-qwen2-moe"), builtin_dir)
 
 
 @pytest.fixture(scope="session")

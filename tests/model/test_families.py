@@ -2,7 +2,8 @@
 and gate/up stored as two fused tensors), Gemma 2 (a 48-token window on its first layer,
 sandwich norms, GeGLU, scaled embeddings, scores soft-capped at 5, logits at 30), Gemma 3
 (q/k norms, its windowed layer rotating with its own theta), Qwen3-MoE (a
-dense layer then a sparse one, top-k weights not renormalised) and Mixtral (every layer
+dense layer then a sparse one, top-k weights not renormalised), Qwen2-MoE (a shared
+expert beside the routed ones, its output gated by a sigmoid) and Mixtral (every layer
 sparse, renormalised top-k weights kept in fp32). Greedy ids equal transformers' on
 random checkpoints made from transformers' own config classes, in one engine through
 chunked prefill, a prefix hit and preemptions; the MoE families on the torch operators
@@ -36,7 +37,7 @@ def cases():
 
 @pytest.mark.parametrize("kind,fused", [("qwen3", True), ("phi3", True), ("qwen3_moe", True), ("mixtral", True),
                                         ("gemma2", True), ("gemma3", True), ("qwen3_moe", False), ("mixtral", False),
-                                        ("gemma3", False)])
+                                        ("gemma3", False), ("qwen2_moe", True)])
 def test_families_match_transformers(kind, fused, monkeypatch, request):
     if not fused:
         monkeypatch.setenv("TANDEM_CPU_FUSED_OPS", "0")
@@ -57,7 +58,7 @@ def test_families_match_transformers(kind, fused, monkeypatch, request):
     assert engine.scheduler.num_preemptions > 0
     assert (engine.runner.model.cpu_ops is not None) == fused
     moe = [layer.mlp for layer in engine.runner.model.layers if isinstance(layer.mlp, SparseMoe)]
-    assert len(moe) == {"qwen3_moe": 1, "mixtral": 2}.get(kind, 0)
+    assert len(moe) == {"qwen3_moe": 1, "mixtral": 2, "qwen2_moe": 2}.get(kind, 0)
     for block in moe:  # the last step's routing used more than one expert
         assert sum(n > 0 for n in block.tokens_per_expert) >= 2
 

@@ -64,7 +64,7 @@ def prompts_with_cases():
     ("llama_dir", None, False), ("llama_kv1_dir", None, False), ("qwen2_dir", None, False),
     ("builtin_dir", "ngram", False), ("qwen3_moe_dir", None, False), ("mixtral_dir", None, False),
     ("phi3_dir", None, False), ("qwen3_moe_dir", None, True), ("mixtral_dir", None, True),
-    ("gemma2_dir", None, False)])
+    ("gemma2_dir", None, False), ("qwen2_moe_dir", None, True)])
 def test_two_ranks_match_transformers(which, spec, ep, request):
     """`ep`: --enable-expert-parallel, each rank holding half the experts whole."""
     path = request.getfixturevalue(which)
@@ -75,7 +75,7 @@ def test_two_ranks_match_transformers(which, spec, ep, request):
         assert local.num_kv_heads == 1  # 2 KV heads split in two, or 1 held by both ranks
         if ep:  # rank 0 holds experts 0 and 1 of 4, each whole
             assert local.expert_range == range(0, 2) and local.moe_intermediate_size == {
-                "qwen3_moe_dir": 64, "mixtral_dir": 256}[which]
+                "qwen3_moe_dir": 64, "mixtral_dir": 256, "qwen2_moe_dir": 64}[which]
         prompts = prompts_with_cases()
         got, usage = run(engine, prompts, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
         for p, g in zip(prompts, got):
