@@ -6,6 +6,7 @@ raised here name the field and say what to change.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,13 +55,36 @@ def _require(cond: bool, msg: str) -> None:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rope scaling from config.json; `kind` is "llama3", "linear" or "default"."""
+    """Rope scaling from config.json; `kind` is "llama3", "linear", "yarn" or "default"."""
 
     kind: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN (Qwen2.5 / Qwen3 long contexts): the ramp between interpolated and extrapolated
+    # frequencies, and the factor cos and sin are multiplied by
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    @property
+    def attention_scaling(self) -> float:
+        """What cos and sin are multiplied by (YaRN's; 1 otherwise)."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return float(mscale(self.factor, self.mscale) / mscale(self.factor, self.mscale_all_dim))
+        return mscale(self.factor)
 
     @classmethod
     def from_hf(cls, d: dict[str, Any] | None) -> "RopeScaling":
@@ -69,11 +93,23 @@ class RopeScaling:
         kind = d.get("rope_type", d.get("type", "default"))
         if kind == "default":
             return cls()
-        if kind not in ("llama3", "linear"):
+        if kind not in ("llama3", "linear", "yarn"):
             raise ConfigError(
-                f"rope_scaling type {kind!r} is not supported; supported: llama3, linear "
+                f"rope_scaling type {kind!r} is not supported; supported: llama3, linear, yarn "
                 "(or remove rope_scaling from config.json)"
             )
+        if kind == "yarn":
+            if "original_max_position_embeddings" not in d or not d.get("factor"):
+                raise ConfigError("rope_scaling yarn needs factor and original_max_position_embeddings in config.json")
+
+            def opt(key):
+                return None if d.get(key) is None else float(d[key])
+
+            return cls(kind=kind, factor=float(d["factor"]),
+                       original_max_position_embeddings=int(d["original_max_position_embeddings"]),
+                       beta_fast=float(d.get("beta_fast") or 32), beta_slow=float(d.get("beta_slow") or 1),
+                       attention_factor=opt("attention_factor"), mscale=opt("mscale"),
+                       mscale_all_dim=opt("mscale_all_dim"), truncate=bool(d.get("truncate", True)))
         return cls(
             kind=kind,
             factor=float(d.get("factor", 1.0)),

@@ -44,7 +44,27 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
         smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if scaling.kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     return inv_freq
+
+
+def _yarn_inv_freq(dim: int, base: float, s: RopeScaling) -> torch.Tensor:
+    """YaRN's frequencies (the paper's, as transformers computes them): interpolated by
+    `factor` below the correction range, kept above it, a linear ramp between."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (s.factor * pos_freqs)
+    keep = 1 - torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    return interpolation * (1 - keep) + extrapolation * keep
 
 
 class RMSNorm(nn.Module):
@@ -89,8 +109,9 @@ class Rotary(nn.Module):
         pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        scaling = cfg.rope_scaling.attention_scaling  # YaRN's (1 otherwise: the same bits)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
     def rotation(self, positions: torch.Tensor, dtype: torch.dtype, ops=None) -> Callable[[torch.Tensor], torch.Tensor]:
         """The function that rotates x [T, heads, D] at `positions` [T], made once per

@@ -36,7 +36,8 @@ def random_dir() -> Path:
     return random_model_path()
 
 
-def _write_hf(kind: str, path: Path, tokenizer_src: Path, window: int | None = None, kv_heads: int = 2) -> Path:
+def _write_hf(kind: str, path: Path, tokenizer_src: Path, window: int | None = None, kv_heads: int = 2,
+              rope: dict | None = None) -> Path:
     import transformers
 
     common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -51,7 +52,7 @@ def _write_hf(kind: str, path: Path, tokenizer_src: Path, window: int | None = N
         cfg = transformers.MistralConfig(tie_word_embeddings=False, sliding_window=window, head_dim=32, **common)
         cls = transformers.MistralForCausalLM
     elif kind == "qwen3":
-        cfg = transformers.Qwen3Config(tie_word_embeddings=True, head_dim=32, **common)
+        cfg = transformers.Qwen3Config(tie_word_embeddings=True, head_dim=32, rope_parameters=rope, **common)
         cls = transformers.Qwen3ForCausalLM
     elif kind == "qwen3_moe":  # layer 0 dense, layer 1 sparse; top-k weights not renormalised
         cfg = transformers.Qwen3MoeConfig(tie_word_embeddings=False, head_dim=32, num_experts=4, num_experts_per_tok=2,

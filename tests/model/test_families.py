@@ -76,3 +76,22 @@ def test_a_partial_rotation_is_refused_with_a_reason(tmp_path):
            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}}
     with pytest.raises(ConfigError, match="partial_rotary_factor"):
         ModelConfig.from_hf(cfg)
+
+
+def test_yarn_rope_scaling(builtin_dir, tmp_path):
+    """Qwen3 with YaRN (factor 4 over an original 64 positions: the long-context setting
+    Qwen publishes): its frequencies and cos/sin factor as transformers computes them,
+    contexts past the original length; the same weights without it answer otherwise."""
+    from tests.model.conftest import _write_hf
+
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+    path = _write_hf("qwen3", tmp_path / "yarn", builtin_dir, rope=yarn)
+    plain = _write_hf("qwen3", tmp_path / "plain", builtin_dir)
+    prompts = random_prompts([20, 150], seed=83)
+    engine = LLMEngine.from_config(EngineConfig(model=str(path), cache=CacheConfig(block_size=16, num_blocks=64),
+                                                scheduler=SchedulerConfig(max_num_batched_tokens=64)))
+    assert engine.runner.model.cfg.rope_scaling.kind == "yarn"
+    got = run(engine, prompts, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
+    want = [hf_greedy(path, p, NEW, ignore_eos=True) for p in prompts]
+    assert got == want
+    assert [hf_greedy(plain, p, NEW, ignore_eos=True) for p in prompts] != want
