@@ -95,23 +95,35 @@ class _ExpertCollector(Collector):
 
     def __init__(self, labels: list[str], blocks: list) -> None:
         self.labels, self.blocks = labels, blocks
+        self.seen: dict[int, list[int]] = {}  # CUDA: each block's counts at the last scrape
 
     def collect(self):
         lab = ["worker_id", "role"]
         fam = CounterMetricFamily("tandem:moe_expert_tokens", "Tokens the router sent to each expert, summed over "
                                   "the sparse layers (a token counts once for each of its top-k experts).",
                                   labels=[*lab, "expert"])
-        totals = [sum(col) for col in zip(*(list(b.expert_tokens) for b in self.blocks))]
-        for e, n in enumerate(totals):
+        counts, lasts = [], []
+        for i, b in enumerate(self.blocks):
+            mine = list(b.expert_tokens)
+            last = list(b.tokens_per_expert)
+            if b.device_tokens is not None:  # the fused CUDA path counts on the device, step by step
+                dev = b.device_tokens.tolist()
+                before = self.seen.get(i, [0] * len(dev))
+                last = [n - m for n, m in zip(dev, before)]  # since the last scrape
+                self.seen[i] = dev
+                mine = [n + m for n, m in zip(mine, dev)]
+            counts.append(mine)
+            lasts.append(last)
+        for e, n in enumerate(sum(col) for col in zip(*counts)):
             fam.add_metric([*self.labels, str(e)], n)
         yield fam
         ratios = []
-        for b in self.blocks:
-            last = list(b.tokens_per_expert)
+        for last in lasts:
             if sum(last):
                 ratios.append(max(last) * len(last) / sum(last))
-        g = GaugeMetricFamily("tandem:moe_expert_load_imbalance", "The last step's busiest expert's tokens over "
-                              "the mean tokens an expert, averaged over the sparse layers (1: even).", labels=lab)
+        g = GaugeMetricFamily("tandem:moe_expert_load_imbalance", "The last step's (on CUDA: since the last "
+                              "scrape) busiest expert's tokens over the mean tokens an expert, averaged over the "
+                              "sparse layers (1: even).", labels=lab)
         g.add_metric(self.labels, sum(ratios) / len(ratios) if ratios else 1.0)
         yield g
 

@@ -22,6 +22,11 @@ Llama made once at DIR): decode steps with decode graphs at each weight format
 reads and the bandwidth that makes, against the device's own (a 1 GiB copy), so the
 floor each format sets is in the table. `--kv-cache-dtype fp8` runs them over an fp8 cache.
 
+A mixture of experts (`--moe`, with --model a MoE checkpoint such as `python -m
+bench.lab.tp --write-moe DIR` writes): eager decode steps at each of --batches with the
+grouped Triton expert kernels (engine/models/moe_triton.py) against the loop over experts
+(engine/models/moe.py), the same runner, the path flipped between timings.
+
 Needs CUDA; on a CPU-only machine it says so and exits 0.
 """
 
@@ -57,6 +62,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--weights", nargs="*", default=[], choices=("bf16", "fp8", "int8"),
                    help="only the quantized-weights section: decode steps with each weight format")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    p.add_argument("--moe", action="store_true", help="the grouped expert kernels against the loop (see above)")
     p.add_argument("--random-1b", default=None, metavar="DIR",
                    help="make (once) a random Llama of about 1.0B parameters at DIR (hidden 2048, 16 layers, 32 "
                    "heads, 8 KV heads, MLP 8192, the built-in tokenizer) and use it as --model")
@@ -113,6 +119,30 @@ def bench_decode(args) -> None:
     for b in args.batches:
         e, g = results[(False, b)], results[(True, b)]
         print(f"{b:>6} {e:>9.3f} {g:>10.3f} {e / g:>7.2f}x {b / g * 1e3:>13.0f}")
+
+
+def bench_moe(args) -> None:
+    runner = _runner(args, graphs=False)
+    blocks = [layer.mlp for layer in runner.model.layers if getattr(layer.mlp, "w13", None) is not None]
+    if not blocks:
+        print("--moe: the model has no stacked experts (not a mixture of experts?)")
+        return
+    stacked = [(b.w13, b.w2) for b in blocks]
+    rows = []
+    for b in args.batches:
+        plan = _decode_plan(b, args.context)
+        times = {}
+        for path in ("grouped", "loop", "grouped", "loop"):
+            for blk, (w13, w2) in zip(blocks, stacked):
+                blk.w13, blk.w2 = (w13, w2) if path == "grouped" else (None, None)
+            times.setdefault(path, []).append(_time_ms(lambda: runner.execute(plan), args.iters))
+        rows.append((b, min(times["grouped"]), min(times["loop"])))
+    for blk, (w13, w2) in zip(blocks, stacked):
+        blk.w13, blk.w2 = w13, w2
+    print(f"mixture of experts, eager decode steps, context {args.context}, {args.dtype}")
+    print(f"{'batch':>6} {'grouped ms':>11} {'loop ms':>8} {'speedup':>8}")
+    for b, g, loop in rows:
+        print(f"{b:>6} {g:>11.3f} {loop:>8.3f} {loop / g:>7.2f}x")
 
 
 def random_1b(path: str) -> str:
@@ -269,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
         args.model = random_1b(args.random_1b)
     if args.weights:
         bench_weights(args)
+        return 0
+    if args.moe:
+        bench_moe(args)
         return 0
     bench_decode(args)
     bench_prefill(args)

@@ -125,6 +125,10 @@ def build_model(checkpoint: Checkpoint, device: str | torch.device = "cpu", shar
     model.load_weights(iter_tensors(checkpoint, shard))
     if cfg.kv_cache_dtype is not None:
         set_kv_scales(model, checkpoint)
+    if device.type == "cuda" and cfg.moe_layers:  # the grouped Triton kernels read stacked experts
+        for layer in model.layers:
+            if hasattr(layer.mlp, "stack_experts"):
+                layer.mlp.stack_experts()
     return model.eval()
 
 

@@ -56,6 +56,7 @@ class SparseMoe(nn.Module):
         # the dense MLP's, so that on CPU they are packed or given the row-major kernel alike
         self.gate_up = nn.ModuleList(nn.Linear(h, 2 * i, bias=False) for _ in range(held))
         self.down = nn.ModuleList(nn.Linear(i, h, bias=False) for _ in range(held))
+        self.w13 = self.w2 = None  # on CUDA, every expert's weights stacked (`stack_experts`)
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:  # Qwen2-MoE (split like an MLP under tensor parallelism)
             self.shared_expert = SharedExpert(h, cfg.shared_expert_intermediate_size)
@@ -64,6 +65,7 @@ class SparseMoe(nn.Module):
         # load balance (the worker's /metrics): the last step's tokens per expert, and since start
         self.tokens_per_expert: list[int] = [0] * e
         self.expert_tokens: list[int] = [0] * e
+        self.device_tokens: torch.Tensor | None = None  # the fused path's counts, on the device (no sync)
         self.route_seconds = 0.0  # routing and grouping by expert, since start (the dispatch's cost here)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +77,21 @@ class SparseMoe(nn.Module):
             weights /= weights.sum(dim=-1, keepdim=True)
         return experts, weights if self.weights_fp32 else weights.to(logits.dtype)
 
+    def stack_experts(self) -> None:
+        """Hold the experts' weights as two stacked tensors, [E, 2I, H] and [E, H, I], for
+        the grouped Triton kernels (engine/models/moe_triton.py); the per-expert linear
+        layers become views of them (no second copy)."""
+        with torch.no_grad():
+            self.w13 = torch.stack([m.weight for m in self.gate_up])
+            self.w2 = torch.stack([m.weight for m in self.down])
+            self.device_tokens = torch.zeros(self.num_experts, dtype=torch.long, device=self.w13.device)
+            for e, (gu, dn) in enumerate(zip(self.gate_up, self.down)):
+                gu.weight = nn.Parameter(self.w13[e], requires_grad=False)
+                dn.weight = nn.Parameter(self.w2[e], requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w13 is not None and x.is_cuda:
+            return self._fused(x)
         t0 = time.perf_counter()
         experts, weights = self.route(x)
         flat = experts.reshape(-1)
@@ -97,6 +113,20 @@ class SparseMoe(nn.Module):
             y = self.down[e - first](F.silu(gate) * up)
             out.index_add_(0, rows, (y * w).to(out.dtype))
         if self.shared_expert is not None:  # after the routed experts, as transformers adds it
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _fused(self, x: torch.Tensor) -> torch.Tensor:
+        """The grouped Triton kernels' path (CUDA): no host sync, no loop over experts."""
+        from engine.models.moe_triton import fused_experts
+
+        experts, weights = self.route(x)
+        out, _ = fused_experts(x, self.w13, self.w2, experts - self.experts.start, weights)
+        # every expert's tokens (another rank's too), counted where they are: read at scrape time
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, experts.reshape(-1), torch.ones_like(experts.reshape(-1)))
+        self.device_tokens.add_(counts)  # one tensor for good: a captured graph adds into it too
+        if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out if self.tp is None else self.tp.all_reduce(out)
 
