@@ -44,6 +44,8 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
         "Stopping it stops what it started.",
     )
     p.add_argument("--config", default=None, help="YAML or TOML file with any of these options")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the checkpoint, as `vllm serve MODEL` takes it (the same as --model)")
     _router_args(p)
     c = p.add_argument_group("cluster")
     c.add_argument(
@@ -98,6 +100,7 @@ def _controller_parser(sub) -> argparse.ArgumentParser:
 
     def run(a):
         apply_config_file(a, p, a.argv)
+        vllm_spellings(a)
         from cli.serve import controller
 
         return controller(a)
@@ -111,14 +114,20 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument(
-        "--served-model-name", default=None, help="model name clients use (default: the checkpoint dir's name)"
+        "--served-model-name", nargs="+", default=None, metavar="NAME",
+        help="model names clients use, the first in answers (default: the checkpoint dir's name)"
     )
-    g.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
+    g.add_argument("--api-key", action="append", default=[],
+                   help="accepted API key (repeatable; default: env TANDEM_API_KEY, else VLLM_API_KEY; a key on a "
+                   "command line is visible to every user of the host: prefer the environment or --api-key-file)")
     g.add_argument("--chat-template", default=None, metavar="FILE|NAME",
                    help="a Jinja chat template file, or a built-in one (hermes, llama3_json, mistral: the tool-"
                         "calling styles of Qwen2.5/Hermes, Llama 3.x and Mistral), instead of the checkpoint's")
     g.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json", "mistral"),
                    help="the format the model writes tool calls in; enables tool_choice auto")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's switch for tool_choice auto: here --tool-call-parser alone enables it; accepted, "
+                   "and it needs --tool-call-parser as in vLLM")
     g.add_argument("--api-key-file", default=None, help="file of API keys, one per line")
     g.add_argument("--admin-key", default=None, help="key for /admin (scale, status); unset: /admin is closed")
     g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM; with --ssl-keyfile)")
@@ -300,8 +309,32 @@ def apply_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser,
             setattr(args, dest, value)
 
 
+def vllm_spellings(args: argparse.Namespace) -> None:
+    """vLLM's ways of saying what tandem has: the model as a positional argument, an API
+    key from the environment, --enable-auto-tool-choice beside a parser,
+    --speculative-config (worker_runtime/engine_args.py). CommandError where they clash."""
+    from worker_runtime.engine_args import apply_vllm_spellings
+
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if getattr(args, "model", None) not in (None, tag):
+            raise CommandError(f"the model is given twice: {tag!r} and --model {args.model!r}")
+        args.model = tag
+    if hasattr(args, "api_key") and not args.api_key:
+        key = os.environ.get("TANDEM_API_KEY") or os.environ.get("VLLM_API_KEY")
+        args.api_key = [key] if key else []
+    if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
+        raise CommandError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral)")
+    if hasattr(args, "speculative_method"):
+        try:
+            apply_vllm_spellings(args)
+        except ValueError as e:
+            raise CommandError(str(e)) from None
+
+
 def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser, attach: bool = False) -> int:
     apply_config_file(args, parser, args.argv)
+    vllm_spellings(args)
     from cli.serve import serve
 
     return serve(args, attach=attach)

@@ -114,9 +114,10 @@ def build_app(args: argparse.Namespace, backend):
     from router.tools import chat_template_text
 
     model_path = os.path.abspath(args.model) if args.model else backend.view.info["model"]
-    name = args.served_model_name or os.path.basename(model_path.rstrip("/"))
+    names = args.served_model_name or [os.path.basename(model_path.rstrip("/"))]
     settings = RouterSettings(
-        served_model_name=name,
+        served_model_name=names[0],
+        more_served_names=tuple(names[1:]),
         model_aliases=(model_path,),
         api_keys=frozenset(args.api_key),
         api_key_file=args.api_key_file,

@@ -533,8 +533,13 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     model: str | None = None  # the draft model's checkpoint (method "draft"; default: the built-in draft)
     adaptive: bool = True  # measure whether speculating pays, and size each request's draft (engine/spec_policy.py)
+    # ngram: the n-gram lengths looked up, longest first (vLLM's prompt_lookup_min/max)
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
 
     def __post_init__(self) -> None:
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16:
+            raise ConfigError("prompt_lookup_min and prompt_lookup_max: 1 <= min <= max <= 16")
         if self.method is not None and self.method not in SPECULATIVE_METHODS:
             raise ConfigError(f"speculative method {self.method!r}: use one of {', '.join(SPECULATIVE_METHODS)}")
         if not 1 <= self.num_speculative_tokens <= 16:

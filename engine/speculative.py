@@ -297,7 +297,7 @@ def make_proposer(config: SpeculativeConfig, target_runner=None, device_config=N
     """The proposer `config` names; the draft model's is built on the target's runner
     (it shares the target's block tables: engine/draft.py)."""
     if config.method == "ngram":
-        return NgramProposer()
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "suffix":
         return SuffixProposer()
     from engine.config import ConfigError

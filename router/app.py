@@ -172,15 +172,15 @@ def create_app(backend: Backend, tokenizer: Tokenizer, settings: RouterSettings,
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
         auth.require_api_key(request)
-        # only the served name: an alias (the checkpoint's path) is accepted in requests
+        # only the served names: an alias (the checkpoint's path) is accepted in requests
         # but never shown, so the API does not reveal the server's filesystem
-        cards = ModelList(data=[model_card(settings.served_model_name)])
+        cards = ModelList(data=[model_card(name) for name in settings.listed_names])
         return Response(cards.model_dump_json(), media_type="application/json")
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(request: Request, model_id: str) -> Response:
         auth.require_api_key(request)
-        if model_id != settings.served_model_name:
+        if model_id not in settings.listed_names:
             raise ApiError.model_not_found(model_id)
         return Response(model_card(model_id).model_dump_json(), media_type="application/json")
 

@@ -19,6 +19,9 @@ def _require(cond: bool, msg: str) -> None:
 @dataclass(frozen=True)
 class RouterSettings:
     served_model_name: str = "tandem-tiny-v2"
+    # More names the model is served under (vLLM's --served-model-name a b): accepted in
+    # requests and listed by /v1/models; answers name the first
+    more_served_names: tuple[str, ...] = ()
     # More names a request's `model` may use for the same model (e.g. the checkpoint path).
     model_aliases: tuple[str, ...] = ()
     # API keys on /v1/*: none (and no file) means the OpenAI endpoints are open.
@@ -76,6 +79,7 @@ class RouterSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_keys", frozenset(self.api_keys))  # accept any iterable
         object.__setattr__(self, "model_aliases", tuple(self.model_aliases))
+        object.__setattr__(self, "more_served_names", tuple(self.more_served_names))
         _require(bool(self.served_model_name), "served_model_name must not be empty")
         _require(self.max_concurrent_requests >= 1, "max_concurrent_requests must be >= 1")
         _require(self.max_queued_requests >= 0, "max_queued_requests must be >= 0 (0: no queue, 429 when busy)")
@@ -104,4 +108,9 @@ class RouterSettings:
 
     @property
     def model_names(self) -> tuple[str, ...]:
-        return (self.served_model_name, *self.model_aliases)
+        return (self.served_model_name, *self.more_served_names, *self.model_aliases)
+
+    @property
+    def listed_names(self) -> tuple[str, ...]:
+        """The names /v1/models lists."""
+        return (self.served_model_name, *self.more_served_names)

@@ -4,10 +4,12 @@ and the worker entry points: one definition, one conversion to EngineConfig."""
 from __future__ import annotations
 
 import argparse
+import json
 
 from engine.config import (
     KV_CACHE_DTYPES,
     CacheConfig,
+    ConfigError,
     DeviceConfig,
     EngineConfig,
     GrammarLimits,
@@ -43,7 +45,8 @@ def add_grammar_arg(g) -> None:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="local Hugging Face checkpoint dir (default: the built-in model)")
-    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    g.add_argument("--dtype", default="auto", type=_dtype, choices=("auto", "float32", "bfloat16", "float16"),
+                   help="auto, float32, bfloat16, float16 (vLLM's half and float name the last and the first)")
     g.add_argument("--quantization", "-q", default=None, choices=("int8", "fp8"),
                    help="quantize the checkpoint's linear weights as they load (each decoder layer's and an LM head "
                    "of its own), one symmetric scale per output channel: int8, or fp8 (e4m3); activations stay in "
@@ -87,6 +90,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA: the share of the device's memory this worker may fill (weights, peak activations "
                    "of the largest step, KV cache), when the cache size is not given (vLLM's meaning)")
     g.add_argument("--no-prefix-caching", action="store_true")
+    # vLLM's spellings of the same switches (on is the default in both)
+    g.add_argument("--enable-prefix-caching", dest="no_prefix_caching", action="store_const", const=False,
+                   help=argparse.SUPPRESS)
+    g.add_argument("--no-enable-prefix-caching", dest="no_prefix_caching", action="store_const", const=True,
+                   help=argparse.SUPPRESS)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=2048)
@@ -94,6 +102,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="prompt + output tokens a sequence of your traffic reaches: a worker warns at start "
                    "when --max-num-seqs such sequences cannot fit in its KV cache")
     g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--enable-chunked-prefill", dest="no_chunked_prefill", action="store_const", const=False,
+                   help=argparse.SUPPRESS)
+    g.add_argument("--no-enable-chunked-prefill", dest="no_chunked_prefill", action="store_const", const=True,
+                   help=argparse.SUPPRESS)
     ahead = g.add_mutually_exclusive_group()
     ahead.add_argument("--async-scheduling", action="store_const", const=True, default=None,
                        help="plan and launch each decode step while the device runs the one before (the default on "
@@ -111,12 +123,100 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-model", default=None, metavar="DIR",
                    help="the draft model's checkpoint, same tokenizer as --model (default with --speculative-method "
                    "draft: the built-in draft, when the built-in model is served)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON", type=_speculative_config,
+                   help='vLLM\'s form of the three above: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                   '(method ngram, suffix, or draft_model with "model")')
+    add_refused_vllm_args(g)
     g.add_argument("--no-adaptive-speculation", action="store_true",
                    help="always propose K tokens (default: speculate where it measured faster at the current batch "
                    "size, each request as deep as its acceptance warrants)")
 
 
+# vLLM options tandem does not take, and why: refused by name instead of "unrecognized"
+VLLM_REFUSED = {
+    "--trust-remote-code": "tandem runs no code from a checkpoint; its families are built in (README)",
+    "--pipeline-parallel-size": "pipeline parallelism is not implemented; split a model with "
+                                "--tensor-parallel-size",
+    "--data-parallel-size": "data parallelism is the decode pool's size here: --decode N (and --prefill N)",
+    "--swap-space": "no host swap tier yet: a preempted request is recomputed",
+    "--load-format": "checkpoints are read as safetensors from a local directory",
+    "--download-dir": "no model is downloaded: --model names a local directory",
+}
+
+
+class _Refused(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: {VLLM_REFUSED[self.dest_flag]}")
+
+
+def add_refused_vllm_args(g) -> None:
+    """The vLLM options of VLLM_REFUSED, each ending the parse with its reason."""
+    short = {"--pipeline-parallel-size": "-pp", "--data-parallel-size": "-dp"}
+    for flag in VLLM_REFUSED:
+        names = [flag, short[flag]] if flag in short else [flag]
+        action = g.add_argument(*names, nargs="?", action=_Refused, help=argparse.SUPPRESS)
+        action.dest_flag = flag
+
+
+def _dtype(value: str) -> str:
+    """vLLM's dtype names as tandem's: half is float16, float is float32."""
+    return {"half": "float16", "float": "float32"}.get(value, value)
+
+
+SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max")
+_SPECULATIVE_METHODS = {"ngram": "ngram", "suffix": "suffix", "draft_model": "draft", "draft": "draft"}
+
+
+def _speculative_config(text: str) -> dict:
+    """vLLM's --speculative-config JSON, checked: the keys tandem has, a method it has."""
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise argparse.ArgumentTypeError("a JSON object, e.g. {\"method\": \"ngram\", \"num_speculative_tokens\": 4}")
+    unknown = sorted(set(d) - set(SPECULATIVE_KEYS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"tandem does not take {', '.join(unknown)}; it takes "
+                                         f"{', '.join(SPECULATIVE_KEYS)}")
+    method = d.get("method") or ("draft_model" if d.get("model") else None)
+    if method not in _SPECULATIVE_METHODS:
+        raise argparse.ArgumentTypeError(f"method {method!r}: tandem has {', '.join(_SPECULATIVE_METHODS)}")
+    k = d.get("num_speculative_tokens", 4)
+    if not isinstance(k, int) or k < 1:
+        raise argparse.ArgumentTypeError(f"num_speculative_tokens must be a positive integer, not {k!r}")
+    lookup = {key: d[key] for key in ("prompt_lookup_min", "prompt_lookup_max") if key in d}
+    if lookup and method != "ngram":
+        raise argparse.ArgumentTypeError("prompt_lookup_min/max are for method ngram")
+    return {"method": _SPECULATIVE_METHODS[method], "num_speculative_tokens": k, "model": d.get("model"), **lookup}
+
+
+def apply_vllm_spellings(a: argparse.Namespace) -> None:
+    """Fold vLLM's forms of engine options into tandem's (--speculative-config); raises
+    ConfigError where both forms were given."""
+    spec = getattr(a, "speculative_config", None)
+    if spec:
+        if a.speculative_method is not None or a.speculative_model is not None:
+            raise ConfigError("give --speculative-config or --speculative-method/--speculative-model, not both")
+        a.speculative_method, a.num_speculative_tokens = spec["method"], spec["num_speculative_tokens"]
+        a.speculative_model = spec["model"]
+        a.prompt_lookup = {key: spec[key] for key in ("prompt_lookup_min", "prompt_lookup_max") if key in spec}
+        a.speculative_config = None  # folded: a second call finds nothing to do
+
+
+def _lookup(a: argparse.Namespace) -> dict:
+    """--speculative-config's n-gram lengths; with only one of them given, the other
+    follows it where tandem's default would be on the wrong side."""
+    d = dict(getattr(a, "prompt_lookup", None) or {})
+    if "prompt_lookup_max" in d and "prompt_lookup_min" not in d:
+        d["prompt_lookup_min"] = min(2, d["prompt_lookup_max"])
+    if "prompt_lookup_min" in d and "prompt_lookup_max" not in d:
+        d["prompt_lookup_max"] = max(4, d["prompt_lookup_min"])
+    return d
+
+
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    apply_vllm_spellings(a)
     return EngineConfig(
         model=a.model,
         dtype=None if a.dtype == "auto" else a.dtype,
@@ -134,7 +234,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                             serial_step_work=None if a.serial_step_work is None else int(a.serial_step_work)),
         seed=a.seed,
         speculative=SpeculativeConfig(method=a.speculative_method, num_speculative_tokens=a.num_speculative_tokens,
-                                      model=a.speculative_model, adaptive=not a.no_adaptive_speculation),
+                                      model=a.speculative_model, adaptive=not a.no_adaptive_speculation,
+                                      **_lookup(a)),
         grammar=GrammarLimits(max_spec_bytes=a.max_grammar_bytes, compile_timeout_s=a.grammar_compile_timeout_s),
         parallel=ParallelConfig(tensor_parallel_size=a.tensor_parallel_size,
                                 enable_expert_parallel=a.enable_expert_parallel),

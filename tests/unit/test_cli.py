@@ -182,3 +182,60 @@ def test_every_router_command_knows_the_grammar_limit(argv):
     assert args.max_grammar_bytes == 256 * 1024 and args.grammar_compile_timeout_s == 10.0
     args = build_parser().parse_args([*argv, "--max-grammar-bytes", "1024"])
     assert args.max_grammar_bytes == 1024
+
+
+def test_vllm_spellings_mean_what_they_mean_in_vllm(monkeypatch):
+    """`vllm serve`'s forms of what tandem has: a positional model, --dtype half/float,
+    --(no-)enable-prefix-caching / --(no-)enable-chunked-prefill, several served names,
+    --speculative-config JSON (n-gram lengths included), --enable-auto-tool-choice with
+    a parser, and the API key from VLLM_API_KEY."""
+    from cli.main import vllm_spellings
+    from worker_runtime.engine_args import engine_config_from_args
+
+    monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    a = parse(["serve", "/models/qwen", "--dtype", "half", "--enable-prefix-caching", "--no-enable-chunked-prefill",
+               "--served-model-name", "a", "b", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+               "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 6}'])
+    vllm_spellings(a)
+    cfg = engine_config_from_args(a)
+    assert (a.model, a.served_model_name, a.api_key) == ("/models/qwen", ["a", "b"], ["from-env"])
+    assert cfg.dtype == "float16" and cfg.cache.enable_prefix_caching and not cfg.scheduler.enable_chunked_prefill
+    spec = cfg.speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == (
+        "ngram", 5, 2, 6)
+    off = parse(["serve", "--no-enable-prefix-caching", "--dtype", "float"])
+    assert not engine_config_from_args(off).cache.enable_prefix_caching and engine_config_from_args(off).dtype == \
+        "float32"
+    draft = parse(["serve", "--speculative-config", '{"model": "/models/draft", "num_speculative_tokens": 3}'])
+    vllm_spellings(draft)
+    assert (draft.speculative_method, draft.speculative_model) == ("draft", "/models/draft")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--speculative-config", '{"method": "eagle"}'], "method 'eagle'"),
+    (["--speculative-config", '{"method": "ngram", "draft_tensor_parallel_size": 1}'], "does not take"),
+    (["--speculative-config", "ngram"], "not JSON"),
+])
+def test_vllm_forms_tandem_lacks_are_refused_with_what_it_has(argv, says, capsys):
+    with pytest.raises(SystemExit):
+        parse(["serve", *argv])
+    assert says in capsys.readouterr().err
+
+
+def test_vllm_forms_that_clash_are_refused():
+    from cli.checks import CommandError
+    from cli.main import vllm_spellings
+
+    for argv in (["/m", "--model", "/other"], ["--enable-auto-tool-choice"],
+                 ["--speculative-config", '{"method": "ngram"}', "--speculative-method", "suffix"]):
+        with pytest.raises(CommandError):
+            vllm_spellings(parse(["serve", *argv]))
+
+
+@pytest.mark.parametrize("argv", [["--trust-remote-code"], ["-pp", "2"], ["--swap-space", "4"]])
+def test_vllm_options_tandem_does_not_take_are_refused_by_name_with_a_reason(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse(["serve", *argv])
+    err = capsys.readouterr().err
+    assert argv[0] in err and "unrecognized" not in err
