@@ -26,6 +26,7 @@ TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 GRAMMAR_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 20_000, 50_000, 100_000)
 FINISH_REASONS = ("stop", "length", "abort")
 CLASSES = ("interactive", "batch")  # traffic classes, indexed by engine lane (0, 1)
 PRESET_STATUSES = ("400", "401", "404", "429", "500", "503")
@@ -65,8 +66,9 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         reg, m, mc = self.registry, ["model_name"], ["model_name", "class"]
         self.registry.register(_LoadCollector(model_name, load))
+        # vLLM's names and labels wherever tandem measures the same thing (vllm:X is tandem:X)
         self.success = Counter("tandem:request_success", "Finished engine requests by finish reason.",
-                               m + ["finish_reason"], registry=reg)
+                               m + ["finished_reason"], registry=reg)
         self.errors = Counter("tandem:request_errors", "HTTP requests answered with an error, by status.",
                               m + ["status"], registry=reg)
         self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens of engine requests.", m, registry=reg)
@@ -83,9 +85,25 @@ class RouterMetrics:
                               buckets=TTFT_BUCKETS, registry=reg)
         self.itl = Histogram("tandem:inter_token_latency_seconds", "Time between consecutive tokens.", mc,
                              buckets=TOKEN_LATENCY_BUCKETS, registry=reg)
-        self.tpot = Histogram("tandem:time_per_output_token_seconds",
+        self.tpot = Histogram("tandem:request_time_per_output_token_seconds",
                               "Mean time per output token after the first, per request.", mc,
                               buckets=TOKEN_LATENCY_BUCKETS, registry=reg)
+        self.tpot_token = Histogram("tandem:time_per_output_token_seconds",
+                                    "Time between consecutive tokens, per token (vLLM's older name of the "
+                                    "inter-token latency).", mc, buckets=TOKEN_LATENCY_BUCKETS, registry=reg)
+        phases = (("queue", "Arrival to leaving the router's admission queue.", TTFT_BUCKETS),
+                  ("prefill", "Leaving the admission queue to the first token (the engine's queue, the "
+                   "prefill and, disaggregated, the KV transfer).", TTFT_BUCKETS),
+                  ("decode", "First token to last.", E2E_BUCKETS),
+                  ("inference", "Leaving the admission queue to the last token.", E2E_BUCKETS))
+        self.phase = {name: Histogram(f"tandem:request_{name}_time_seconds", doc, mc, buckets=b, registry=reg)
+                      for name, doc, b in phases}
+        self.req_prompt = Histogram("tandem:request_prompt_tokens", "Prompt tokens per finished request.", mc,
+                                    buckets=COUNT_BUCKETS, registry=reg)
+        self.req_generation = Histogram("tandem:request_generation_tokens", "Generated tokens per finished "
+                                        "request.", mc, buckets=COUNT_BUCKETS, registry=reg)
+        self.req_max_tokens = Histogram("tandem:request_params_max_tokens", "max_tokens of finished requests.",
+                                        mc, buckets=COUNT_BUCKETS, registry=reg)
         self.e2e = Histogram("tandem:e2e_request_latency_seconds", "Arrival to last token.", mc,
                              buckets=E2E_BUCKETS, registry=reg)
         self.grammar_compile = Histogram("tandem:grammar_compile_seconds", "Compiling a request's structured-output "
@@ -120,6 +138,7 @@ class RouterMetrics:
         self.c_ttft = [self.ttft.labels(model_name, c) for c in CLASSES]
         self.c_itl = [self.itl.labels(model_name, c) for c in CLASSES]
         self.c_tpot = [self.tpot.labels(model_name, c) for c in CLASSES]
+        self.c_tpot_token = [self.tpot_token.labels(model_name, c) for c in CLASSES]
         self.c_e2e = [self.e2e.labels(model_name, c) for c in CLASSES]
 
     def register(self, collector: Collector) -> None:
@@ -154,18 +173,21 @@ class RouterMetrics:
         return {"ttft_met": sum(t for _, t, _ in self.recent), "ttft_total": len(self.recent),
                 "tpot_met": sum(tpots), "tpot_total": len(tpots)}
 
-    def timer(self, arrival: float, cls: int = 0) -> "ChoiceTimer":
-        """`cls`: the request's traffic class (0 interactive, 1 batch)."""
-        return ChoiceTimer(self, arrival, cls)
+    def timer(self, arrival: float, cls: int = 0, max_tokens: int | None = None) -> "ChoiceTimer":
+        """`cls`: the request's traffic class (0 interactive, 1 batch). Made as the request
+        leaves the admission queue."""
+        return ChoiceTimer(self, arrival, cls, max_tokens)
 
 
 class ChoiceTimer:
     """Timing of one engine request; reports to RouterMetrics as tokens arrive."""
 
-    def __init__(self, metrics: RouterMetrics, arrival: float, cls: int = 0) -> None:
+    def __init__(self, metrics: RouterMetrics, arrival: float, cls: int = 0, max_tokens: int | None = None) -> None:
         self.m = metrics
         self.cls = cls
         self.arrival = arrival
+        self.admitted = time.monotonic()  # made as it leaves the admission queue
+        self.max_tokens = max_tokens
         self.first: float | None = None
         self.last: float | None = None
         self.tokens = 0
@@ -191,9 +213,10 @@ class ChoiceTimer:
             m.m_cache_queries.inc(prompt_tokens)
         else:
             gap = (now - self.last) / n
-            itl = m.c_itl[self.cls]
+            itl, per_token = m.c_itl[self.cls], m.c_tpot_token[self.cls]
             for _ in range(n):
                 itl.observe(gap)
+                per_token.observe(gap)
         self.last = now
         self.tokens += n
         m.m_generation_tokens.inc(n)
@@ -210,6 +233,17 @@ class ChoiceTimer:
         now = time.monotonic() if now is None else now
         cls = self.cls
         m.c_e2e[cls].observe(now - self.arrival)
+        name = CLASSES[cls]
+        admitted = max(self.admitted, self.arrival)
+        m.phase["queue"].labels(label, name).observe(admitted - self.arrival)
+        if self.first is not None:
+            m.phase["prefill"].labels(label, name).observe(max(0.0, self.first - admitted))
+            m.phase["decode"].labels(label, name).observe(self.last - self.first)
+            m.phase["inference"].labels(label, name).observe(max(0.0, self.last - admitted))
+        m.req_prompt.labels(label, name).observe(self.prompt_tokens)
+        m.req_generation.labels(label, name).observe(self.tokens)
+        if self.max_tokens is not None:
+            m.req_max_tokens.labels(label, name).observe(self.max_tokens)
         tpot = None
         if self.first is not None and self.tokens > 1:
             tpot = (self.last - self.first) / (self.tokens - 1)

@@ -298,7 +298,7 @@ class OpenAIServing:
                     greq = GenerateRequest(f"{rid}-{index}", prompt.ids, p, priority)
                     job.runs.append(ChoiceRun(index, pi, self.backend, greq,
                                               TextStream(self.tokenizer, p, prompt.ids),
-                                              self.metrics.timer(arrival, priority)))
+                                              self.metrics.timer(arrival, priority, p.max_tokens)))
             await all_or_nothing(run.start() for run in job.runs)
         except BackendError as e:
             await job.close()

@@ -74,7 +74,7 @@ def build() -> dict:
         q(f"sum(rate(tandem:prompt_tokens_total{RATE}))", "prompt tokens/s"),
     ], "Tokens per second over all routers.", width=12))
     d = d.with_panel(panel("Requests", "reqps", [
-        q(f"sum by (finish_reason) (rate(tandem:request_success_total{RATE}))", "finished: {{finish_reason}}"),
+        q(f"sum by (finished_reason) (rate(tandem:request_success_total{RATE}))", "finished: {{finished_reason}}"),
         q(f"sum by (status) (rate(tandem:request_errors_total{RATE}))", "error {{status}}"),
     ], "Finished engine requests by finish reason, and HTTP errors by status.", width=6))
     d = d.with_panel(panel("Goodput", "short", [
@@ -87,7 +87,7 @@ def build() -> dict:
         q("max by (class) (tandem:slo_ttft_seconds)", "SLO {{class}}"),
     ], "Per traffic class, from the HTTP request's arrival: router queue, tokenization, prefill, KV transfer."))
     d = d.with_panel(panel("Time per output token", "s", [
-        *quantiles("tandem:time_per_output_token_seconds", (0.5, 0.99), by="class"),
+        *quantiles("tandem:request_time_per_output_token_seconds", (0.5, 0.99), by="class"),
         q("max by (class) (tandem:slo_tpot_seconds)", "SLO {{class}}"),
     ], "Per traffic class, per request: (last token - first token) / (tokens - 1)."))
     d = d.with_panel(panel("Inter-token latency", "s", quantiles("tandem:inter_token_latency_seconds"),

@@ -417,7 +417,15 @@ def test_metrics_carry_every_series(http, server):
         "tandem:time_to_first_token_seconds",
         "tandem:inter_token_latency_seconds",
         "tandem:time_per_output_token_seconds",
+        "tandem:request_time_per_output_token_seconds",
         "tandem:e2e_request_latency_seconds",
+        "tandem:request_queue_time_seconds",
+        "tandem:request_prefill_time_seconds",
+        "tandem:request_decode_time_seconds",
+        "tandem:request_inference_time_seconds",
+        "tandem:request_prompt_tokens",
+        "tandem:request_generation_tokens",
+        "tandem:request_params_max_tokens",
         "tandem:request_errors",
         "tandem:slo_attainment",
         "tandem:goodput_tokens",
@@ -429,14 +437,21 @@ def test_metrics_carry_every_series(http, server):
     }
     assert s["tandem:admission_queue_timeout_seconds"] == 0.5  # the fixture's --queue-timeout-s
     assert s["tandem:admission_max_running"] == 2 and s["tandem:admission_max_waiting"] == 2
-    assert s[("tandem:request_success_total", (("finish_reason", "length"), m))] >= 2
+    assert s[("tandem:request_success_total", (("finished_reason", "length"), m))] >= 2
     assert s[("tandem:request_errors_total", (m, ("status", "400")))] >= 1
     assert s["tandem:prompt_tokens_total"] == s["tandem:prefix_cache_queries_total"] > 0
     assert 0 < s["tandem:prefix_cache_hits_total"] < s["tandem:prefix_cache_queries_total"]
     assert s["tandem:generation_tokens_total"] >= 8
     ttft_count = s["tandem:time_to_first_token_seconds_count"]
     assert ttft_count >= 2 and s["tandem:e2e_request_latency_seconds_count"] >= 2
-    assert s["tandem:inter_token_latency_seconds_count"] >= 6 and s["tandem:time_per_output_token_seconds_count"] >= 2
+    assert s["tandem:inter_token_latency_seconds_count"] >= 6
+    assert s["tandem:time_per_output_token_seconds_count"] == s["tandem:inter_token_latency_seconds_count"]  # per token
+    assert s["tandem:request_time_per_output_token_seconds_count"] >= 2  # per request
+    done = s["tandem:e2e_request_latency_seconds_count"]
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert s[f"tandem:request_{phase}_time_seconds_count"] == done
+    assert s["tandem:request_generation_tokens_sum"] == s["tandem:generation_tokens_total"]
+    assert s["tandem:request_params_max_tokens_count"] == done
     met = (
         s[("tandem:slo_attainment_total", (("met", "true"), m))]
         + s[("tandem:slo_attainment_total", (("met", "false"), m))]
