@@ -605,10 +605,17 @@ def test_multiturn_chat_finds_every_earlier_turn_cached(tmp_path):
             assert cur["cached_tokens"] >= 16 * (prev["prompt_tokens"] // 16) - 16, conv
 
 
-def test_a_local_serve_ignores_the_cluster_ray_start_last_recorded(serve):
+def test_a_local_serve_from_a_vllm_command_line_ignores_the_ray_cluster_last_recorded(serve, model_path):
     """`ray start` records its address in /tmp/ray/ray_current_cluster and a bare
     ray.init() attaches to it, even once that cluster is gone; `tandem serve` without
-    --address must start its own runtime whatever the record says."""
+    --address must start its own runtime whatever the record says.
+
+    The server is started with `vllm serve MODEL` as a team moving from vLLM writes it:
+    the model as a positional argument, vLLM's switches for what tandem does by
+    default, two served names and --speculative-config. Requests under either name are
+    answered (under the first), /v1/models lists both, and drafts are verified (n-gram,
+    as the JSON asked)."""
+    import json as _json
     from pathlib import Path
 
     record = Path("/tmp/ray/ray_current_cluster")
@@ -616,14 +623,27 @@ def test_a_local_serve_ignores_the_cluster_ray_start_last_recorded(serve):
     record.parent.mkdir(parents=True, exist_ok=True)
     record.write_text("127.0.0.1:9")  # a cluster that is not there
     try:
-        srv = serve("--colocated", "--decode", "1")
-        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
-        assert r.status_code == 200
+        srv = serve(str(model_path), "--colocated", "--decode", "1", "--enable-prefix-caching",
+                    "--enable-chunked-prefill", "--dtype", "float", "--served-model-name", "tiny", "tiny-alias",
+                    "--speculative-config", _json.dumps({"method": "ngram", "num_speculative_tokens": 4,
+                                                         "prompt_lookup_max": 4}))
     finally:
         if before is None:
             record.unlink(missing_ok=True)
         else:
             record.write_text(before)
+    listed = [m["id"] for m in httpx.get(srv.url + "/v1/models", timeout=10).json()["data"]]
+    assert listed == ["tiny", "tiny-alias"]
+    for name in listed:
+        r = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+            "model": name, "prompt": "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)"
+            "\n\ndef fib2(n):", "max_tokens": 48, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "tiny"
+    [worker] = srv.pools()["decode"]["workers"]
+    assert srv.metrics("http://" + worker["metrics"] + "/metrics")["tandem:spec_decode_num_drafts_total"] > 0
+    r = httpx.post(srv.url + "/v1/completions", timeout=10, json={"model": "other", "prompt": "x", "max_tokens": 1})
+    assert r.status_code == 404
 
 
 def test_joining_an_unreachable_cluster_fails_at_once_with_advice(tmp_path):
@@ -895,28 +915,3 @@ def test_a_paused_worker_is_slow_not_dead(serve, model_path):
         assert time.monotonic() < deadline, "the controller never noted the missed checks"
         time.sleep(0.5)
     assert "is dead" not in log
-
-
-def test_a_vllm_command_line_runs_unchanged(serve, model_path):
-    """`vllm serve MODEL` as a team moving from vLLM writes it: the model as a positional
-    argument, vLLM's switches for what tandem does by default, two served names and
-    --speculative-config. Requests under either name are answered (under the first), and
-    /v1/models lists both; drafts are verified (n-gram, as the JSON asked)."""
-    import json as _json
-
-    srv = serve(str(model_path), "--colocated", "--decode", "1", "--enable-prefix-caching",
-                "--enable-chunked-prefill", "--dtype", "float", "--served-model-name", "tiny", "tiny-alias",
-                "--speculative-config", _json.dumps({"method": "ngram", "num_speculative_tokens": 4,
-                                                     "prompt_lookup_max": 4}))
-    listed = [m["id"] for m in httpx.get(srv.url + "/v1/models", timeout=10).json()["data"]]
-    assert listed == ["tiny", "tiny-alias"]
-    for name in listed:
-        r = httpx.post(srv.url + "/v1/completions", timeout=60, json={
-            "model": name, "prompt": "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)"
-            "\n\ndef fib2(n):", "max_tokens": 48, "temperature": 0})
-        assert r.status_code == 200, r.text
-        assert r.json()["model"] == "tiny"
-    [worker] = srv.pools()["decode"]["workers"]
-    assert srv.metrics("http://" + worker["metrics"] + "/metrics")["tandem:spec_decode_num_drafts_total"] > 0
-    r = httpx.post(srv.url + "/v1/completions", timeout=10, json={"model": "other", "prompt": "x", "max_tokens": 1})
-    assert r.status_code == 404
