@@ -266,7 +266,11 @@ def main(argv: list[str] | None = None) -> int:
                      f"(median {statistics.median(ms):.2f}) | {' / '.join(f'{v:.1%}' for v in s1)} | "
                      f"{' / '.join(f'{v:.0f}' for v in bt)} (median {statistics.median(bt):.0f}) | "
                      f"{' / '.join(f'{v:.1%}' for v in sb)} |")
-    (a.out / "report.md").write_text("\n".join(lines) + "\n")
+    return _report(a.out, lines)
+
+
+def _report(out: Path, lines: list[str]) -> int:
+    (out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
@@ -296,9 +300,7 @@ def experts_report(a, runs: list[dict]) -> int:
                      f"| {share('one_stream', 'routing_share')} | {share('one_stream', 'allreduce_share')} "
                      f"| {' / '.join(f'{v:.0f}' for v in bt)} (median {statistics.median(bt):.0f}) "
                      f"| {share('batch', 'routing_share')} | {share('batch', 'allreduce_share')} |")
-    (a.out / "report.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    return _report(a.out, lines)
 
 
 if __name__ == "__main__":

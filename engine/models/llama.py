@@ -255,28 +255,26 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm(residual, ops)
         else:
             h = self.input_layernorm.add_forward(residual, delta, ops)
+        attended = self._attention(residual, h, rope, kv, meta, backend, last)
+        if attended is None:
+            return residual[:0], None
+        o, residual = attended
         if self.sandwich:
-            return self._sandwich(residual, h, rope, kv, meta, backend, last)
-        if last and meta.kept is not None:
-            o = self.self_attn.forward_kept(h, rope, kv, meta, backend)
-            if o is None:
-                return residual[:0], None
-            residual = residual.index_select(0, meta.kept.rows)
-        else:
-            o = self.self_attn(h, rope, kv, meta, backend)
+            return self._sandwich(residual, o)
         h = self.post_attention_layernorm.add_forward(residual, o, ops)
         return residual, self.mlp(h)
 
-    def _sandwich(self, residual, h, rope, kv, meta, backend, last):
-        """Gemma's layer from its input norm on: x += norm(attn(h)); the MLP's output,
-        normalised, is the delta the next layer adds."""
+    def _attention(self, residual, h, rope, kv, meta, backend, last):
+        """(the attention's output, the residual rows it goes with): the kept rows only for
+        the last layer of a step with `meta.kept`; None when no row is kept."""
         if last and meta.kept is not None:
             o = self.self_attn.forward_kept(h, rope, kv, meta, backend)
-            if o is None:
-                return residual[:0], None
-            residual = residual.index_select(0, meta.kept.rows)
-        else:
-            o = self.self_attn(h, rope, kv, meta, backend)
+            return None if o is None else (o, residual.index_select(0, meta.kept.rows))
+        return self.self_attn(h, rope, kv, meta, backend), residual
+
+    def _sandwich(self, residual, o):
+        """Gemma's layer after its attention: x += norm(attn); the MLP's output,
+        normalised, is the delta the next layer adds."""
         residual.add_(self.post_attention_layernorm(o))
         return residual, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(residual)))
 
