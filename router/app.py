@@ -34,6 +34,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from engine.build_info import build_info
 from engine.tokenizer import Tokenizer
 from router.access import AccessLogMiddleware
 from router.admin import AdminInterface
@@ -187,6 +188,11 @@ def create_app(backend: Backend, tokenizer: Tokenizer, settings: RouterSettings,
     @app.get("/health")
     async def health() -> JSONResponse:
         return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        """vLLM's /version, with the commit where known (engine/build_info.py)."""
+        return JSONResponse(build_info())
 
     @app.get("/ready")
     async def ready() -> JSONResponse:

@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engine.build_info import build_info
+
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
@@ -66,6 +68,9 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         reg, m, mc = self.registry, ["model_name"], ["model_name", "class"]
         self.registry.register(_LoadCollector(model_name, load))
+        info = build_info()
+        Gauge("tandem:build_info", "The tandem this process runs (1): its version and commit.",
+              ["component", "version", "commit"], registry=reg).labels("router", info["version"], info["commit"]).set(1)
         # vLLM's names and labels wherever tandem measures the same thing (vllm:X is tandem:X)
         self.success = Counter("tandem:request_success", "Finished engine requests by finish reason.",
                                m + ["finished_reason"], registry=reg)

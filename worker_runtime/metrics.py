@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engine.build_info import build_info
 from worker_runtime.config import Role
 from worker_runtime.stats import COUNTERS, WorkerStats
 
@@ -183,6 +184,10 @@ class WorkerMetrics:
         generic, or none where they did not load); and what the model's weights and KV
         cache are stored as (`tandem:worker_model_info`, from `model_dtypes`)."""
         lab = ["worker_id", "role"]
+        info = build_info()
+        Gauge("tandem:build_info", "The tandem this process runs (1): its version and commit.",
+              lab + ["component", "version", "commit"], registry=self.registry).labels(
+                  *self.labels, "worker", info["version"], info["commit"]).set(1)
         if model:
             Gauge("tandem:worker_model_info", "What this worker's model computes in (dtype), stores its linear "
                   "weights as (weights: the dtype, int8 or fp8; weight_scales: how their scales go) and its KV "

@@ -67,6 +67,11 @@ def test_int8_colocated_through_http(serve, qwen2, tmp_path):
               if line.startswith("tandem:worker_model_info{")]
     for label in ('dtype="float32"', 'weights="int8"', 'weight_scales="channel"', 'kv_cache_dtype="float32"'):
         assert label in info, info
+    from engine.build_info import build_info
+
+    [built] = [line for line in httpx.get("http://" + worker["metrics"] + "/metrics").text.splitlines()
+               if line.startswith("tandem:build_info{")]
+    assert 'component="worker"' in built and f'version="{build_info()["version"]}"' in built, built
 
 
 def test_fp8_checkpoint_and_fp8_kv_cache_disaggregated_through_http(serve, qwen2, tmp_path):

@@ -87,6 +87,16 @@ def test_tokenize_and_detokenize(server, tok):
         assert bad.status_code in (400, 404) and bad.json()["error"]["param"] == param, bad.text
 
 
+def test_version_and_build_info(server):
+    """vLLM's /version (with the commit where known) and tandem:build_info on /metrics."""
+    from engine.build_info import build_info
+
+    r = httpx.get(server.url + "/version")
+    assert r.status_code == 200 and r.json() == build_info() and r.json()["version"] == "0.1.0"
+    line = next(x for x in httpx.get(server.url + "/metrics").text.splitlines() if x.startswith("tandem:build_info{"))
+    assert 'component="router"' in line and 'version="0.1.0"' in line and line.endswith(" 1.0")
+
+
 def test_user_and_metadata_are_accepted(client):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                        max_completion_tokens=3, user="user-1234", metadata={"team": "search"},
