@@ -307,7 +307,7 @@ def counters(server) -> dict[str, float]:
     aborted = sum(
         s.value
         for s in families["tandem:request_success"].samples
-        if s.name.endswith("_total") and s.labels["finish_reason"] == "abort"
+        if s.name.endswith("_total") and s.labels["finished_reason"] == "abort"
     )
     generated = sum(s.value for s in families["tandem:generation_tokens"].samples if s.name.endswith("_total"))
     return {"aborted": aborted, "generated": generated}
