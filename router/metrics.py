@@ -56,6 +56,20 @@ class _LoadCollector(Collector):
         yield g
 
 
+class _Renamed(Collector):
+    """Another metric's series under a second name (and help), read when scraped."""
+
+    def __init__(self, metric, name: str, documentation: str) -> None:
+        self.metric, self.name, self.documentation = metric, name, documentation
+
+    def collect(self):
+        old = self.metric._name
+        for fam in self.metric.collect():
+            fam.name, fam.documentation = self.name, self.documentation
+            fam.samples = [s._replace(name=self.name + s.name[len(old):]) for s in fam.samples]
+            yield fam
+
+
 class RouterMetrics:
     def __init__(self, model_name: str, slos: dict[str, tuple[float, float]],
                  load: Callable[[], tuple[int, list[int]]] = lambda: (0, [0, 0])) -> None:
@@ -93,9 +107,11 @@ class RouterMetrics:
         self.tpot = Histogram("tandem:request_time_per_output_token_seconds",
                               "Mean time per output token after the first, per request.", mc,
                               buckets=TOKEN_LATENCY_BUCKETS, registry=reg)
-        self.tpot_token = Histogram("tandem:time_per_output_token_seconds",
-                                    "Time between consecutive tokens, per token (vLLM's older name of the "
-                                    "inter-token latency).", mc, buckets=TOKEN_LATENCY_BUCKETS, registry=reg)
+        # vLLM's older name of the inter-token latency: the same histogram under a second
+        # name, copied at scrape time (not observed twice a token)
+        reg.register(_Renamed(self.itl, "tandem:time_per_output_token_seconds",
+                              "Time between consecutive tokens, per token (vLLM's older name of the inter-token "
+                              "latency)."))
         phases = (("queue", "Arrival to leaving the router's admission queue.", TTFT_BUCKETS),
                   ("prefill", "Leaving the admission queue to the first token (the engine's queue, the "
                    "prefill and, disaggregated, the KV transfer).", TTFT_BUCKETS),
@@ -143,7 +159,6 @@ class RouterMetrics:
         self.c_ttft = [self.ttft.labels(model_name, c) for c in CLASSES]
         self.c_itl = [self.itl.labels(model_name, c) for c in CLASSES]
         self.c_tpot = [self.tpot.labels(model_name, c) for c in CLASSES]
-        self.c_tpot_token = [self.tpot_token.labels(model_name, c) for c in CLASSES]
         self.c_e2e = [self.e2e.labels(model_name, c) for c in CLASSES]
 
     def register(self, collector: Collector) -> None:
@@ -218,10 +233,9 @@ class ChoiceTimer:
             m.m_cache_queries.inc(prompt_tokens)
         else:
             gap = (now - self.last) / n
-            itl, per_token = m.c_itl[self.cls], m.c_tpot_token[self.cls]
+            itl = m.c_itl[self.cls]
             for _ in range(n):
                 itl.observe(gap)
-                per_token.observe(gap)
         self.last = now
         self.tokens += n
         m.m_generation_tokens.inc(n)

@@ -292,6 +292,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
         self.rotary = Rotary(cfg) if rotary else None
         self.rotary_local = None  # Gemma 3's windowed layers' own rope (set with `rotary`)
+        self._local_layers: frozenset[int] = frozenset()  # the layers that rotate with it
         if rotary:
             self.set_rotary(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -307,6 +308,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.local_rope_theta is not None:
             self.rotary_local = Rotary(dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta,
                                                            rope_scaling=RopeScaling()))
+            self._local_layers = frozenset(cfg.sliding_layers)
 
     def set_tensor_parallel(self, comm, vocab_parallel: bool = True) -> None:
         """Sum the row-parallel layers' partial outputs over `comm`'s ranks (this model
@@ -361,12 +363,12 @@ class LlamaForCausalLM(nn.Module):
                 return self.norm.add_forward(residual, delta, ops)
         rope = self.rotary.rotation(positions, residual.dtype, ops)
         local = rope if self.rotary_local is None else self.rotary_local.rotation(positions, residual.dtype, ops)
-        windowed = self.cfg.sliding_layers
+        local_layers = self._local_layers  # empty but for Gemma 3
         delta = None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            residual, delta = layer(residual, delta, local if i in windowed else rope, kv_caches[i], meta, backend,
-                                    ops, i == last)
+            residual, delta = layer(residual, delta, local if i in local_layers else rope, kv_caches[i], meta,
+                                    backend, ops, i == last)
             if on_layer_done is not None:
                 on_layer_done(i)
         if residual.shape[0] == 0:  # no row kept
