@@ -123,8 +123,8 @@ def _workload(run: dict, before: dict, after: dict) -> dict[str, Any]:
     prompts = [r["input_tokens"] for r in recs]
     outputs = [r["output_tokens"] for r in recs]
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    hits, queries = delta.get(("tandem:prefix_cache_hits_total", ""), 0), \
-        delta.get(("tandem:prefix_cache_queries_total", ""), 0)
+    hits, queries = delta.get(("tandem:router_prefix_cache_hits_total", ""), 0), \
+        delta.get(("tandem:router_prefix_cache_queries_total", ""), 0)
     done = {c: delta.get(("tandem:e2e_request_latency_seconds_count", c), 0) for c in ("interactive", "batch")}
     sent = sorted(r["scheduled"] for r in run["requests"])
     span = sent[-1] - sent[0] if len(sent) > 1 else 0.0

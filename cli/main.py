@@ -96,6 +96,9 @@ def _controller_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--start-timeout-s", type=float, default=900.0,
                    help="how long the pools may take to come up (nodes added by an autoscaler take a while)")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name for clients, as the routers' flag: the first is the model_name label of "
+                   "the workers' series (default: the checkpoint dir's name)")
     _pool_args(p, p.add_argument_group("pools"))
 
     def run(a):
@@ -306,6 +309,8 @@ def apply_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser,
         if dest not in dests or dest in ("config", "help"):
             raise SystemExit(f"tandem {args.command}: unknown option {dest.replace('_', '-')!r} in {path}")
         if dest not in given:
+            if dests[dest].nargs in ("+", "*") and not isinstance(value, list):
+                value = [value]  # `served-model-name: a` in a file is the one name a, as on a command line
             setattr(args, dest, value)
 
 

@@ -67,6 +67,8 @@ def pool_config(args: argparse.Namespace, model_path: str):
     template = worker_config_from_args(args, Role.DECODE, "template", engine, metrics_port=args.worker_metrics_port,
                                        cluster_token=token,
                                        shutdown_grace_s=args.worker_shutdown_grace_s)
+    if names := getattr(args, "served_model_name", None):  # the workers' model_name label, as the routers'
+        template = dataclasses.replace(template, served_model_name=names[0])
     if template.host == "auto":  # loopback for the local Ray this starts; each node's address in a cluster
         template = dataclasses.replace(template, host="127.0.0.1" if args.address is None else "node")
     on_gpu = engine.device.device.startswith("cuda")

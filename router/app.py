@@ -57,6 +57,7 @@ from router.serving import OpenAIServing
 from router.settings import RouterSettings, SettingsError
 from router.shutdown import Drain, DrainMiddleware
 from router.sse import ClientDisconnected
+from worker_runtime.prom import ConstLabels
 
 log = logging.getLogger("tandem.admin")
 
@@ -109,8 +110,8 @@ def create_app(backend: Backend, tokenizer: Tokenizer, settings: RouterSettings,
     metrics.admission_limits(settings.max_concurrent_requests, settings.max_queued_requests, settings.queue_timeout_s)
     metrics.drift = drift = DriftMonitor(settings.drift_reference, settings.drift_window_s, settings.drift_min_requests)
     metrics.register(DriftCollector(settings.served_model_name, drift))
-    for c in collectors:
-        metrics.register(c)
+    for c in collectors:  # the cluster's series, with the model's name like the router's own
+        metrics.register(ConstLabels(c, {"model_name": settings.served_model_name}))
     serving = OpenAIServing(backend, tokenizer, settings, metrics, admission)
     drain = Drain(settings.shutdown_grace_s, settings.retry_after_s)
 

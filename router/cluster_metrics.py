@@ -35,7 +35,7 @@ class _WorkerCollector(Collector):
                 "tandem:worker_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", labels=labels
             ),
             "res": GaugeMetricFamily(
-                "tandem:blocks_reserved_for_incoming_kv",
+                "tandem:worker_blocks_reserved_for_incoming_kv",
                 "Blocks a decode worker holds for KV a prefill worker is writing.",
                 labels=labels,
             ),
@@ -123,16 +123,16 @@ class ClusterMetrics:
             registry=reg,
         )
         self.transfer_seconds = Histogram(
-            "tandem:kv_transfer_seconds",
+            "tandem:router_kv_transfer_seconds",
             "KV write issued to written and notified, per request.",
             buckets=TRANSFER_BUCKETS,
             registry=reg,
         )
         self.transfer_bytes = Counter(
-            "tandem:kv_transfer_bytes", "KV bytes written from prefill to decode workers.", registry=reg
+            "tandem:router_kv_transfer_bytes", "KV bytes written from prefill to decode workers.", registry=reg
         )
         self.transfer_failures = Counter(
-            "tandem:kv_transfer_failures", "Remote prefills (prefill or KV write) that failed.", registry=reg
+            "tandem:router_kv_transfer_failures", "Remote prefills (prefill or KV write) that failed.", registry=reg
         )
         self.prefill_queue = Histogram(
             "tandem:prefill_queue_seconds",
@@ -150,7 +150,7 @@ class ClusterMetrics:
             "tandem:routed_requests", "Request attempts sent to each worker.", ["role", "worker_id"], registry=reg
         )
         self.waiting_for_kv = Gauge(
-            "tandem:requests_waiting_for_kv",
+            "tandem:router_requests_waiting_for_kv",
             "Requests reserved on a decode worker whose KV is being prefilled or written.",
             registry=reg,
         )

@@ -45,12 +45,12 @@ class _LoadCollector(Collector):
 
     def collect(self):
         running, waiting = self.load()
-        g = GaugeMetricFamily("tandem:num_requests_running", "Engine requests admitted by the router and not "
+        g = GaugeMetricFamily("tandem:router_num_requests_running", "Engine requests admitted by the router and not "
                               "finished.", labels=["model_name"])
         g.add_metric([self.model], running)
         yield g
-        g = GaugeMetricFamily("tandem:num_requests_waiting", "Engine requests queued in the router for admission, "
-                              "per traffic class.", labels=["model_name", "class"])
+        g = GaugeMetricFamily("tandem:router_num_requests_waiting", "Engine requests queued in the router for "
+                              "admission, per traffic class.", labels=["model_name", "class"])
         for cls, n in zip(CLASSES, waiting):
             g.add_metric([self.model, cls], n)
         yield g
@@ -92,9 +92,9 @@ class RouterMetrics:
                               m + ["status"], registry=reg)
         self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens of engine requests.", m, registry=reg)
         self.generation_tokens = Counter("tandem:generation_tokens", "Generated tokens.", m, registry=reg)
-        self.cache_queries = Counter("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                     m, registry=reg)
-        self.cache_hits = Counter("tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+        self.cache_queries = Counter("tandem:router_prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                     "cache (every prompt token: usage's prompt_tokens).", m, registry=reg)
+        self.cache_hits = Counter("tandem:router_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                   m, registry=reg)
         self.slo = Counter("tandem:slo_attainment", "Successful engine requests that met / missed their traffic "
                            "class's TTFT and TPOT SLOs.", mc + ["met"], registry=reg)

@@ -83,6 +83,19 @@ class WorkerConfig:
     metrics_port: int | None = None  # serve Prometheus /metrics here (0: any free port)
     shutdown_grace_s: float = 30.0  # on SIGTERM: how long running requests may finish (worker_runtime/host.py)
     tls: ClusterTLS | None = None  # mutual TLS for its gRPC, KV transfer and token feed (kv_transfer/tls.py)
+    # the name clients use for the model: the `model_name` label of this worker's series
+    # (None: the checkpoint directory's name, the routers' default too)
+    served_model_name: str | None = None
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        import os
+
+        from engine.models.builtin import BUILTIN_VERSION
+
+        return os.path.basename(self.engine.model.rstrip("/")) if self.engine.model else BUILTIN_VERSION
 
     def __post_init__(self) -> None:
         try:

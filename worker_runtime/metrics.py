@@ -2,7 +2,8 @@
 
 Gauges are read from the engine when scraped (plain ints; a scrape never blocks the
 engine thread); counters and histograms are fed by the engine thread as steps,
-landings and transfers happen. Every series carries `worker_id` and `role`. Names
+landings and transfers happen. Every series carries `worker_id`, `role` and
+`model_name` (the served name, as on the routers' series). Names
 are listed in docs/metrics.md.
 """
 
@@ -19,6 +20,7 @@ from prometheus_client.registry import Collector
 
 from engine.build_info import build_info
 from worker_runtime.config import Role
+from worker_runtime.prom import labelled
 from worker_runtime.stats import COUNTERS, WorkerStats
 
 log = logging.getLogger(__name__)
@@ -130,8 +132,11 @@ class _ExpertCollector(Collector):
 
 
 class WorkerMetrics:
-    def __init__(self, worker_id: str, role: Role, read_stats: Callable[[], WorkerStats]) -> None:
+    def __init__(self, worker_id: str, role: Role, read_stats: Callable[[], WorkerStats],
+                 model_name: str = "") -> None:
         self.registry = reg = CollectorRegistry()
+        # what /metrics serves: every series with the served model's name, as vLLM's carry it
+        self.exported = labelled(reg, {"model_name": model_name}) if model_name else reg
         self.labels = [worker_id, role.value]
         lab = ["worker_id", "role"]
         reg.register(_StatsCollector(self.labels, read_stats))
@@ -170,7 +175,7 @@ class WorkerMetrics:
     def serve(self, host: str, port: int, advertise: str | None = None) -> str:
         """Start the /metrics HTTP endpoint on `host` (port 0: any free port); returns
         the address to scrape, `advertise` (default `host`):port."""
-        server = _serve_text_format(self.registry, host, port)
+        server = _serve_text_format(self.exported, host, port)
         self.address = f"{advertise or host}:{server.server_port}"
         log.info("metrics at http://%s/metrics", self.address)
         return self.address

@@ -96,7 +96,7 @@ class WorkerRpcs(abc.ABC):
     def make_metrics(self) -> WorkerMetrics:
         """The worker's Prometheus registry; its gauges read `stats()` at scrape time.
         Called once the transport and the engine are made: it names both."""
-        metrics = WorkerMetrics(self.config.worker_id, self.role, self.stats)
+        metrics = WorkerMetrics(self.config.worker_id, self.role, self.stats, self.config.model_name)
         kernels = None
         if self.config.engine.device.device == "cpu":
             from engine.cpu_kernels import build

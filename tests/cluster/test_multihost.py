@@ -253,10 +253,14 @@ def test_prefill_on_one_host_decode_on_another_over_tcp_and_nixl(hosts, ray_clus
             tok = __import__("engine.tokenizer", fromlist=["Tokenizer"]).Tokenizer.from_dir(model_path)
             assert choice["text"] == tok.decode(expect), transport
             metrics = httpx.get(url + "/metrics", timeout=10).text
-            assert 'tandem:prefill_decisions_total{reason="remote",where="remote"} 1.0' in metrics, transport
-            moved = [line for line in metrics.splitlines() if line.startswith("tandem:kv_transfer_bytes_total ")]
+            [remote] = [line for line in metrics.splitlines() if line.startswith("tandem:prefill_decisions_total{")
+                        and 'reason="remote"' in line and 'where="remote"' in line]
+            assert remote.endswith(" 1.0") and 'model_name="' in remote, (transport, remote)
+            moved = [line for line in metrics.splitlines() if line.startswith("tandem:router_kv_transfer_bytes_total{")]
             assert moved and float(moved[0].split()[1]) > 0, transport
-            assert "tandem:kv_transfer_failures_total 0.0" in metrics, transport
+            failed = [line for line in metrics.splitlines()
+                      if line.startswith("tandem:router_kv_transfer_failures_total{")]
+            assert failed and float(failed[0].split()[1]) == 0, transport
             assert httpx.get(f"http://{d['metrics']}/metrics", timeout=10).status_code == 200
         finally:
             serve.send_signal(signal.SIGTERM)

@@ -23,6 +23,8 @@ from tests import needs
 from tests.cluster.test_serve import ADMIN, Serve
 from tests.oracle import random_prompts
 
+MODEL_NAME = "prom-model"  # the routers' and the workers' model_name label
+
 pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,7 +104,7 @@ def test_prometheus_scrapes_tandem_fires_kv_cache_high_and_answers_every_dashboa
     # a small decode cache (96 blocks of 16 tokens) that 8 users of ~700-token sequences keep full
     srv = Serve(["--prefill", "1", "--decode", "1", "--num-blocks", "96", "--block-size", "16", "--transport", "tcp",
                  "--local-prefill-threshold", "32", "--slo-ttft-ms", "50", "--slo-tpot-ms", "5",
-                 "--drift-min-requests", "5"],
+                 "--drift-min-requests", "5", "--served-model-name", MODEL_NAME, "second-name"],
                 tmp_path / "serve.log")
     prom = None
     try:
@@ -140,11 +142,17 @@ def test_prometheus_scrapes_tandem_fires_kv_cache_high_and_answers_every_dashboa
         exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
         assert len(exprs) >= 25
         empty = []
-        for expr in exprs:
-            got = prom.query(re.sub(r"\$__rate_interval", "1m", expr))
+        for expr in exprs:  # the variables at their default, All (".*")
+            got = prom.query(re.sub(r"\$(namespace|model_name)\b", ".*", re.sub(r"\$__rate_interval", "1m", expr)))
             if not got:
                 empty.append(expr)
         assert empty == [], f"dashboard queries without data: {empty}"
+        # one model chosen: the served name is on the routers' and the workers' series alike
+        scoped = [re.sub(r"\$model_name\b", MODEL_NAME, re.sub(r"\$namespace\b", ".*", e)) for e in exprs]
+        assert all(prom.query(e.replace("$__rate_interval", "1m")) for e in scoped)
+        assert prom.query('max by (worker_id) (tandem:worker_step_seconds_count{model_name="%s"})' % MODEL_NAME)
+        # a panel written for vLLM, its prefix swapped, answers as it is
+        assert prom.query("sum by (finished_reason) (rate(tandem:request_success_total[1m]))")
     finally:
         if prom is not None:
             prom.stop()

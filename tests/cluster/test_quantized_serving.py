@@ -87,7 +87,7 @@ def test_fp8_checkpoint_and_fp8_kv_cache_disaggregated_through_http(serve, qwen2
     for p in prompts:
         assert complete(srv.url, str(q), p, NEW)["choices"][0]["token_ids"] == hf_greedy(
             ref, p, NEW, ignore_eos=True, kv_fp8=(1.0, 1.0))
-    shipped = srv.metrics()["tandem:kv_transfer_bytes_total"]
+    shipped = srv.metrics()["tandem:router_kv_transfer_bytes_total"]
     # 2 layers x K and V x 2 KV heads x 32 dims, a byte each: 256 bytes a token (fp32: 1,024)
     assert 0 < shipped <= 256 * sum(16 * -(-len(p) // 16) for p in prompts), shipped
     workers = [w for pool in srv.pools().values() for w in pool["workers"]]

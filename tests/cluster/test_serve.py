@@ -80,7 +80,7 @@ def test_openai_sdk_and_metrics_on_a_disaggregated_cluster(serve, model_path, tm
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert cached >= 192, again.usage
     # the router counts the hits the responses report (they come with the last batch)
-    assert srv.metrics()["tandem:prefix_cache_hits_total"] == cached
+    assert srv.metrics()["tandem:router_prefix_cache_hits_total"] == cached
     # short prompt streamed: local prefill on the decode worker
     chunks = list(
         client.completions.create(
@@ -113,23 +113,24 @@ def test_openai_sdk_and_metrics_on_a_disaggregated_cluster(serve, model_path, tm
         "tandem:time_to_first_token_seconds_count",
         "tandem:inter_token_latency_seconds_count",
         "tandem:e2e_request_latency_seconds_count",
-        "tandem:num_requests_running",
-        "tandem:num_requests_waiting",
-        "tandem:prefix_cache_queries_total",
-        "tandem:prefix_cache_hits_total",
+        "tandem:router_num_requests_running",
+        "tandem:router_num_requests_waiting",
+        "tandem:router_prefix_cache_queries_total",
+        "tandem:router_prefix_cache_hits_total",
         "tandem:slo_attainment_total",
         "tandem:prefill_decisions_total",
-        "tandem:kv_transfer_seconds_count",
-        "tandem:kv_transfer_bytes_total",
-        "tandem:kv_transfer_failures_total",
-        "tandem:requests_waiting_for_kv",
-        "tandem:blocks_reserved_for_incoming_kv",
+        "tandem:router_kv_transfer_seconds_count",
+        "tandem:router_kv_transfer_bytes_total",
+        "tandem:router_kv_transfer_failures_total",
+        "tandem:router_requests_waiting_for_kv",
+        "tandem:worker_blocks_reserved_for_incoming_kv",
         "tandem:worker_up",
         "tandem:worker_kv_cache_usage_perc",
         "tandem:pool_ready_workers",
     ):
         assert name in m, f"/metrics lacks {name}"
-    assert m["tandem:kv_transfer_bytes_total"] > 0 and m["tandem:generation_tokens_total"] == 10 + 10 + 8 + 12 + 12
+    assert m["tandem:router_kv_transfer_bytes_total"] > 0
+    assert m["tandem:generation_tokens_total"] == 10 + 10 + 8 + 12 + 12
     assert m["tandem:worker_up"] == 2
     for pool in srv.pools().values():  # every worker serves its own /metrics
         for w in pool["workers"]:

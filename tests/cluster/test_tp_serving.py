@@ -289,7 +289,7 @@ def test_disaggregated_ranks_through_http(serve, checkpoints, name, p_tp, d_tp, 
     prompts = random_prompts([7, 40, 90], seed=63)
     for p in prompts:
         assert complete(srv.url, model, p)["choices"][0]["token_ids"] == hf_greedy(model, p, NEW, ignore_eos=True)
-    assert srv.metrics()["tandem:kv_transfer_bytes_total"] > 0  # prefilled on the prefill worker, handed off
+    assert srv.metrics()["tandem:router_kv_transfer_bytes_total"] > 0  # prefilled on the prefill worker, handed off
 
 
 def test_mixtral_colocated_through_http(serve, checkpoints):

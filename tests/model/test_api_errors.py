@@ -375,7 +375,7 @@ async def test_overload_answers_429_or_503_then_recovers(server):
         for _ in range(4):  # capacity is back
             assert (await c.post("/v1/completions", json=body)).status_code == 200
     samples = metric_samples(server)
-    assert samples["tandem:num_requests_running"] == samples["tandem:num_requests_waiting"] == 0
+    assert samples["tandem:router_num_requests_running"] == samples["tandem:router_num_requests_waiting"] == 0
 
 
 def metric_samples(server) -> dict:
@@ -408,12 +408,12 @@ def test_metrics_carry_every_series(http, server):
     m = ("model_name", MODEL)
     assert s["families"] >= {
         "tandem:request_success",
-        "tandem:num_requests_running",
-        "tandem:num_requests_waiting",
+        "tandem:router_num_requests_running",
+        "tandem:router_num_requests_waiting",
         "tandem:prompt_tokens",
         "tandem:generation_tokens",
-        "tandem:prefix_cache_queries",
-        "tandem:prefix_cache_hits",
+        "tandem:router_prefix_cache_queries",
+        "tandem:router_prefix_cache_hits",
         "tandem:time_to_first_token_seconds",
         "tandem:inter_token_latency_seconds",
         "tandem:time_per_output_token_seconds",
@@ -439,8 +439,8 @@ def test_metrics_carry_every_series(http, server):
     assert s["tandem:admission_max_running"] == 2 and s["tandem:admission_max_waiting"] == 2
     assert s[("tandem:request_success_total", (("finished_reason", "length"), m))] >= 2
     assert s[("tandem:request_errors_total", (m, ("status", "400")))] >= 1
-    assert s["tandem:prompt_tokens_total"] == s["tandem:prefix_cache_queries_total"] > 0
-    assert 0 < s["tandem:prefix_cache_hits_total"] < s["tandem:prefix_cache_queries_total"]
+    assert s["tandem:prompt_tokens_total"] == s["tandem:router_prefix_cache_queries_total"] > 0
+    assert 0 < s["tandem:router_prefix_cache_hits_total"] < s["tandem:router_prefix_cache_queries_total"]
     assert s["tandem:generation_tokens_total"] >= 8
     ttft_count = s["tandem:time_to_first_token_seconds_count"]
     assert ttft_count >= 2 and s["tandem:e2e_request_latency_seconds_count"] >= 2

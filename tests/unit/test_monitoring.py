@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MON = ROOT / "deploy" / "monitoring"
 RULES = MON / "tandem-rules.yaml"
 ALERTS = {"TandemKVCacheHigh", "TandemTTFTHigh", "TandemTPOTHigh", "TandemQueueGrowing", "TandemKVTransferFailures",
-          "TandemKVTransportFallback", "TandemWorkerDown", "TandemPreemptionsHigh", "TandemSLOAttainmentLow",
+          "TandemKVTransportFallback", "TandemWorkerDown", "TandemPoolEmpty", "TandemPreemptionsHigh", "TandemSLOAttainmentLow",
           "TandemProfileDrift"}
 
 
@@ -33,7 +33,7 @@ def promtool() -> str:
 def test_promtool_checks_the_rules():
     done = subprocess.run([promtool(), "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "SUCCESS: 10 rules found" in done.stdout
+    assert "SUCCESS: 11 rules found" in done.stdout
 
 
 def test_every_alert_fires_on_a_bad_series_and_not_on_a_healthy_one():
