@@ -10,7 +10,10 @@ from bench.report import LATENCIES, records_of
 
 
 def _pyplot():
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("tandem: plots need matplotlib, an extra: pip install 'tandem-serve[plot]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

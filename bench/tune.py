@@ -256,10 +256,9 @@ def print_table(trials: list[Trial], best: Trial, slos: dict[str, float]) -> Non
 
 
 def plot(trials: list[Trial], best: Trial, out_dir: Path) -> Path:
-    import matplotlib
+    from bench.plots import _pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     out_dir.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(trials)), 4))

@@ -132,7 +132,8 @@ def _router_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM's switch for tool_choice auto: here --tool-call-parser alone enables it; accepted, "
                    "and it needs --tool-call-parser as in vLLM")
     g.add_argument("--api-key-file", default=None, help="file of API keys, one per line")
-    g.add_argument("--admin-key", default=None, help="key for /admin (scale, status); unset: /admin is closed")
+    g.add_argument("--admin-key", default=None, help="key for /admin (scale, status); default: env TANDEM_ADMIN_KEY; "
+                   "unset: /admin is closed")
     g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM; with --ssl-keyfile)")
     g.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM)")
     g.add_argument("--ssl-ca-certs", default=None,
@@ -328,6 +329,12 @@ def vllm_spellings(args: argparse.Namespace) -> None:
     if hasattr(args, "api_key") and not args.api_key:
         key = os.environ.get("TANDEM_API_KEY") or os.environ.get("VLLM_API_KEY")
         args.api_key = [key] if key else []
+    # secrets from the environment rather than a command line (every user of a host sees
+    # a process's argv): the deploy chart gives them so
+    if hasattr(args, "admin_key") and not args.admin_key:
+        args.admin_key = os.environ.get("TANDEM_ADMIN_KEY") or None
+    if hasattr(args, "cluster_token") and not args.cluster_token:
+        args.cluster_token = os.environ.get("TANDEM_CLUSTER_TOKEN") or None
     if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
         raise CommandError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral)")
     if hasattr(args, "speculative_method"):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from engine.config import EngineConfig
 from kv_transfer.tls import DEFAULT_SERVER_NAME, ClusterTLS
@@ -19,7 +20,8 @@ def add_worker_args(p: argparse.ArgumentParser, host_flag: str = "--host", host_
                    "an IP, 'node' (the node's address), 0.0.0.0 (all interfaces, advertising the node's address), "
                    "an interface name or a network (10.0.0.0/8) (default %(default)s)")
     g.add_argument("--transport", default="auto", choices=TRANSPORTS, help="KV transfer backend (default auto)")
-    g.add_argument("--cluster-token", default=None, help="shared secret every worker gRPC call must carry")
+    g.add_argument("--cluster-token", default=None, help="shared secret every worker gRPC call must carry (default: "
+                   "env TANDEM_CLUSTER_TOKEN, which keeps it off the command line)")
     g.add_argument("--no-layerwise-transfer", action="store_true",
                    help="prefill: push KV after the whole forward, not layer by layer")
     g.add_argument("--reservation-lease-s", type=float, default=HandoffTimeouts.reservation_lease_s,
@@ -59,6 +61,7 @@ def worker_config_from_args(a: argparse.Namespace, role: Role | str, worker_id: 
     handoff = HandoffTimeouts(reservation_lease_s=a.reservation_lease_s, quarantine_s=a.reservation_quarantine_s,
                               transfer_timeout_s=a.transfer_timeout_s)
     return WorkerConfig(role=role, worker_id=worker_id, engine=engine, host=a.worker_host, port=port,
-                        transport=a.transport, cluster_token=cluster_token or a.cluster_token,
+                        transport=a.transport,
+                        cluster_token=cluster_token or a.cluster_token or os.environ.get("TANDEM_CLUSTER_TOKEN"),
                         layerwise_transfer=not a.no_layerwise_transfer, handoff=handoff, metrics_port=metrics_port,
                         shutdown_grace_s=shutdown_grace_s, tls=tls_from_args(a))

@@ -40,9 +40,9 @@ def render(values: dict) -> list[dict]:
             for d in yaml.safe_load_all(text) if d]
 
 
-def test_there_are_four_values_files_gpu_cpu_large_and_70b():
+def test_there_are_five_values_files_gpu_cpu_large_70b_and_rdma():
     assert {p.name for p in VALUES} == {"gpu-values.yaml", "cpu-small-values.yaml", "large-values.yaml",
-                                        "llama-70b-values.yaml"}
+                                        "llama-70b-values.yaml", "rdma-values.yaml"}
 
 
 def test_tensor_parallel_workers_get_pods_of_that_many_gpus_and_the_controller_the_sizes():
@@ -158,16 +158,246 @@ def test_the_gpu_default_places_each_pool_on_gpu_nodes_with_the_autoscaler_on():
     assert all("value" not in env[k] for k in ("TANDEM_ADMIN_KEY", "TANDEM_CLUSTER_TOKEN", "RAY_AUTH_TOKEN"))
 
 
-def test_secrets_are_generated_never_taken_from_values_and_an_existing_secret_is_used_as_given():
+def test_secrets_are_made_once_in_the_cluster_by_a_hook_never_rendered_and_an_existing_secret_is_used_as_given():
     docs = render({})
-    secret = next(d for d in docs if d["kind"] == "Secret")
-    assert set(secret["data"]) == {"api-keys", "admin-key", "cluster-token", "auth_token"}
-    assert len({v for v in secret["data"].values()}) == 4  # four different random values
-    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert not [d for d in docs if d["kind"] == "Secret"]  # no key in any manifest
+    hooks = {d["kind"]: d for d in docs if "helm.sh/hook" in d["metadata"].get("annotations", {})}
+    assert set(hooks) == {"ServiceAccount", "Role", "RoleBinding", "Job"}
+    assert all(d["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade" for d in hooks.values())
+    # the hook's service account may create Secrets and read this one, nothing else
+    rules = hooks["Role"]["rules"]
+    assert rules == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
+                     {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["tdm-tandem-secrets"],
+                      "verbs": ["get"]}]
+    job = hooks["Job"]["spec"]["template"]["spec"]
+    assert job["serviceAccountName"] == hooks["ServiceAccount"]["metadata"]["name"]
+    assert job["containers"][0]["args"] == [(CHART / "files" / "make-secret.py").read_text()]
+    # rendering twice gives the same manifests (GitOps tools diff them)
+    assert yaml.safe_dump_all(render({})) == yaml.safe_dump_all(docs)
     large = render(yaml.safe_load((CHART / "ci" / "large-values.yaml").read_text()))
-    assert not [d for d in large if d["kind"] == "Secret"]
+    assert not [d for d in large if d["kind"] in ("Secret", "Job") and "maker" in d["metadata"]["name"]]
     text = yaml.safe_dump_all(large)
     assert "tandem-prod-secrets" in text and "secretKeyRef" in text
+
+
+class FakeSecretsAPI:
+    """The two calls of the Kubernetes API the hook makes (get one Secret, create one), on
+    127.0.0.1, checking the bearer token: the hook's script runs against it unchanged."""
+
+    def __init__(self, token: str) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.secrets: dict[tuple[str, str], dict] = {}
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self, code: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _route(self):
+                if self.headers.get("Authorization") != f"Bearer {token}":
+                    self._answer(401, {"message": "Unauthorized"})
+                    return None
+                return self.path.strip("/").split("/")  # api v1 namespaces NS secrets [NAME]
+
+            def do_GET(self):
+                if (parts := self._route()) is None:
+                    return
+                key = (parts[3], parts[5])
+                self._answer(200, api.secrets[key]) if key in api.secrets else self._answer(404, {"message": "nf"})
+
+            def do_POST(self):
+                if (parts := self._route()) is None:
+                    return
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                key = (parts[3], body["metadata"]["name"])
+                if key in api.secrets:
+                    self._answer(409, {"message": "AlreadyExists"})
+                else:
+                    api.secrets[key] = body
+                    self._answer(201, body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_the_hook_script_makes_the_secret_once_with_four_random_keys_and_keeps_it(tmp_path):
+    import base64
+    import subprocess
+    import sys
+
+    (tmp_path / "token").write_text("sa-token\n")
+    api = FakeSecretsAPI("sa-token")
+    try:
+        env = {"PATH": "/usr/bin:/bin", "NAMESPACE": "ml", "SECRET_NAME": "tdm-tandem-secrets", "RELEASE": "tdm",
+               "KUBERNETES_API": api.url, "TOKEN_FILE": str(tmp_path / "token")}
+        script = str(CHART / "files" / "make-secret.py")
+        first = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=60)
+        assert first.returncode == 0 and "created" in first.stdout, first.stdout + first.stderr
+        made = api.secrets[("ml", "tdm-tandem-secrets")]
+        data = {k: base64.b64decode(v).decode() for k, v in made["data"].items()}
+        assert set(data) == {"api-keys", "admin-key", "cluster-token", "auth_token"}
+        assert len(set(data.values())) == 4 and min(len(v.strip()) for v in data.values()) >= 40
+        assert data["api-keys"].startswith("sk-tandem-") and data["admin-key"].startswith("adm-tandem-")
+        again = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=60)
+        assert again.returncode == 0 and "kept" in again.stdout, again.stdout + again.stderr
+        assert api.secrets[("ml", "tdm-tandem-secrets")] == made  # an upgrade keeps the keys
+        (tmp_path / "token").write_text("wrong")  # a refusal is a failed hook, named
+        denied = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=60)
+        assert denied.returncode == 1 and "HTTP 401" in denied.stderr
+    finally:
+        api.close()
+
+
+def test_keys_reach_routers_and_the_controller_by_environment_and_file_never_argv():
+    docs = render({})
+    config = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "tdm-tandem-config")
+    script = config["data"]["router.sh"]
+    for flag in ("--admin-key", "--cluster-token", "--api-key ", "$TANDEM_ADMIN_KEY", "$TANDEM_CLUSTER_TOKEN"):
+        assert flag not in script, flag
+    assert "--api-key-file /etc/tandem-secrets/api-keys" in script
+    import os
+
+    from cli.main import build_parser, vllm_spellings
+
+    old = {k: os.environ.get(k) for k in ("TANDEM_ADMIN_KEY", "TANDEM_CLUSTER_TOKEN")}
+    os.environ.update(TANDEM_ADMIN_KEY="adm-from-env", TANDEM_CLUSTER_TOKEN="token-from-env")
+    try:
+        for argv in (["router", "--address", "h:6379"], ["controller", "--address", "h:6379"]):
+            args = build_parser().parse_args(argv)
+            vllm_spellings(args)
+            if argv[0] == "router":  # (a router takes the cluster token from the controller)
+                assert args.admin_key == "adm-from-env"
+            else:
+                assert args.cluster_token == "token-from-env"
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def _pod_templates(docs) -> dict[str, dict]:
+    """Every pod template the release makes, by role (head, prefill, decode, router)."""
+    rc = next(d for d in docs if d["kind"] == "RayCluster")
+    pods = {"head": rc["spec"]["headGroupSpec"]["template"]}
+    for g in rc["spec"]["workerGroupSpecs"]:
+        pods[g["template"]["metadata"]["labels"]["app.kubernetes.io/component"]] = g["template"]
+    return pods
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    ok = all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+    for e in selector.get("matchExpressions", []):
+        assert e["operator"] == "In", e
+        ok = ok and labels.get(e["key"]) in e["values"]
+    return ok
+
+
+@pytest.mark.parametrize("values_file", VALUES, ids=lambda p: p.name)
+def test_every_monitor_endpoint_names_a_port_declared_in_the_pods_it_selects(values_file):
+    values = yaml.safe_load(values_file.read_text())
+    values.setdefault("monitoring", {}).update(podMonitor={"enabled": True}, serviceMonitor={"enabled": True})
+    docs = render(values)
+    pods = _pod_templates(docs)
+    services = [d for d in docs if d["kind"] == "Service"]
+    for mon in (d for d in docs if d["kind"] in ("PodMonitor", "ServiceMonitor")):
+        where = f"{mon['kind']}/{mon['metadata']['name']}"
+        if mon["kind"] == "PodMonitor":
+            chosen = [t for t in pods.values() if _selects(mon["spec"]["selector"], t["metadata"]["labels"])]
+            assert {t["metadata"]["labels"]["app.kubernetes.io/component"] for t in chosen} == (
+                {"decode"} if values.get("pools", {}).get("colocated") else {"prefill", "decode"}), where
+            for ep in mon["spec"]["podMetricsEndpoints"]:
+                assert "targetPort" not in ep and ep["port"], where
+                for t in chosen:
+                    ports = {p["name"]: p for c in t["spec"]["containers"] for p in c.get("ports", [])}
+                    assert ep["port"] in ports, f"{where}: no port {ep['port']} in {list(ports)}"
+                    assert ports[ep["port"]]["containerPort"] == values.get("pools", {}).get("metricsPort", 9400)
+        else:
+            svcs = [s for s in services if _selects(mon["spec"]["selector"], s["metadata"]["labels"])]
+            assert svcs, where
+            for ep in mon["spec"]["endpoints"]:
+                for svc in svcs:
+                    [port] = [p for p in svc["spec"]["ports"] if p["name"] == ep["port"]]
+                    chosen = [t for t in pods.values() if _selects({"matchLabels": svc["spec"]["selector"]},
+                                                                   t["metadata"]["labels"])]
+                    assert {t["metadata"]["labels"]["app.kubernetes.io/component"] for t in chosen} >= {"head"}
+                    for t in chosen:
+                        names = {p["name"] for c in t["spec"]["containers"] for p in c.get("ports", [])}
+                        assert port["targetPort"] in names, f"{where}: {port['targetPort']} not in {names}"
+
+
+def test_each_role_has_its_own_disruption_budget_and_grace_above_its_drain():
+    values = yaml.safe_load((CHART / "ci" / "gpu-values.yaml").read_text())
+    docs = render(values)
+    pods = _pod_templates(docs)
+    budgets = {d["metadata"]["name"].removeprefix("tdm-tandem-"): d["spec"] for d in docs
+               if d["kind"] == "PodDisruptionBudget"}
+    assert set(budgets) == {"head", "router", "prefill", "decode"}
+    for name, spec in budgets.items():  # each selects the pods of its role and no other
+        chosen = {role for role, t in pods.items() if _selects(spec["selector"], t["metadata"]["labels"])}
+        assert chosen == {name}, (name, chosen)
+    assert budgets["head"]["maxUnavailable"] == 0  # the GCS and the controller: an operator moves it
+    assert budgets["router"]["maxUnavailable"] == 1 and budgets["decode"]["maxUnavailable"] == 1
+    router = {"shutdownGraceSeconds": 30, "preStopSeconds": 10, **values.get("router", {})}
+    for role in ("head", "router"):
+        spec = pods[role]["spec"]
+        [c] = [c for c in spec["containers"] if c["name"] == "router"]
+        assert c["lifecycle"]["preStop"]["exec"]["command"] == ["/bin/sleep", str(router["preStopSeconds"])]
+        assert spec["terminationGracePeriodSeconds"] > router["shutdownGraceSeconds"] + router["preStopSeconds"]
+    drain = values.get("pools", {}).get("drainSeconds", 60)
+    for role in ("prefill", "decode"):
+        assert pods[role]["spec"]["terminationGracePeriodSeconds"] > drain
+    rc = next(d for d in docs if d["kind"] == "RayCluster")
+    assert rc["spec"]["upgradeStrategy"] == {"type": "None"}
+    assert next(d for d in render({"upgradeStrategy": {"type": "Recreate"}})
+                if d["kind"] == "RayCluster")["spec"]["upgradeStrategy"] == {"type": "Recreate"}
+    # colocated, no routers group: no budget for pods that do not exist
+    cpu = render(yaml.safe_load((CHART / "ci" / "cpu-small-values.yaml").read_text()))
+    names = {d["metadata"]["name"] for d in cpu if d["kind"] == "PodDisruptionBudget"}
+    assert "tdm-tandem-prefill" not in names
+
+
+def test_the_rdma_values_give_workers_alone_the_device_ipc_lock_and_ucx_settings():
+    values = yaml.safe_load((CHART / "ci" / "rdma-values.yaml").read_text())
+    docs = render(values)
+    pods = _pod_templates(docs)
+    for role in ("prefill", "decode"):
+        spec = pods[role]["spec"]
+        worker = spec["containers"][0]
+        assert worker["resources"]["limits"]["rdma/ib"] == worker["resources"]["requests"]["rdma/ib"] == 1
+        assert worker["securityContext"]["capabilities"] == {"add": ["IPC_LOCK"], "drop": ["ALL"]}
+        env = {e["name"]: e["value"] for e in worker["env"]}
+        assert env["UCX_TLS"] == "rc_x,cuda_copy,cuda_ipc" and env["UCX_NET_DEVICES"] == "mlx5_0:1"
+        assert spec["priorityClassName"] == "inference-critical"
+        shm = next(v for v in spec["volumes"] if v["name"] == "shm")
+        assert shm["emptyDir"]["sizeLimit"] == "16Gi"
+    assert pods["prefill"]["spec"]["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
+    assert pods["prefill"]["spec"]["containers"][0]["env"][0] == {"name": "NCCL_IB_DISABLE", "value": "0"}
+    decode = pods["decode"]
+    assert decode["metadata"]["annotations"] == {"example.com/team": "inference"}
+    assert "podAntiAffinity" in decode["spec"]["affinity"]
+    assert {"name": "ucx-config", "configMap": {"name": "ucx-config"}} in decode["spec"]["volumes"]
+    assert {"name": "ucx-config", "mountPath": "/etc/ucx", "readOnly": True} in decode["spec"]["containers"][0][
+        "volumeMounts"]
+    for role in ("head", "router"):  # no RDMA device, no extra capability on the rest
+        for c in pods[role]["spec"]["containers"]:
+            assert "rdma/ib" not in json.dumps(c["resources"]) and "IPC_LOCK" not in json.dumps(c), (role, c["name"])
+    config = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "tdm-tandem-config")
+    controller = yaml.safe_load(config["data"]["controller.yaml"])
+    assert controller["transport"] == "nixl" and controller["served-model-name"] == "llama-3-8b"
 
 
 def test_the_large_values_turn_on_every_monitoring_object_and_the_ingress():
@@ -186,9 +416,27 @@ def test_the_large_values_turn_on_every_monitoring_object_and_the_ingress():
     assert rc["spec"]["gcsFaultToleranceOptions"] == {
         "redisAddress": "redis-ha.ml.svc:6379", "externalStorageNamespace": "ml-tdm-tandem",
         "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "redis-ha", "key": "password"}}}}
-    init = groups["decode"]["template"]["spec"]["initContainers"][0]
-    assert init["name"] == "fetch-model"
-    assert {e["name"] for e in init["env"]} >= {"HF_REPO", "HF_TOKEN"}
+    # the model: downloaded once by a Job into a chart-made volume; every pod (routers
+    # too, which read only its tokenizer and config) mounts it read-only and waits for it
+    job = next(d for d in docs if d["kind"] == "Job" and d["metadata"]["name"].startswith("tdm-tandem-model-"))
+    env = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert {"HF_REPO", "HF_TOKEN", "MARKER"} <= set(env)
+    pvc = next(d for d in docs if d["kind"] == "PersistentVolumeClaim")
+    assert pvc["metadata"]["name"] == "tdm-tandem-model" and pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    for pod in [rc["spec"]["headGroupSpec"]["template"]["spec"], *(g["template"]["spec"] for g in groups.values())]:
+        [init] = pod["initContainers"]
+        assert init["name"] == "wait-for-model" and env["MARKER"]["value"] in init["args"][0]
+        model = next(v for v in pod["volumes"] if v["name"] == "model")
+        assert model["persistentVolumeClaim"] == {"claimName": "tdm-tandem-model", "readOnly": True}
+        for c in pod["containers"]:
+            for m in c.get("volumeMounts", []):
+                assert m["name"] != "model" or m["readOnly"] is True
+    # a new revision is a new Job (Jobs are immutable) and a new marker to wait for
+    bumped = copy.deepcopy(yaml.safe_load((CHART / "ci" / "large-values.yaml").read_text()))
+    bumped["model"]["huggingface"]["revision"] = "v2"
+    other = next(d for d in render(bumped)
+                 if d["kind"] == "Job" and d["metadata"]["name"].startswith("tdm-tandem-model-"))
+    assert other["metadata"]["name"] != job["metadata"]["name"]
     # tandem's autoscaler sizes the pools within the groups' bounds; every key is a controller option
     config = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-config"))
     controller = yaml.safe_load(config["data"]["controller.yaml"])
@@ -296,7 +544,8 @@ def test_the_dockerfiles_parse_and_install_as_the_readme_says(name):
     assert json.loads(next(s["value"] for s in steps if s["instruction"] == "ENTRYPOINT")) == ["tandem"]
     # the README's install command, torch pinned first, is the image's
     readme = (ROOT / "README.md").read_text()
-    readme_install = re.search(r'pip install "torch==([0-9.]+)" -e \. && tandem kernels build && tandem serve', readme)
+    readme_install = re.search(r'pip install (?:--extra-index-url \S+ )?"torch==([0-9.]+)" -e \. '
+                               r'&& tandem kernels build && tandem serve', readme)
     assert readme_install, "the README's serve command moved"
     runs = " ".join(s["value"] for s in steps if s["instruction"] == "RUN")
     extra = r'"\.\[gpu\]"' if name == "Dockerfile" else r"\."  # the CUDA image takes the GPU extra
@@ -305,7 +554,10 @@ def test_the_dockerfiles_parse_and_install_as_the_readme_says(name):
     torch_arg = next(s["value"] for s in steps if s["instruction"] == "ARG" and s["value"].startswith("TORCH_VERSION"))
     assert torch_arg == f"TORCH_VERSION={readme_install[1]}"
     # every package directory the project installs is copied in
-    copied = {s["value"].split()[0] for s in steps if s["instruction"] == "COPY"}
+    copies = [s["value"].split() for s in steps if s["instruction"] == "COPY"]
+    assert all(c[0] == "--chown=tandem:tandem" for c in copies), copies  # owned by the user, no chown -R layer
+    assert "chown -R tandem /opt/tandem\n" not in (ROOT / "deploy" / "docker" / name).read_text()
+    copied = {c[1] for c in copies}
     packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists() and p.name != "tests"}
     assert packages <= copied, packages - copied
     if name == "Dockerfile.cpu":

@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 MON = ROOT / "deploy" / "monitoring"
 RULES = MON / "tandem-rules.yaml"
 ALERTS = {"TandemKVCacheHigh", "TandemTTFTHigh", "TandemTPOTHigh", "TandemQueueGrowing", "TandemKVTransferFailures",
-          "TandemKVTransportFallback", "TandemWorkerDown", "TandemPoolEmpty", "TandemPreemptionsHigh", "TandemSLOAttainmentLow",
-          "TandemProfileDrift"}
+          "TandemKVTransportFallback", "TandemWorkerDown", "TandemPoolEmpty", "TandemPreemptionsHigh",
+          "TandemSLOAttainmentLow", "TandemProfileDrift"}
 
 
 def promtool() -> str:

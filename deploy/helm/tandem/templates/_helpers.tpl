@@ -63,8 +63,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
     path: {{ required "model.hostPath.path is required when model.source is hostPath" .Values.model.hostPath.path }}
     type: Directory
 {{- else if eq .Values.model.source "huggingface" }}
-- name: model
-  emptyDir: {}
+- name: model  # filled once by the download Job (templates/model-download.yaml)
+  persistentVolumeClaim:
+    claimName: {{ include "tandem.fullname" . }}-model
+    readOnly: true
 {{- end }}
 {{- end }}
 
@@ -85,42 +87,39 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
   subPath: {{ . }}
   {{- end }}
   {{- end }}
-  readOnly: {{ ne .Values.model.source "huggingface" }}
+  readOnly: true
 {{- end }}
 {{- end }}
 
-{{/* The init container that downloads the model from a Hugging Face repo (model.source huggingface). */}}
+{{/* model.source huggingface: the download's marker file, named after what it fetched, so a
+new repo or revision is waited for again (templates/model-download.yaml writes it). */}}
+{{- define "tandem.modelMarker" -}}
+{{- printf "%s/.tandem-download-%s" .Values.model.mountPath (include "tandem.modelHash" .) }}
+{{- end }}
+
+{{- define "tandem.modelHash" -}}
+{{- printf "%s@%s" .Values.model.huggingface.repo .Values.model.huggingface.revision | sha256sum | trunc 10 }}
+{{- end }}
+
+{{/* Pods wait (bounded) for the model download Job to finish filling the shared volume. */}}
 {{- define "tandem.modelInit" -}}
 {{- if eq .Values.model.source "huggingface" }}
-- name: fetch-model
+- name: wait-for-model
   image: {{ include "tandem.image" . }}
   imagePullPolicy: {{ .Values.image.pullPolicy }}
-  command: ["python3", "-c"]
+  command: ["/bin/bash", "-c"]
   args:
     - |
-      import os
-      from huggingface_hub import snapshot_download
-      snapshot_download(os.environ["HF_REPO"], revision=os.environ["HF_REVISION"],
-                        local_dir=os.environ["MODEL_DIR"], token=os.environ.get("HF_TOKEN") or None)
-  env:
-    - name: HF_REPO
-      value: {{ required "model.huggingface.repo is required when model.source is huggingface" .Values.model.huggingface.repo | quote }}
-    - name: HF_REVISION
-      value: {{ .Values.model.huggingface.revision | quote }}
-    - name: MODEL_DIR
-      value: {{ .Values.model.mountPath | quote }}
-    {{- with .Values.model.huggingface.tokenSecret }}
-    {{- if .name }}
-    - name: HF_TOKEN
-      valueFrom:
-        secretKeyRef:
-          name: {{ .name }}
-          key: {{ .key }}
-    {{- end }}
-    {{- end }}
+      for i in $(seq 1 8640); do  # 12 hours at most: a large checkpoint on a slow link
+        [ -f {{ include "tandem.modelMarker" . | quote }} ] && exit 0
+        sleep 5
+      done
+      echo "the model download Job did not finish: kubectl logs job/{{ include "tandem.fullname" . }}-model-{{ include "tandem.modelHash" . }}" >&2
+      exit 1
   volumeMounts:
     - name: model
       mountPath: {{ .Values.model.mountPath }}
+      readOnly: true
   securityContext:
     {{- toYaml $.Values.securityContext | nindent 4 }}
 {{- end }}
