@@ -99,6 +99,10 @@ def _controller_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model's name for clients, as the routers' flag: the first is the model_name label of "
                    "the workers' series (default: the checkpoint dir's name)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="where the workers send their spans (OTLP/HTTP); routers take their own flag")
+    p.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="the controller's and its workers' log lines: text, or one JSON object a line")
     _pool_args(p, p.add_argument_group("pools"))
 
     def run(a):
@@ -132,6 +136,9 @@ def _router_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM's switch for tool_choice auto: here --tool-call-parser alone enables it; accepted, "
                    "and it needs --tool-call-parser as in vLLM")
     g.add_argument("--api-key-file", default=None, help="file of API keys, one per line")
+    g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="OpenTelemetry traces (vLLM's flag): an OTLP/HTTP collector's URL (http://host:4318); each "
+                   "request's spans go there, under the client's W3C traceparent when it sends one")
     g.add_argument("--admin-key", default=None, help="key for /admin (scale, status); default: env TANDEM_ADMIN_KEY; "
                    "unset: /admin is closed")
     g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM; with --ssl-keyfile)")

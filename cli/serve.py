@@ -13,12 +13,12 @@ import socket
 import sys
 
 from cli.checks import CommandError, check_model
-from router.access import use_log_format
 from worker_runtime import envs, eventloop
 from worker_runtime.args import tls_from_args, worker_config_from_args
 from worker_runtime.config import LOG_FORMAT, Role
 from worker_runtime.engine_args import engine_config_from_args, parse_cores
 from worker_runtime.gcheap import freeze_startup_heap
+from worker_runtime.logs import use_log_format
 from worker_runtime.membership import RouterReport
 from worker_runtime.rpc import use_cluster_tls
 
@@ -69,6 +69,9 @@ def pool_config(args: argparse.Namespace, model_path: str):
                                        shutdown_grace_s=args.worker_shutdown_grace_s)
     if names := getattr(args, "served_model_name", None):  # the workers' model_name label, as the routers'
         template = dataclasses.replace(template, served_model_name=names[0])
+    if endpoint := getattr(args, "otlp_traces_endpoint", None):  # the workers' spans, as the router's
+        template = dataclasses.replace(template, otlp_traces_endpoint=endpoint)
+    template = dataclasses.replace(template, log_format=getattr(args, "log_format", "text"))  # every process alike
     if template.host == "auto":  # loopback for the local Ray this starts; each node's address in a cluster
         template = dataclasses.replace(template, host="127.0.0.1" if args.address is None else "node")
     on_gpu = engine.device.device.startswith("cuda")
@@ -114,7 +117,9 @@ def build_app(args: argparse.Namespace, backend):
     from router.app import create_app
     from router.settings import RouterSettings
     from router.tools import chat_template_text
+    from worker_runtime import tracing
 
+    tracing.configure("tandem-router", args.otlp_traces_endpoint)
     model_path = os.path.abspath(args.model) if args.model else backend.view.info["model"]
     names = args.served_model_name or [os.path.basename(model_path.rstrip("/"))]
     settings = RouterSettings(

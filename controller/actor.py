@@ -25,6 +25,7 @@ import time
 from controller.autoscale import Autoscaler
 from controller.pools import PoolConfig, PoolManager
 from worker_runtime.config import LOG_FORMAT, Role
+from worker_runtime.logs import use_log_format
 from worker_runtime.membership import CONTROLLER_NAME, NAMESPACE, Membership, RouterReport
 from worker_runtime.rpc import use_cluster_tls
 
@@ -39,6 +40,7 @@ class Controller:
 
     def __init__(self, config: PoolConfig, info: dict) -> None:
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+        use_log_format(config.template.log_format, LOG_FORMAT)
         use_cluster_tls(config.template.tls)  # its health and stats channels to the workers
         # the controller reads stats only for `tandem status` (drains poll for themselves);
         # routers poll every 0.25 s for routing, so no need to wake every worker as often here

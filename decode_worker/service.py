@@ -37,7 +37,7 @@ from protos import tandem_pb2_grpc as pb_grpc
 from protos.handoff import reservation_event
 from protos.sampling import params_from_pb
 from protos.tokens import can_join, logprobs_from_pb, token_events_to_pb
-from worker_runtime import envs
+from worker_runtime import envs, tracing
 from worker_runtime.addresses import resolve as resolve_host
 from worker_runtime.config import Role, WorkerConfig
 from worker_runtime.grammar import matcher_for
@@ -216,6 +216,7 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
     # ---- gRPC ------------------------------------------------------------------------------
     async def Decode(self, request: pb.DecodeRequest, context):
         rid = request.request_id
+        received, parent = time.monotonic(), tracing.parent_from(context.invocation_metadata() or (), required=True)
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
         if self.refusals_left > 0:
@@ -271,6 +272,9 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
             if sink is not None:
                 feed.unbind(rid)
                 finished = finished or sink.saw_finished  # its last event is out: nothing to abort
+            if parent is not None:  # the call on this worker: a reservation (or admission) to the finish
+                tracing.end(tracing.start("decode_engine", parent, received, tracing.SERVER, {
+                    "tandem.remote_prefill": request.mode == pb.REMOTE_PREFILL}), error=None if finished else "closed")
             if not finished and self.aengine.healthy:
                 # the router closed the stream: its client went away, or a stop string or
                 # a failure elsewhere ended the request first

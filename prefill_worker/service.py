@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures as cf
 import dataclasses
 import logging
+import time
 
 import grpc
 
@@ -25,6 +26,7 @@ from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc as pb_grpc
 from protos.handoff import prefill_reply
 from protos.sampling import params_from_pb
+from worker_runtime import tracing
 from worker_runtime.addresses import resolve as resolve_host
 from worker_runtime.config import Role, WorkerConfig
 from worker_runtime.grammar import matcher_for
@@ -185,6 +187,7 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
         rid, prompt = request.request_id, list(request.prompt_ids)
+        received, parent = time.monotonic(), tracing.parent_from(context.invocation_metadata() or (), required=True)
         try:
             params = params_from_pb(request.params)
             grammar = await matcher_for(self.engine.structured, params)
@@ -229,7 +232,20 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
                          "failed): aborted", rid)
                 # idempotent; `peer`: if the submit never ran, the decode worker hears that nothing comes
                 self.loop.post(self.engine.abort, rid, "cancelled, timed out or failed", peer)
+        if parent is not None:
+            self._trace(parent, received, result)
         return self._reply(result)
+
+    @staticmethod
+    def _trace(parent, received: float, r: PrefillResult) -> None:
+        """This call's spans: the prefill (queued, computed, KV written) and, in it, the KV
+        write's tail (the last write issued to written and notified)."""
+        now = time.monotonic()
+        span = tracing.start("prefill", parent, received, tracing.SERVER, {
+            "tandem.queue_s": r.queue_s, "tandem.prefill_s": r.prefill_s, "tandem.cached_tokens": r.num_cached_tokens})
+        tracing.phase("kv_transfer", span, max(received, now - r.transfer_s), now,
+                      {"tandem.kv_bytes": r.num_bytes, "tandem.kv_blocks": r.num_blocks})
+        tracing.end(span, now)
 
     def _deadline_s(self, context) -> float:
         """How long this prefill may take: the caller's RPC deadline (the router sends

@@ -20,7 +20,6 @@ logged at DEBUG only: they come every few seconds and say nothing per request.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -29,12 +28,13 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from worker_runtime.logs import LOG_FORMATS, JsonFormatter, use_log_format  # noqa: F401 (the router's names for them)
+
 log = logging.getLogger("tandem.access")
 
 REQUEST_ID_HEADER = b"x-request-id"
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,96}$")
 _QUIET_PATHS = ("/health", "/ready", "/metrics")
-LOG_FORMATS = ("text", "json")
 
 
 @dataclass
@@ -152,32 +152,3 @@ class AccessLogMiddleware:
 
 def _dash(v, unit: str = "") -> str:
     return "-" if v is None else f"{v}{unit}"
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, and an access line's
-    fields as keys of their own."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        record.message = record.getMessage()  # as logging.Formatter leaves it, for other handlers
-        out = {
-            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.message,
-        }
-        fields = getattr(record, "access", None)
-        if fields:
-            out.update(fields)
-        if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out)
-
-
-def use_log_format(fmt: str, text_format: str, logger: logging.Logger | None = None) -> None:
-    """Format every handler of `logger` (the root logger) as `fmt` says (text: `text_format`)."""
-    if fmt not in LOG_FORMATS:
-        raise ValueError(f"log format must be one of {LOG_FORMATS}, got {fmt!r}")
-    formatter = JsonFormatter() if fmt == "json" else logging.Formatter(text_format)
-    for h in (logger or logging.getLogger()).handlers:
-        h.setFormatter(formatter)

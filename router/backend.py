@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from engine.sampling_params import SamplingParams
 from protos.tokens import TokenBatch
@@ -35,6 +35,8 @@ class GenerateRequest:
     params: SamplingParams
     priority: int = 0  # engine.sequence.INTERACTIVE / BATCH
     output_ids: list[int] = field(default_factory=list)  # generated earlier (a migrated request)
+    # the OpenTelemetry context its worker calls carry (worker_runtime/tracing.py); None: off
+    trace: Any = None
 
 
 class Backend(abc.ABC):

@@ -20,6 +20,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.build_info import build_info
+from worker_runtime import tracing
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -214,6 +215,7 @@ class ChoiceTimer:
         self.cached = 0  # prompt tokens counted as prefix cache hits so far
         self.prompt_tokens = 0
         self.done = False
+        self.span = None  # the engine request's trace span (worker_runtime/tracing.py), when traced
 
     def on_tokens(self, n: int, prompt_tokens: int, cached_tokens: int, now: float | None = None) -> None:
         """`cached_tokens`: the prompt tokens found in the prefix cache, as known so far
@@ -245,6 +247,8 @@ class ChoiceTimer:
         if self.done:
             return
         self.done = True
+        if self.span is not None:
+            self._trace(reason, time.monotonic() if now is None else now)
         m, label = self.m, self.m.model
         m.success.labels(label, reason).inc()
         if reason not in OK_REASONS:
@@ -278,3 +282,13 @@ class ChoiceTimer:
             m.goodput_tokens.labels(label, CLASSES[cls]).inc(self.tokens)
         if m.drift is not None:
             m.drift.record(self.prompt_tokens, self.tokens, self.cached, cls == 1)
+
+    def _trace(self, reason: str, now: float) -> None:
+        """The request's spans from what was measured: its time in the router's queue,
+        and its decode (first token to last, as the router saw them)."""
+        span, admitted = self.span, max(self.admitted, self.arrival)
+        tracing.phase("queue", span, self.arrival, admitted)
+        if self.first is not None:
+            tracing.phase("decode", span, self.first, self.last, {"gen_ai.usage.output_tokens": self.tokens})
+        span.set_attribute("tandem.finish_reason", reason)
+        tracing.end(span, now, None if reason in OK_REASONS else reason)

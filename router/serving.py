@@ -47,6 +47,7 @@ from router.responses import Responder
 from router.settings import RouterSettings
 from router.sse import SSEResponse, until_disconnect
 from router.tools import plan_tools
+from worker_runtime import tracing
 
 # Texts longer than this are tokenized on a worker thread, not on the event loop.
 _INLINE_TOKENIZE_CHARS = 32 * 1024
@@ -121,12 +122,13 @@ class OpenAIServing:
     async def _serve(self, request: Request, req: AnyRequest, prompts: list[PromptInput],
                      params: list[SamplingParams], arrival: float, rid: str) -> Response:
         record = access_record(request.scope)
+        parent = tracing.parent_from(request.headers)  # the client's traceparent; None: tracing off
         if req.stream:
-            job = record.job = await until_disconnect(request, self._open(req, prompts, params, arrival, rid))
+            job = record.job = await until_disconnect(request, self._open(req, prompts, params, arrival, rid, parent))
             return SSEResponse(self.responder.stream(job, req, rid), job.close)
 
         async def answer() -> Response:
-            job = record.job = await self._open(req, prompts, params, arrival, rid)
+            job = record.job = await self._open(req, prompts, params, arrival, rid, parent)
             try:
                 results = await all_or_nothing(run.collect() for run in job.runs)
             except BackendError as e:
@@ -284,7 +286,7 @@ class OpenAIServing:
 
     # ---- running -----------------------------------------------------------------
     async def _open(self, req: AnyRequest, prompts: list[PromptInput], params: list[SamplingParams],
-                    arrival: float, rid: str) -> Job:
+                    arrival: float, rid: str, parent=None) -> Job:
         """Admit, then start one engine request per choice and wait for every first batch."""
         n = req.num_runs
         priority = INTERACTIVE if (req.priority or 0) <= 0 else BATCH
@@ -295,10 +297,14 @@ class OpenAIServing:
                 for j in range(n):
                     p = base if req.seed is None else base.replace(seed=choice_seed(req.seed, j))
                     index = pi * n + j
-                    greq = GenerateRequest(f"{rid}-{index}", prompt.ids, p, priority)
+                    timer = self.metrics.timer(arrival, priority, p.max_tokens)
+                    timer.span = tracing.start("request", parent, arrival, tracing.SERVER, {
+                        "tandem.request_id": f"{rid}-{index}", "tandem.prompt_tokens": len(prompt.ids),
+                        "gen_ai.request.max_tokens": p.max_tokens or 0})
+                    greq = GenerateRequest(f"{rid}-{index}", prompt.ids, p, priority,
+                                           trace=tracing.context_of(timer.span))
                     job.runs.append(ChoiceRun(index, pi, self.backend, greq,
-                                              TextStream(self.tokenizer, p, prompt.ids),
-                                              self.metrics.timer(arrival, priority, p.max_tokens)))
+                                              TextStream(self.tokenizer, p, prompt.ids), timer))
             await all_or_nothing(run.start() for run in job.runs)
         except BackendError as e:
             await job.close()

@@ -28,6 +28,7 @@ from protos.handoff import decode_request, prefill_request
 from protos.tokens import TokenBatch, batch_from_pb, logprobs_from_pb
 from router import token_feed
 from router.backend import BackendError, GenerateRequest
+from worker_runtime import tracing
 from worker_runtime.client import RPC_ERRORS, WorkerClient
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ class _DecodeCall:
         self.reader = token_feed.reader_for(decode)
         self.queue, feed_id = self.reader.register(self.rid) if self.reader is not None else (None, "")
         try:
-            self.call = decode.stub.Decode(_decode_request(req, mode, lease_s, feed_id), metadata=decode.metadata)
+            self.call = decode.stub.Decode(_decode_request(req, mode, lease_s, feed_id),
+                                           metadata=decode.metadata + tracing.metadata(req.trace))
         except grpc.aio.UsageError as e:
             self.close()
             raise rpc_error(e, f"decode worker {decode.worker_id}") from e
@@ -146,12 +148,19 @@ async def run_prefill(prefill: WorkerClient, decode: WorkerClient, req: Generate
                       timeout: float) -> PrefillOutcome:
     preq = prefill_request(request_id=req.request_id, prompt_ids=req.prompt_ids, params=req.params,
                            priority=req.priority, reservation=res, decode_address=decode.address)
+    span = tracing.start("remote_prefill", req.trace, kind=tracing.CLIENT, attributes={
+        "tandem.prefill_worker": prefill.worker_id, "tandem.decode_worker": decode.worker_id})
+    outcome = PrefillOutcome(None, "cancelled")
     try:
-        return PrefillOutcome(await prefill.stub.Prefill(preq, timeout=timeout, metadata=prefill.metadata))
+        outcome = PrefillOutcome(await prefill.stub.Prefill(
+            preq, timeout=timeout, metadata=prefill.metadata + tracing.metadata(tracing.context_of(span))))
     except grpc.aio.AioRpcError as e:
-        return PrefillOutcome(None, f"prefill worker {prefill.worker_id}: {e.code().name}: {e.details()}")
+        outcome = PrefillOutcome(None, f"prefill worker {prefill.worker_id}: {e.code().name}: {e.details()}")
     except grpc.aio.UsageError:
-        return PrefillOutcome(None, f"prefill worker {prefill.worker_id} was removed (its channel is closed)")
+        outcome = PrefillOutcome(None, f"prefill worker {prefill.worker_id} was removed (its channel is closed)")
+    finally:
+        tracing.end(span, error=outcome.error)
+    return outcome
 
 
 async def disaggregated_stream(prefill: WorkerClient, decode: WorkerClient, req: GenerateRequest,

@@ -86,6 +86,8 @@ class WorkerConfig:
     # the name clients use for the model: the `model_name` label of this worker's series
     # (None: the checkpoint directory's name, the routers' default too)
     served_model_name: str | None = None
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector for this worker's spans (worker_runtime/tracing.py)
+    log_format: str = "text"  # text | json: its log lines (worker_runtime/logs.py)
 
     @property
     def model_name(self) -> str:
@@ -104,3 +106,4 @@ class WorkerConfig:
             raise ConfigError(f"role {self.role!r}: use 'prefill' or 'decode'") from None
         _require(bool(self.worker_id), "worker_id must be non-empty")
         _require(self.transport in TRANSPORTS, f"transport {self.transport!r}: use auto, nixl or tcp")
+        _require(self.log_format in ("text", "json"), f"log_format {self.log_format!r}: use text or json")

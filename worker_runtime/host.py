@@ -27,6 +27,7 @@ from worker_runtime.args import add_worker_args, worker_config_from_args
 from worker_runtime.config import LOG_FORMAT, Role, WorkerConfig
 from worker_runtime.engine_args import add_engine_args, engine_config_from_args
 from worker_runtime.gcheap import freeze_startup_heap
+from worker_runtime.logs import use_log_format
 from worker_runtime.metrics import model_dtypes
 from worker_runtime.rpc import use_cluster_tls
 
@@ -90,6 +91,7 @@ class WorkerActor:
         device = config.engine.device
         setup_process(device.num_threads, device.cpu_affinity)
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+        use_log_format(config.log_format, LOG_FORMAT)
         if config.engine.parallel.tensor_parallel_size > 1:
             from worker_runtime.tp_ray import use_placement_group
 

@@ -10,7 +10,7 @@ import time
 from kv_transfer.base import Transport, TransportConfig
 from kv_transfer.registry import create_transport
 from protos import tandem_pb2 as pb
-from worker_runtime import envs
+from worker_runtime import envs, tracing
 from worker_runtime.addresses import Endpoint
 from worker_runtime.config import WorkerConfig
 from worker_runtime.metrics import WorkerMetrics, model_dtypes
@@ -96,6 +96,7 @@ class WorkerRpcs(abc.ABC):
     def make_metrics(self) -> WorkerMetrics:
         """The worker's Prometheus registry; its gauges read `stats()` at scrape time.
         Called once the transport and the engine are made: it names both."""
+        tracing.configure(f"tandem-{self.role.value}", self.config.otlp_traces_endpoint)
         metrics = WorkerMetrics(self.config.worker_id, self.role, self.stats, self.config.model_name)
         kernels = None
         if self.config.engine.device.device == "cpu":

@@ -57,19 +57,25 @@ class Serve(TandemServer):
 def test_openai_sdk_and_metrics_on_a_disaggregated_cluster(serve, model_path, tmp_path):
     """The cluster runs with mutual TLS (a CA of the test's own): every path below (the
     KV transfer over TCP, gRPC, the token feeds of the streams) is encrypted, and a
-    worker refuses a client without a cluster certificate."""
+    worker refuses a client without a cluster certificate. Traces go to an OTLP/HTTP
+    receiver: the client's traceparent reaches the workers through gRPC."""
     from openai import OpenAI
 
     from tests.harness.certs import CertAuthority
+    from tests.harness.otlp import OTLPReceiver
 
     ca = CertAuthority(tmp_path)
     cert, key = ca.issue("cluster", dns=("tandem",))
+    otlp = OTLPReceiver()
     srv = serve("--prefill", "1", "--decode", "1", "--transport", "tcp", "--cluster-tls-cert", str(cert),
-                "--cluster-tls-key", str(key), "--cluster-tls-ca", str(ca.path))
+                "--cluster-tls-key", str(key), "--cluster-tls-ca", str(ca.path), "--otlp-traces-endpoint", otlp.url)
     client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
     long_prompt, short_prompt = random_prompts([200, 20], seed=31)
-    # long prompt: remote prefill; token ids in, logprobs give the token ids out
-    r = client.completions.create(model="tandem-tiny-v2", prompt=long_prompt, max_tokens=10, temperature=0, logprobs=0)
+    # long prompt: remote prefill; token ids in, logprobs give the token ids out; traced
+    # under the client's own span (W3C traceparent)
+    trace_id, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    r = client.completions.create(model="tandem-tiny-v2", prompt=long_prompt, max_tokens=10, temperature=0, logprobs=0,
+                                  extra_headers={"traceparent": f"00-{trace_id}-{client_span}-01"})
     expect = hf_greedy(model_path, long_prompt, 10)
     tok = __import__("engine.tokenizer", fromlist=["Tokenizer"]).Tokenizer.from_dir(model_path)
     assert r.choices[0].text == tok.decode(expect)
@@ -139,6 +145,26 @@ def test_openai_sdk_and_metrics_on_a_disaggregated_cluster(serve, model_path, tm
             assert wm["tandem:worker_step_seconds_count"] > 0
             if w["role"] == "decode":  # its decode-only steps, apart: the short prompt and the chats it prefilled
                 assert 0 < wm["tandem:worker_decode_step_seconds_count"] < wm["tandem:worker_step_seconds_count"]
+
+    # the traced request: one tree over the router and both workers, under the client's span
+    want = {"request", "queue", "remote_prefill", "prefill", "kv_transfer", "decode_engine", "decode"}
+    spans = otlp.trace(trace_id, want)
+    otlp.close()
+    assert set(spans) == want, sorted(spans)
+    assert spans["request"].parent_id == client_span and spans["request"].service == "tandem-router"
+    for name in ("queue", "remote_prefill", "decode", "decode_engine"):
+        assert spans[name].parent_id == spans["request"].span_id, name
+    assert spans["prefill"].parent_id == spans["remote_prefill"].span_id
+    assert spans["kv_transfer"].parent_id == spans["prefill"].span_id
+    assert (spans["prefill"].service, spans["decode_engine"].service) == ("tandem-prefill", "tandem-decode")
+    assert not any(s.error for s in spans.values())
+    # in order: queued, prefilled remotely with its KV written, then decoded
+    order = [spans[n] for n in ("queue", "remote_prefill", "kv_transfer", "decode")]
+    assert all(a.start_ns <= b.start_ns for a, b in zip(order, order[1:])), [(s.name, s.start_ns) for s in order]
+    assert spans["kv_transfer"].end_ns <= spans["remote_prefill"].end_ns <= spans["decode"].end_ns
+    assert spans["request"].start_ns <= spans["queue"].start_ns and spans["decode"].end_ns <= spans["request"].end_ns
+    assert spans["kv_transfer"].attributes["tandem.kv_bytes"] > 0
+    assert spans["request"].attributes["tandem.finish_reason"] == "length"
 
     # the log a user reads: start-up progress with times, worker lines prefixed by the
     # worker's id, no colour codes in a file, no Ray warnings nobody can act on, and
@@ -332,9 +358,11 @@ def test_scale_and_kill_under_load(serve, model_path):
 
 
 def labelled(text: str, name: str) -> dict[tuple, float]:
-    """One metric's samples from Prometheus text, keyed by their sorted label pairs."""
-    return {tuple(sorted(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name}
+    """One metric's samples from Prometheus text, keyed by their sorted label pairs beside
+    model_name (which every series carries: checked here)."""
+    samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name]
+    assert all(s.labels.get("model_name") for s in samples), f"{name} without model_name"
+    return {tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")): s.value for s in samples}
 
 
 def test_an_overloaded_prefill_worker_spills_prompts_to_the_decode_worker(serve, model_path):

@@ -385,7 +385,7 @@ def test_the_rdma_values_give_workers_alone_the_device_ipc_lock_and_ucx_settings
         shm = next(v for v in spec["volumes"] if v["name"] == "shm")
         assert shm["emptyDir"]["sizeLimit"] == "16Gi"
     assert pods["prefill"]["spec"]["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
-    assert pods["prefill"]["spec"]["containers"][0]["env"][0] == {"name": "NCCL_IB_DISABLE", "value": "0"}
+    assert {"name": "NCCL_IB_DISABLE", "value": "0"} in pods["prefill"]["spec"]["containers"][0]["env"]
     decode = pods["decode"]
     assert decode["metadata"]["annotations"] == {"example.com/team": "inference"}
     assert "podAntiAffinity" in decode["spec"]["affinity"]
@@ -569,3 +569,22 @@ def test_values_defaults_render_and_copy_is_not_shared():
     v: dict = {}
     before = copy.deepcopy(v)
     assert render(v) and v == before
+
+
+def test_log_format_and_traces_reach_every_process_and_ray_logs_reach_kubectl_logs():
+    docs = render({"logging": {"format": "json"}, "tracing": {"otlpEndpoint": "http://otel.obs:4318"}})
+    config = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "tdm-tandem-config")
+    from cli.main import build_parser
+
+    for key, command in (("controller.yaml", "controller"), ("router.yaml", "router")):
+        options = yaml.safe_load(config["data"][key])
+        assert options["log-format"] == "json" and options["otlp-traces-endpoint"] == "http://otel.obs:4318", key
+        args = build_parser().parse_args([command, "--address", "h:6379", "--log-format", "json",
+                                          "--otlp-traces-endpoint", options["otlp-traces-endpoint"]])
+        assert args.log_format == "json"  # both are options of that command
+    pods = _pod_templates(docs)
+    for role in ("head", "prefill", "decode"):  # the Ray containers: worker actors' lines on the pod's stderr
+        ray = pods[role]["spec"]["containers"][0]
+        assert {"name": "RAY_LOG_TO_STDERR", "value": "1"} in ray["env"], role
+    quiet = _pod_templates(render({"logging": {"toStderr": False}}))
+    assert "RAY_LOG_TO_STDERR" not in json.dumps(quiet)

@@ -145,3 +145,11 @@ cluster-tls-ca: /etc/tandem-cluster-tls/ca.crt
 cluster-tls-server-name: {{ .Values.clusterTLS.serverName | quote }}
 {{- end }}
 {{- end }}
+
+{{/* Ray's processes (worker actors included) log to the container's stderr: `kubectl logs`. */}}
+{{- define "tandem.rayLogEnv" -}}
+{{- if .Values.logging.toStderr }}
+- name: RAY_LOG_TO_STDERR
+  value: "1"
+{{- end }}
+{{- end }}
