@@ -97,7 +97,7 @@ class WorkerConfig:
 
         from engine.models.builtin import BUILTIN_VERSION
 
-        return os.path.basename(self.engine.model.rstrip("/")) if self.engine.model else BUILTIN_VERSION
+        return os.path.basename(str(self.engine.model).rstrip("/")) if self.engine.model else BUILTIN_VERSION
 
     def __post_init__(self) -> None:
         try:
