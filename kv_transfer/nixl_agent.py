@@ -31,7 +31,8 @@ def import_nixl() -> Any:
         except ModuleNotFoundError as e:
             if not name.startswith(e.name or "\0"):  # a module missing inside NIXL itself
                 raise
-    raise ModuleNotFoundError("NIXL is not installed (pip install nixl-cu13)", name="nixl_cu13")
+    raise ModuleNotFoundError("NIXL is not installed (tandem's gpu extra has it, or pip install nixl-cu13)",
+                              name="nixl_cu13")
 
 
 def set_env_defaults(config: TransportConfig) -> None:

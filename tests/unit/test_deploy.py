@@ -544,8 +544,8 @@ def test_the_dockerfiles_parse_and_install_as_the_readme_says(name):
     assert json.loads(next(s["value"] for s in steps if s["instruction"] == "ENTRYPOINT")) == ["tandem"]
     # the README's install command, torch pinned first, is the image's
     readme = (ROOT / "README.md").read_text()
-    readme_install = re.search(r'pip install (?:--extra-index-url \S+ )?"torch==([0-9.]+)" -e \. '
-                               r'&& tandem kernels build && tandem serve', readme)
+    readme_install = re.search(r'pip install --extra-index-url https://download.pytorch.org/whl/cpu "torch==([0-9.]+)" '
+                               r'&& pip install -e \. && tandem kernels build && tandem serve', readme)
     assert readme_install, "the README's serve command moved"
     runs = " ".join(s["value"] for s in steps if s["instruction"] == "RUN")
     extra = r'"\.\[gpu\]"' if name == "Dockerfile" else r"\."  # the CUDA image takes the GPU extra
