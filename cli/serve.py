@@ -392,8 +392,11 @@ class _DropRayNoise(logging.Filter):
 
 
 # tandem's own log lines (LOG_FORMAT: time, level, then a logger of one of its packages)
-TANDEM_LINE = (r"^\S+ \S+ (DEBUG|INFO|WARNING|ERROR|CRITICAL) "
-               r"(engine|router|controller|cli|worker_runtime|prefill_worker|decode_worker|kv_transfer|tandem)[.:]")
+_LEVELS = "(DEBUG|INFO|WARNING|ERROR|CRITICAL)"
+_PACKAGES = "(engine|router|controller|cli|worker_runtime|prefill_worker|decode_worker|kv_transfer|tandem)"
+# a tandem log line, text or JSON (--log-format json): Ray's driver must not fold these
+TANDEM_LINE = (rf"^(\S+ \S+ {_LEVELS} {_PACKAGES}[.:]"
+               rf'|\{{"time": "[^"]*", "level": "{_LEVELS}", "logger": "{_PACKAGES}[."])')
 
 
 def quiet_ray() -> None:

@@ -104,7 +104,7 @@ def test_prometheus_scrapes_tandem_fires_kv_cache_high_and_answers_every_dashboa
     # a small decode cache (96 blocks of 16 tokens) that 8 users of ~700-token sequences keep full
     srv = Serve(["--prefill", "1", "--decode", "1", "--num-blocks", "96", "--block-size", "16", "--transport", "tcp",
                  "--local-prefill-threshold", "32", "--slo-ttft-ms", "50", "--slo-tpot-ms", "5",
-                 "--drift-min-requests", "5", "--served-model-name", MODEL_NAME, "second-name"],
+                 "--drift-min-requests", "5", "--served-model-name", MODEL_NAME, "second-name", "--log-format", "json"],
                 tmp_path / "serve.log")
     prom = None
     try:
@@ -153,6 +153,14 @@ def test_prometheus_scrapes_tandem_fires_kv_cache_high_and_answers_every_dashboa
         assert prom.query('max by (worker_id) (tandem:worker_step_seconds_count{model_name="%s"})' % MODEL_NAME)
         # a panel written for vLLM, its prefix swapped, answers as it is
         assert prom.query("sum by (finished_reason) (rate(tandem:request_success_total[1m]))")
+        # --log-format json reaches every process: the router's lines and the workers' (Ray's
+        # copies, behind its "(decode-0 pid=...)" prefix) are one JSON object each
+        lines = open(srv.log_path).read().splitlines()
+        for who in (r"\(prefill-0 pid=\d+\) ", r"\(decode-0 pid=\d+\) "):
+            ours = [json.loads(m.group(1)) for line in lines if (m := re.match(who + r"(\{.*\})$", line))]
+            assert ours and all({"time", "level", "logger", "message"} <= set(o) for o in ours), who
+            assert any(o["logger"] == "engine.build" for o in ours), who
+        assert any(json.loads(line).get("logger") == "tandem.access" for line in lines if line.startswith("{"))
     finally:
         if prom is not None:
             prom.stop()
