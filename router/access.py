@@ -28,8 +28,6 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from worker_runtime.logs import LOG_FORMATS, JsonFormatter, use_log_format  # noqa: F401 (the router's names for them)
-
 log = logging.getLogger("tandem.access")
 
 REQUEST_ID_HEADER = b"x-request-id"

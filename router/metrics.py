@@ -247,13 +247,13 @@ class ChoiceTimer:
         if self.done:
             return
         self.done = True
+        now = time.monotonic() if now is None else now
         if self.span is not None:
-            self._trace(reason, time.monotonic() if now is None else now)
+            self._trace(reason, now)
         m, label = self.m, self.m.model
         m.success.labels(label, reason).inc()
         if reason not in OK_REASONS:
             return
-        now = time.monotonic() if now is None else now
         cls = self.cls
         m.c_e2e[cls].observe(now - self.arrival)
         name = CLASSES[cls]

@@ -15,10 +15,10 @@ import pytest
 from decode_worker.llm_engine import EngineConfig
 from engine.config import CacheConfig, DeviceConfig, SchedulerConfig
 from engine.tokenizer import Tokenizer
-from router.access import JsonFormatter, use_log_format
 from router.app import RouterSettings, create_app
 from tests.harness.engine_backend import EngineBackend
 from tests.harness.server_thread import ServerThread
+from worker_runtime.logs import JsonFormatter, use_log_format
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(240)]
 
