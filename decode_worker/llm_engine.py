@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from engine.build import build_parts
 from engine.config import ConfigError, EngineConfig
 from engine.events import TokenEvent, TokenLogprobs, Usage
+from engine.kv_offload import tier_driver
 from engine.plan import DEAD_END
 from engine.runner import Launched, ModelRunner
 from engine.sampler import Sampler
@@ -56,6 +57,7 @@ class LLMEngine:
             log.info("asynchronous scheduling: each decode step is planned while the device runs the one before")
         self._inflight: tuple[SchedulerOutput, Launched] | None = None  # launched, not yet collected
         self.steps_ahead = 0  # steps launched ahead of the previous step's tokens
+        self.tiers = tier_driver(runner, scheduler.cache)  # KV tiers below the device, or None
 
     @classmethod
     def from_config(cls, config: EngineConfig, checkpoint=None) -> "LLMEngine":
@@ -111,6 +113,8 @@ class LLMEngine:
             # must be done before a block goes to a writer outside the device's stream
             self.runner.wait(self._inflight[1])
         res = self.scheduler.reserve(seq)
+        if self.tiers is not None:
+            self.tiers.move()  # what it evicted to the tiers below leaves before a remote write lands
         self.seqs[seq_id] = seq
         return res
 
@@ -155,8 +159,15 @@ class LLMEngine:
     def _step(self) -> list[TokenEvent]:
         if self._inflight is not None:
             return self._step_ahead()
+        tiers = self.tiers
+        if tiers is not None:
+            tiers.poll()
         out: SchedulerOutput = self.scheduler.schedule()
         self._last_plan = out.plan
+        if tiers is not None:
+            tiers.move()
+            if not out.plan:
+                tiers.idle_wait()
         if not out.plan:
             return []
         if self.spec is not None and self.spec.fills_after_schedule:
@@ -186,6 +197,8 @@ class LLMEngine:
         self._inflight = None
         ahead = self.scheduler.schedule_ahead(out)
         if ahead is not None and ahead.plan:
+            if self.tiers is not None:
+                self.tiers.move()
             self._inflight = (ahead, self.runner.launch(ahead.plan, after=launched))
             self.steps_ahead += 1
         self._last_plan = out.plan
@@ -199,6 +212,8 @@ class LLMEngine:
         self.stats.last_step_s = result.forward_s
         if self.on_forward is not None:
             self.on_forward(result.num_tokens, result.forward_s, not out.plan.prefills)
+        if self.tiers is not None and out.plan.prefills and not out.plan.decodes:
+            self.tiers.index.cost.observe_prefill(result.num_tokens, result.forward_s)
         if result.accepted:
             return self._spec_events(out, result)
         ids, lps = result.token_ids, result.logprobs

@@ -71,7 +71,7 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         """Build the engine and transport, start the engine thread and gRPC server;
         returns host:port."""
         cfg = self.config
-        self.engine = await asyncio.to_thread(LLMEngine.from_config, cfg.engine)
+        self.engine = await asyncio.to_thread(LLMEngine.from_config, cfg.engine_config())
         self.epoch = new_epoch()
         self.endpoint = resolve_host(cfg.host)
         self.kv = await asyncio.to_thread(make_worker_kv, cfg, self.epoch, self.endpoint, self.engine.runner,

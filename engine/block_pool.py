@@ -75,6 +75,9 @@ class BlockPool:
         self._events: list[KVEvent] = []
         self.hits = 0  # prefix-cache hit / query counts, in tokens
         self.queries = 0
+        # the tiers below (engine/kv_tiers.py TierIndex), when the worker has them: an
+        # evicted block is offered to them, and is "removed" only if none takes it
+        self.lower = None
 
     # ---- capacity ------------------------------------------------------------
     @property
@@ -101,7 +104,8 @@ class BlockPool:
                 b = self._free.popleft()
             else:
                 b, _ = self._cached_free.popitem(last=False)
-                self._uncache(b)
+                lower = self.lower
+                self._uncache(b, kept=lower is not None and lower.offer(b, self._hash_of[b], self._tokens_of[b]))
             self.ref_counts[b] = 1
             out.append(b)
         return out
@@ -159,16 +163,27 @@ class BlockPool:
         self._tokens_of[block_id] = tuple(tokens)
         self._events.append(KVEvent("stored", [h]))
 
-    def _uncache(self, b: int) -> None:
+    def _uncache(self, b: int, kept: bool = False) -> None:
+        """`kept`: a lower tier took the block's content; the worker still holds it."""
         h = self._hash_of.pop(b, None)
         if h is not None:
             del self._block_of[h]
             del self._tokens_of[b]
-            self._events.append(KVEvent("removed", [h]))
+            if not kept:
+                self._events.append(KVEvent("removed", [h]))
+
+    def holds(self, h: bytes) -> bool:
+        """Whether a device block is named `h`."""
+        return h in self._block_of
+
+    def emit_removed(self, h: bytes) -> None:
+        """A lower tier let go of the last copy of `h` this worker had."""
+        self._events.append(KVEvent("removed", [h]))
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached-free block's content; returns how many were dropped."""
-        n = len(self._cached_free)
+        """Forget every cached-free block's content, and every block of the tiers below;
+        returns how many were dropped."""
+        n = len(self._cached_free) + (self.lower.clear() if self.lower is not None else 0)
         for b in list(self._cached_free):
             self._uncache(b)
             self._free.append(b)
@@ -181,7 +196,10 @@ class BlockPool:
         return ev
 
     def cached_hashes(self) -> list[bytes]:
-        return list(self._block_of)
+        """Every block hash this worker holds, on the device or below it."""
+        if self.lower is None:
+            return list(self._block_of)
+        return [*self._block_of, *(h for h in self.lower.hashes() if h not in self._block_of)]
 
     # ---- invariants ----------------------------------------------------------
     def check_integrity(self, expected_refs: dict[int, int] | None = None) -> None:

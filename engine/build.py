@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_pool import BlockPool
-from engine.config import EngineConfig, SchedulerConfig
+from engine.config import ConfigError, EngineConfig, SchedulerConfig
 from engine.memory import MemorySnapshot
 from engine.runner import ModelRunner
 from engine.structured import StructuredOutputs
@@ -88,9 +88,33 @@ def build_parts(config: EngineConfig, checkpoint=None, launcher=None) -> EngineP
                     "cache more memory (--kv-cache-memory-gb / --num-blocks)", per_rank, budget, budget.seqs_that_fit)
     else:
         log.info("KV budget%s: %s", per_rank, budget)
+    if config.cache.has_tiers:
+        open_tiers(config.cache, runner, pool, tp)
     eos = frozenset(ckpt.config.eos_token_ids)
     return EngineParts(ckpt, runner, pool, sched, eos,
                        StructuredOutputs.for_checkpoint(ckpt.path, eos, config.grammar))
+
+
+def open_tiers(cache, runner: ModelRunner, pool: BlockPool, tp: int = 1) -> None:
+    """The KV tiers below the device (engine/kv_tiers.py): the index on the pool, a store
+    on every rank. Sizes are the worker's, all ranks together."""
+    from engine.kv_tiers import TierIndex
+
+    block_bytes = runner.kv_cache.layout.block_bytes * tp  # a block of the worker: every rank's share
+
+    def blocks(gb: float) -> int:
+        return int(gb * (1 << 30)) // block_bytes
+
+    index = TierIndex(pool.block_size, block_bytes, blocks(cache.offload_host_gb), blocks(cache.swap_space_gb),
+                      blocks(cache.offload_disk_gb), on_device=pool.holds, emit_removed=pool.emit_removed)
+    if (cache.offload_host_gb and not index.host_blocks) or (cache.swap_space_gb and not index.swap_blocks) or \
+            (cache.offload_disk_gb and not index.disk_blocks):
+        raise ConfigError(f"a KV tier smaller than one block ({block_bytes / (1 << 20):.2f} MiB): raise it")
+    runner.open_kv_tiers(index.num_slots, cache.offload_disk_path if index.disk_blocks else None)
+    pool.lower = index
+    log.info("KV tiers: host %d blocks (%.1f GiB), swap %d blocks (%.1f GiB), disk %d blocks (%.1f GiB%s)",
+             index.host_blocks, cache.offload_host_gb, index.swap_blocks, cache.swap_space_gb, index.disk_blocks,
+             cache.offload_disk_gb, f" under {cache.offload_disk_path}" if index.disk_blocks else "")
 
 
 def auto_dtype(checkpoint_dtype: str, device: torch.device) -> str:

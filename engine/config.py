@@ -382,8 +382,30 @@ class CacheConfig:
     # --kv-cache-dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (float8 e4m3, with
     # the checkpoint's per-layer k/v scales where it has them, else 1.0, as vLLM)
     kv_cache_dtype: str = "auto"
+    # KV tiers below the device (engine/kv_tiers.py), per worker: host memory for blocks the
+    # prefix cache evicts (--kv-offload-host-gb), files under a local path fed from it
+    # (--kv-offload-disk-path, --kv-offload-disk-gb), and host memory for preempted
+    # sequences' blocks (--swap-space, vLLM's name). 0: no such tier.
+    offload_host_gb: float = 0.0
+    offload_disk_path: str | None = None
+    offload_disk_gb: float = 0.0
+    swap_space_gb: float = 0.0
+
+    @property
+    def has_tiers(self) -> bool:
+        return bool(self.offload_host_gb or self.swap_space_gb)
 
     def __post_init__(self) -> None:
+        _require(min(self.offload_host_gb, self.offload_disk_gb, self.swap_space_gb) >= 0,
+                 "KV offload and swap sizes must be >= 0")
+        _require(not self.offload_disk_gb or self.offload_disk_path,
+                 "--kv-offload-disk-gb needs --kv-offload-disk-path (a local directory for the files)")
+        _require(not self.offload_disk_path or self.offload_disk_gb,
+                 "--kv-offload-disk-path needs --kv-offload-disk-gb (the tier's size)")
+        _require(not self.offload_disk_gb or self.offload_host_gb,
+                 "the disk tier is fed from host memory: give --kv-offload-host-gb too")
+        _require(self.enable_prefix_caching or not (self.offload_host_gb or self.offload_disk_gb),
+                 "KV offload keeps blocks by their prefix-cache hash: it needs prefix caching on")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
                  f"kv_cache_dtype={self.kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_DTYPES)}")
         _require(

@@ -38,14 +38,24 @@ NO_BLOCK = -1
 @dataclass(frozen=True)
 class PrefixHit:
     """Leading full blocks already in the prefix cache, and how many of them are
-    unreferenced (cached-free): taking those uses up free capacity."""
+    unreferenced (cached-free): taking those uses up free capacity. With KV tiers, the
+    run goes on below the device: `restore`, the hashes of the next blocks, in host
+    memory (each takes a new device block, filled by a copy before the step), and
+    `pending`: blocks after those are coming up from disk (worth waiting for)."""
 
     block_ids: tuple[int, ...] = ()
     num_revived: int = 0
+    restore: tuple[bytes, ...] = ()
+    pending: bool = False
 
     @property
     def num_blocks(self) -> int:
-        return len(self.block_ids)
+        return len(self.block_ids) + len(self.restore)
+
+    @property
+    def num_taken(self) -> int:
+        """Free blocks the hit itself takes."""
+        return self.num_revived + len(self.restore)
 
 
 class KVCacheManager:
@@ -57,6 +67,7 @@ class KVCacheManager:
         self._hashes: dict[str, list[bytes]] = {}
         self._named: dict[str, int] = {}
         self._released: dict[str, int] = {}  # leading table entries given back (NO_BLOCK now)
+        self.tiers = pool.lower  # engine/kv_tiers.py TierIndex, or None
 
     # ---- queries ---------------------------------------------------------------
     @property
@@ -73,25 +84,56 @@ class KVCacheManager:
         """Blocks to add so that `num_tokens` tokens of `seq` have a place."""
         return max(0, -(-num_tokens // self.block_size) - len(self._tables.get(seq.seq_id, ())))
 
-    def match(self, seq: Sequence, max_tokens: int) -> PrefixHit:
-        """The longest cached run of `seq`'s leading full blocks within `max_tokens`.
-        No refs are taken. Only for a sequence that holds no blocks."""
+    def match(self, seq: Sequence, max_tokens: int, fetch: bool = True) -> PrefixHit:
+        """The longest cached run of `seq`'s leading full blocks within `max_tokens`, on
+        the device and then in the tiers below. No refs are taken. Only for a sequence
+        that holds no blocks. `fetch`: start bringing the blocks after the host hits up
+        from disk (the hit then says `pending` while they come)."""
         if self.block_table(seq.seq_id) or not self.pool.enable_prefix_caching:
             return PrefixHit()
         n = max_tokens // self.block_size
-        hits = self.pool.match_prefix(self._hashes_of(seq, n), seq.token_slice(0, n * self.block_size))
-        return PrefixHit(tuple(hits), sum(1 for b in hits if self.pool.ref_counts[b] == 0))
+        hashes = self._hashes_of(seq, n)
+        hits = self.pool.match_prefix(hashes, seq.token_slice(0, n * self.block_size))
+        revived = sum(1 for b in hits if self.pool.ref_counts[b] == 0)
+        tiers = self.tiers
+        if tiers is None or len(hits) == n:
+            return PrefixHit(tuple(hits), revived)
+        bs, k = self.block_size, len(hits)
+
+        def tokens_of(i: int, k=k) -> tuple[int, ...]:
+            return tuple(seq.token_slice((k + i) * bs, (k + i + 1) * bs))
+
+        below = hashes[k:]
+        m = tiers.host_run(below, tokens_of)
+        pending = False
+        if fetch and tiers.disk_blocks and m < len(below):
+            pending, on_disk = tiers.fetch_run(below[m:], lambda i: tokens_of(m + i))
+            if on_disk:
+                pending = tiers.prefetch(below[m:m + on_disk], protect=below[:m]) > 0 or pending
+        return PrefixHit(tuple(hits), revived, tuple(below[:m]), pending)
 
     def can_fit(self, hit: PrefixHit, num_new_blocks: int) -> bool:
         """Room for the hit and `num_new_blocks` while keeping the watermark free."""
-        return self.pool.num_free_blocks - hit.num_revived - num_new_blocks >= self.watermark_blocks
+        return self.pool.num_free_blocks - hit.num_taken - num_new_blocks >= self.watermark_blocks
 
     # ---- changes -----------------------------------------------------------------
     def allocate(self, seq: Sequence, hit: PrefixHit, num_new_blocks: int) -> None:
-        """Give `seq` its first blocks: the hit (already named) plus new ones."""
+        """Give `seq` its first blocks: the hit (already named; a restored block named once
+        its copy is queued) plus new ones."""
         self.pool.acquire_cached(hit.block_ids)
-        self._tables[seq.seq_id] = array("i", [*hit.block_ids, *self.pool.allocate(num_new_blocks)])
+        tiers = self.tiers
+        if tiers is not None:
+            tiers.hold(hit.restore)  # the new blocks' evictions must not push these out first
+            tiers.stats.queries += max(0, len(self._hashes.get(seq.seq_id, ())) - len(hit.block_ids))
+        new = self.pool.allocate(len(hit.restore) + num_new_blocks)
+        bs, k = self.block_size, len(hit.block_ids)
+        for i, (h, b) in enumerate(zip(hit.restore, new)):
+            tiers.restore(h, b)
+            self.pool.cache_block(b, h, seq.token_slice((k + i) * bs, (k + i + 1) * bs))
+        self._tables[seq.seq_id] = array("i", [*hit.block_ids, *new])
         self._named[seq.seq_id] = hit.num_blocks
+        if tiers is not None:
+            tiers.unpin(seq.seq_id)  # resumed: what is left of its swapped blocks is ordinary
 
     def grow(self, seq: Sequence, num_blocks: int) -> None:
         """Append `num_blocks` new blocks (the caller checked there is room)."""
@@ -159,6 +201,24 @@ class KVCacheManager:
         """The sequence is gone for good: drop its memoized hashes too."""
         self.free(seq)
         self._hashes.pop(seq.seq_id, None)
+        if self.tiers is not None:
+            self.tiers.unpin(seq.seq_id)
+
+    def preempt(self, seq: Sequence) -> bool:
+        """Free a preempted sequence's blocks; with a swap budget, its full blocks are
+        swapped where that is cheaper than recomputing them (engine/kv_tiers.py).
+        Returns whether they were."""
+        swapped = False
+        if self.tiers is not None:
+            named = self._named.get(seq.seq_id, 0)
+            swapped = self.tiers.swap_out(seq.seq_id, self._hashes_of(seq, named), named * self.block_size)
+        self.free(seq)
+        return swapped
+
+    def take_moves(self) -> list[tuple]:
+        """The tier moves decided since the last call, for the runner to run before the
+        next step (or remote write) touches the blocks."""
+        return self.tiers.take_moves() if self.tiers is not None and self.tiers.moves else []
 
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.pool.record_query(num_tokens, num_hit_tokens)
@@ -176,6 +236,8 @@ class KVCacheManager:
     def check_integrity(self, live_ids: set[str]) -> None:
         assert set(self._tables) <= live_ids, f"block tables of dead sequences: {set(self._tables) - live_ids}"
         self.pool.check_integrity(self.refs())
+        if self.tiers is not None:
+            self.tiers.check_integrity()
 
     def _hashes_of(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """Content hashes of the first `num_blocks` full blocks (computed once each)."""

@@ -344,8 +344,37 @@ class ModelRunner:
         return [f"rank {r}: {d.device if not d.cpu_affinity else 'cores ' + ','.join(map(str, d.cpu_affinity))}"
                 f" (pid {pid})" for r, (d, pid) in enumerate(zip(devices, pids))]
 
+    # ---- KV tiers (engine/kv_tiers.py decides, engine/kv_offload.py moves) ------------------
+    kv_store = None  # this rank's KVTierStore, once opened
+
+    def open_kv_tiers(self, num_slots: int, disk_dir: str | None) -> None:
+        """Open this rank's host slots and disk directory (rank 0: every rank's)."""
+        if self._leading():
+            self.tp.call(_open_kv_tiers, num_slots, disk_dir)
+        _open_kv_tiers(self, num_slots, disk_dir)
+
+    def move_kv(self, moves: list[tuple]) -> None:
+        """Run tier moves on every rank, before anything else touches those blocks (the
+        next step, or a remote write into a reservation): sent ahead of the next step."""
+        if self._leading():
+            self.tp.send(Call(_move_kv, (moves,)))
+        self.kv_store.apply(moves)
+
+    def finished_kv_fetches(self) -> list[tuple[bytes, bool, float]]:
+        """Rank 0: the disk fetches that ended since the last call, each (hash, ok, seconds):
+        ok only where every rank read its own share of the block."""
+        done = self.kv_store.completed() if self.kv_store is not None else []
+        if done and self._leading():
+            keys = [k for k, _, _ in done]
+            for oks in self.tp.call(_kv_fetch_outcome, keys):
+                done = [(k, ok and other, s) for (k, ok, s), other in zip(done, oks)]
+        return done
+
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel worker (rank 0); nothing otherwise."""
+        store, self.kv_store = self.kv_store, None
+        if store is not None:
+            store.close()
         tp, self.tp = self.tp, None
         if tp is not None:
             tp.close()
@@ -743,6 +772,23 @@ class _Followed:
 
     def row_of(self) -> dict[object, int]:
         return {sid: i for i, sid in enumerate(self.sample_ids)}
+
+
+def _open_kv_tiers(runner: ModelRunner, num_slots: int, disk_dir: str | None) -> None:
+    from engine.kv_offload import KVTierStore
+
+    rank = runner.tp.rank if runner.tp is not None else 0
+    runner.kv_store = KVTierStore(runner.kv_cache.kv, num_slots, disk_dir, rank)
+    if rank:
+        runner.rank_parts["kv_store"] = runner.kv_store  # closed when the rank exits
+
+
+def _move_kv(runner: ModelRunner, moves: list[tuple]) -> None:
+    runner.kv_store.apply(moves)
+
+
+def _kv_fetch_outcome(runner: ModelRunner, keys: list[bytes]) -> list[bool]:
+    return runner.kv_store.outcome(keys)
 
 
 def fused_cpu_ops():

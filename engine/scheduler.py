@@ -22,8 +22,9 @@ One step, in order, all under `max_num_batched_tokens` and `max_num_seqs`:
      that preempted: the pool is short).
 
 A preempted sequence frees its blocks and goes back to the head of its lane; on
-resumption its prompt and generated tokens are prefilled again (the prefix cache
-often still holds them).
+resumption its prompt and generated tokens are prefilled again, less what the prefix
+cache still holds, on the device or in the tiers below it (engine/kv_tiers.py: with a
+swap budget its full blocks are kept there for it).
 """
 
 from __future__ import annotations
@@ -169,7 +170,8 @@ class Scheduler:
         # the remote side samples token 0 and writes the blocks past the hit: at least the
         # last block is left to it (a whole-prompt hit would leave a write of no blocks,
         # which no transport carries), as a local prefill always computes the last token
-        hit = self.cache.match(seq, max_tokens=n_prompt - 1)
+        # (no wait for a prefix on disk: a reservation is answered now)
+        hit = self.cache.match(seq, max_tokens=n_prompt - 1, fetch=False)
         need = math.ceil(n_prompt / self.bs) - hit.num_blocks
         if not self.cache.can_fit(hit, need):
             raise NoCapacity(f"{need} blocks needed, {self.pool.num_free_blocks} free")
@@ -319,6 +321,8 @@ class Scheduler:
         fit (the watermark kept free)."""
         # the last token is always computed here (its logits give the next token)
         hit = self.cache.match(seq, max_tokens=0 if seq.prompt_logprobs_left else seq.num_tokens - 1)
+        if hit.pending:
+            return None  # part of its prefix is coming up from disk: admitted once it is in host memory
         n = self._chunk(seq, budget, start=hit.num_blocks * self.bs)
         if not n:
             return None
@@ -384,7 +388,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        self.cache.free(seq)
+        self.cache.preempt(seq)  # swapped where the worker has a swap budget and that is cheaper
         seq.num_computed = 0
         seq.draft_ids = []
         seq.status = Status.WAITING

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from engine.events import TokenLogprobs
+from engine.kv_offload import tier_driver
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -102,6 +103,7 @@ class PrefillEngine:
         self.metrics = None  # optional worker_runtime.metrics.WorkerMetrics
         self.faults = envs.faults()
         self.rate = RateMeter()  # prompt tokens per second of forward time (WorkerStats)
+        self.tiers = tier_driver(runner, scheduler.cache)  # KV tiers below the device, or None
 
     # ---- requests (engine thread) ---------------------------------------------------
     def submit(
@@ -188,7 +190,14 @@ class PrefillEngine:
     # ---- one iteration (engine thread) ----------------------------------------------
     def step(self) -> list:
         self._poll_transfers()
+        tiers = self.tiers
+        if tiers is not None:
+            tiers.poll()
         out = self.scheduler.schedule()
+        if tiers is not None:
+            tiers.move()
+            if not out.plan:
+                tiers.idle_wait()
         if not out.plan:
             return []
         if self.faults.prefill_step_delay_s:
@@ -201,6 +210,8 @@ class PrefillEngine:
         hook = self._layer_hook(finishing) if finishing and (self.layerwise or self.kv.size > 1) else None
         result = self.runner.execute(out.plan, on_layer_done=hook)
         self.rate.add(result.num_tokens, result.forward_s)
+        if tiers is not None:
+            tiers.index.cost.observe_prefill(result.num_tokens, result.forward_s)
         if self.metrics is not None:
             self.metrics.on_step(result.num_tokens, result.forward_s)
         self.scheduler.update(out, result.token_ids)

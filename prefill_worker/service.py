@@ -55,8 +55,8 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
     async def start(self) -> str:
         cfg = self.config
         # whole prompts only: no second weight copies for the decode-step kernels, no decode graphs
-        engine_cfg = dataclasses.replace(
-            cfg.engine, device=dataclasses.replace(cfg.engine.device, small_batch_linear=False, cuda_graphs=False))
+        engine_cfg = dataclasses.replace(cfg.engine_config(), device=dataclasses.replace(
+            cfg.engine.device, small_batch_linear=False, cuda_graphs=False))
         parts = await asyncio.to_thread(build_parts, engine_cfg)
         self.epoch = new_epoch()
         self.endpoint = resolve_host(cfg.host)

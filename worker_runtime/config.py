@@ -89,6 +89,18 @@ class WorkerConfig:
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector for this worker's spans (worker_runtime/tracing.py)
     log_format: str = "text"  # text | json: its log lines (worker_runtime/logs.py)
 
+    def engine_config(self) -> EngineConfig:
+        """The engine this worker runs: `engine`, with the disk tier (if any) in a directory
+        of the worker's own under the path given (workers of a host may share the path)."""
+        cache = self.engine.cache
+        if cache.offload_disk_path is None:
+            return self.engine
+        import dataclasses
+        import os
+
+        path = os.path.join(cache.offload_disk_path, self.worker_id)
+        return dataclasses.replace(self.engine, cache=dataclasses.replace(cache, offload_disk_path=path))
+
     @property
     def model_name(self) -> str:
         if self.served_model_name:

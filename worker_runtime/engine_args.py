@@ -89,6 +89,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
                    help="CUDA: the share of the device's memory this worker may fill (weights, peak activations "
                    "of the largest step, KV cache), when the cache size is not given (vLLM's meaning)")
+    g.add_argument("--kv-offload-host-gb", type=float, default=0.0, metavar="GB",
+                   help="host memory per worker for KV blocks the prefix cache evicts: a later request with the "
+                   "same prefix gets them back by a copy instead of a prefill (pinned memory on CUDA; on CPU a "
+                   "budget apart from the KV cache's)")
+    g.add_argument("--kv-offload-disk-path", default=None, metavar="DIR",
+                   help="a local directory (NVMe) for the disk tier: blocks host memory evicts are written there, a "
+                   "file each with a checksum (a damaged file is a miss); each worker uses a subdirectory of its "
+                   "own, emptied at its start")
+    g.add_argument("--kv-offload-disk-gb", type=float, default=0.0, metavar="GB",
+                   help="the disk tier's size per worker (needs --kv-offload-disk-path and --kv-offload-host-gb)")
+    g.add_argument("--swap-space", type=float, default=0.0, metavar="GB",
+                   help="host memory per worker for preempted requests' KV blocks (vLLM's option): a preempted "
+                   "request gets them back instead of recomputing them, where the measured copy is cheaper")
     g.add_argument("--no-prefix-caching", action="store_true")
     # vLLM's spellings of the same switches (on is the default in both)
     g.add_argument("--enable-prefix-caching", dest="no_prefix_caching", action="store_const", const=False,
@@ -138,7 +151,6 @@ VLLM_REFUSED = {
     "--pipeline-parallel-size": "pipeline parallelism is not implemented; split a model with "
                                 "--tensor-parallel-size",
     "--data-parallel-size": "data parallelism is the decode pool's size here: --decode N (and --prefill N)",
-    "--swap-space": "no host swap tier yet: a preempted request is recomputed",
     "--load-format": "checkpoints are read as safetensors from a local directory",
     "--download-dir": "no model is downloaded: --model names a local directory",
 }
@@ -224,7 +236,9 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(block_size=a.block_size or default_block_size(a.device), num_blocks=a.num_blocks,
                           kv_cache_memory_gb=a.kv_cache_memory_gb,
                           gpu_memory_utilization=a.gpu_memory_utilization, cpu_kv_fraction=a.cpu_kv_fraction,
-                          enable_prefix_caching=not a.no_prefix_caching, kv_cache_dtype=a.kv_cache_dtype),
+                          enable_prefix_caching=not a.no_prefix_caching, kv_cache_dtype=a.kv_cache_dtype,
+                          offload_host_gb=a.kv_offload_host_gb, offload_disk_path=a.kv_offload_disk_path,
+                          offload_disk_gb=a.kv_offload_disk_gb, swap_space_gb=a.swap_space),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                   max_model_len=a.max_model_len, enable_chunked_prefill=not a.no_chunked_prefill,
                                   policy=a.scheduler, expected_context_len=a.expected_context_len,

@@ -233,7 +233,16 @@ def test_vllm_forms_that_clash_are_refused():
             vllm_spellings(parse(["serve", *argv]))
 
 
-@pytest.mark.parametrize("argv", [["--trust-remote-code"], ["-pp", "2"], ["--swap-space", "4"]])
+def test_kv_tier_options_reach_the_engine_config():
+    from worker_runtime.engine_args import engine_config_from_args
+
+    cache = engine_config_from_args(parse(["serve", "--kv-offload-host-gb", "2", "--kv-offload-disk-path", "/nvme",
+                                           "--kv-offload-disk-gb", "50", "--swap-space", "4"])).cache
+    assert (cache.offload_host_gb, cache.offload_disk_path, cache.offload_disk_gb, cache.swap_space_gb) == \
+        (2.0, "/nvme", 50.0, 4.0)
+
+
+@pytest.mark.parametrize("argv", [["--trust-remote-code"], ["-pp", "2"], ["--download-dir", "/x"]])
 def test_vllm_options_tandem_does_not_take_are_refused_by_name_with_a_reason(argv, capsys):
     with pytest.raises(SystemExit):
         parse(["serve", *argv])
