@@ -430,17 +430,27 @@ def _weights(w: dict) -> str:
     return f"{w['weights']}/{w['weight_scales']}" if w.get("weight_scales") else w["weights"]
 
 
+def _tiers(t: dict | None) -> str:
+    """A worker's KV tiers for the status table: blocks used of each, and hits."""
+    if not t:
+        return ""
+    parts = [f"host {t['host_used']}/{t['host_blocks']}"]
+    if t.get("disk_blocks"):
+        parts.append(f"disk {t['disk_used']}/{t['disk_blocks']}")
+    return ", ".join(parts) + f"; {t['hits']} hits" + (f", {t['swap_outs']} swapped" if t.get("swap_outs") else "")
+
+
 def _run_status(args) -> int:
     data = _admin_request(args, "GET")
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
     columns = ["worker", "role", "state", "TP", "weights", "KV dtype", "address", "running", "waiting", "awaiting KV",
-               "KV usage", "queued prefill", "in flight"]
+               "KV usage", "KV tiers", "queued prefill", "in flight"]
     rows = [(w["worker_id"], role, w["state"], w.get("tensor_parallel_size", 1), _weights(w),
              w.get("kv_cache_dtype", ""), w["address"], w.get("running", ""),
              w.get("waiting", ""),
-             w.get("awaiting_kv", ""), f"{w['kv_usage']:.1%}" if "kv_usage" in w else "",
+             w.get("awaiting_kv", ""), f"{w['kv_usage']:.1%}" if "kv_usage" in w else "", _tiers(w.get("tiers")),
              w.get("queued_prefill_tokens", ""), w["in_flight"])
             for role, pool in data["pools"].items() for w in pool["workers"]]
     console = _print_table(columns, rows, title=f"tandem at {args.url}")

@@ -171,6 +171,10 @@ class PoolWorker:
                 "queued_prefill_tokens": s.queued_prefill_tokens,
                 "transport": s.transport,
             }
+            if s.tier_host_blocks:  # KV tiers below the device (engine/kv_tiers.py), in blocks
+                d["tiers"] = {"host_blocks": s.tier_host_blocks, "host_used": s.tier_host_used,
+                              "disk_blocks": s.tier_disk_blocks, "disk_used": s.tier_disk_used,
+                              "hits": s.tier_hits, "swap_outs": s.tier_swap_outs}
         return d
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 # how long a request waits for its prefix to come up from disk before it computes it instead
@@ -76,7 +76,7 @@ class TierStats:
     swap_outs: int = 0  # preempted sequences swapped
     recomputes: int = 0  # preempted sequences left to recompute (the cost model's choice)
     restore_s: float = 0.0  # host -> device copy time on the host (CPU: the copy; CUDA: its launch)
-    fetch_s: list[float] = field(default_factory=list)  # each disk fetch's time, drained by metrics
+    fetch_s: float = 0.0  # disk fetches' time, summed (each in the background)
 
 
 class CostModel:
@@ -330,7 +330,7 @@ class TierIndex:
             return
         if ok:
             self.stats.disk_fetches += 1
-            self.stats.fetch_s.append(seconds)
+            self.stats.fetch_s += seconds
             self._host[h] = _HostEntry(f.slot, f.tokens, None)
             self._from_disk.add(h)
             while self._num_unpinned() > self.host_blocks and self._evict_oldest():

@@ -326,7 +326,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "epoch", "role", "num_running", "num_waiting", "num_awaiting_kv", "num_blocks", "num_free_blocks", "num_reserved_blocks", "queued_prefill_tokens", "max_num_seqs", "block_size", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "draining", "transport", "max_model_len", "num_quarantined_blocks", "num_handoffs", "prefill_tokens_per_s")
+    __slots__ = ("worker_id", "epoch", "role", "num_running", "num_waiting", "num_awaiting_kv", "num_blocks", "num_free_blocks", "num_reserved_blocks", "queued_prefill_tokens", "max_num_seqs", "block_size", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "draining", "transport", "max_model_len", "num_quarantined_blocks", "num_handoffs", "prefill_tokens_per_s", "tier_host_blocks", "tier_host_used", "tier_disk_blocks", "tier_disk_used", "tier_hits", "tier_swap_outs")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -348,6 +348,12 @@ class WorkerStats(_message.Message):
     NUM_QUARANTINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    TIER_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIER_HOST_USED_FIELD_NUMBER: _ClassVar[int]
+    TIER_DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIER_DISK_USED_FIELD_NUMBER: _ClassVar[int]
+    TIER_HITS_FIELD_NUMBER: _ClassVar[int]
+    TIER_SWAP_OUTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     role: str
@@ -369,7 +375,13 @@ class WorkerStats(_message.Message):
     num_quarantined_blocks: int
     num_handoffs: int
     prefill_tokens_per_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_awaiting_kv: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_reserved_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., draining: _Optional[bool] = ..., transport: _Optional[str] = ..., max_model_len: _Optional[int] = ..., num_quarantined_blocks: _Optional[int] = ..., num_handoffs: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
+    tier_host_blocks: int
+    tier_host_used: int
+    tier_disk_blocks: int
+    tier_disk_used: int
+    tier_hits: int
+    tier_swap_outs: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_awaiting_kv: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_reserved_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., draining: _Optional[bool] = ..., transport: _Optional[str] = ..., max_model_len: _Optional[int] = ..., num_quarantined_blocks: _Optional[int] = ..., num_handoffs: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., tier_host_blocks: _Optional[int] = ..., tier_host_used: _Optional[int] = ..., tier_disk_blocks: _Optional[int] = ..., tier_disk_used: _Optional[int] = ..., tier_hits: _Optional[int] = ..., tier_swap_outs: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("drain",)

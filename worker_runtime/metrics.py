@@ -131,6 +131,58 @@ class _ExpertCollector(Collector):
         yield g
 
 
+class _TierCollector(Collector):
+    """The KV tiers below the device (engine/kv_tiers.py), read off the worker's index at
+    scrape time (plain numbers the engine thread updates). Blocks are the worker's (every
+    rank's share); bytes are blocks x the worker's bytes a block."""
+
+    def __init__(self, labels: list[str], tiers) -> None:
+        self.labels, self.tiers = labels, tiers
+
+    def collect(self):
+        t, st = self.tiers, self.tiers.stats
+        lab = ["worker_id", "role"]
+        used = GaugeMetricFamily("tandem:kv_offload_usage_perc", "Share of each tier's blocks in use (host: the "
+                                 "LRU budget; swap: preempted requests' budget; disk).", labels=[*lab, "tier"])
+        for tier, n, cap in (("host", t.num_host_used - t.num_pinned, t.host_blocks), ("swap", t.num_pinned,
+                             t.swap_blocks), ("disk", t.num_disk_used, t.disk_blocks)):
+            if cap:
+                used.add_metric([*self.labels, tier], n / cap)
+        yield used
+        hits = CounterMetricFamily("tandem:kv_offload_hits", "Blocks restored to the device from a tier below it, "
+                                   "by where they were found (disk: came up from disk for the request).",
+                                   labels=[*lab, "tier"])
+        hits.add_metric([*self.labels, "host"], st.host_hits - st.disk_hits)
+        hits.add_metric([*self.labels, "disk"], st.disk_hits)
+        yield hits
+        q = CounterMetricFamily("tandem:kv_offload_queries", "Blocks of admitted prompts looked up below the device "
+                                "(the device's prefix cache missed them).", labels=lab)
+        q.add_metric(self.labels, st.queries)
+        yield q
+        moved = CounterMetricFamily("tandem:kv_offload_bytes", "KV bytes moved between the tiers.",
+                                    labels=[*lab, "direction"])
+        for direction, n in (("device_to_host", st.host_saves), ("host_to_device", st.host_hits),
+                             ("host_to_disk", st.disk_spills), ("disk_to_host", st.disk_fetches)):
+            moved.add_metric([*self.labels, direction], n * t.block_bytes)
+        yield moved
+        err = CounterMetricFamily("tandem:kv_offload_disk_errors", "Disk tier files that failed their check (or "
+                                  "could not be read): misses, recomputed.", labels=lab)
+        err.add_metric(self.labels, st.disk_errors)
+        yield err
+        seconds = CounterMetricFamily("tandem:kv_offload_seconds", "Time spent moving blocks up: restore, the host "
+                                      "to device copies (on CUDA, their launch); fetch, disk reads (in the "
+                                      "background).", labels=[*lab, "stage"])
+        seconds.add_metric([*self.labels, "restore"], st.restore_s)
+        seconds.add_metric([*self.labels, "fetch"], st.fetch_s)
+        yield seconds
+        swap = CounterMetricFamily("tandem:kv_preemptions_by_decision", "Preempted requests swapped to host memory "
+                                   "or left to recompute (the measured cost model's choice, with --swap-space).",
+                                   labels=[*lab, "decision"])
+        swap.add_metric([*self.labels, "swap"], st.swap_outs)
+        swap.add_metric([*self.labels, "recompute"], st.recomputes)
+        yield swap
+
+
 class WorkerMetrics:
     def __init__(self, worker_id: str, role: Role, read_stats: Callable[[], WorkerStats],
                  model_name: str = "") -> None:
@@ -209,6 +261,10 @@ class WorkerMetrics:
     def add_spec(self, read: Callable[[], object]) -> None:
         """Export speculative decoding's counters (`read` returns the engine's SpecStats)."""
         self.registry.register(_SpecCollector(self.labels, read))
+
+    def add_tiers(self, tiers) -> None:
+        """Export the KV tiers' usage, hits, bytes moved and times (engine/kv_tiers.py)."""
+        self.registry.register(_TierCollector(self.labels, tiers))
 
     def add_experts(self, blocks: list) -> None:
         """Export a mixture of experts' routing (`blocks`: its sparse layers)."""

@@ -104,6 +104,9 @@ class WorkerRpcs(abc.ABC):
 
             kernels = build.loaded_build() or "none"
         metrics.runtime_info(self.config.transport, self.transport.name, kernels, model_dtypes(self.engine.runner))
+        tiers = self.engine.scheduler.pool.lower
+        if tiers is not None:
+            metrics.add_tiers(tiers)
         return metrics
 
     async def Stats(self, request, context):

@@ -45,6 +45,12 @@ class WorkerStats:
     draining: bool = False
     transport: str = ""
     prefill_tokens_per_s: float = 0.0
+    tier_host_blocks: int = 0
+    tier_host_used: int = 0
+    tier_disk_blocks: int = 0
+    tier_disk_used: int = 0
+    tier_hits: int = 0
+    tier_swap_outs: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -111,4 +117,13 @@ def engine_fields(scheduler, pool) -> dict:
                 queued_prefill_tokens=scheduler.queued_prefill_tokens, max_num_seqs=scheduler.config.max_num_seqs,
                 block_size=pool.block_size, max_model_len=scheduler.config.max_model_len,
                 prefix_cache_queries=pool.queries, prefix_cache_hits=pool.hits,
-                num_preemptions=scheduler.num_preemptions)
+                num_preemptions=scheduler.num_preemptions, **tier_fields(pool.lower))
+
+
+def tier_fields(tiers) -> dict:
+    """The KV tiers' part of WorkerStats (engine/kv_tiers.py TierIndex, or None)."""
+    if tiers is None:
+        return {}
+    return dict(tier_host_blocks=tiers.num_slots, tier_host_used=tiers.num_host_used,
+                tier_disk_blocks=tiers.disk_blocks, tier_disk_used=tiers.num_disk_used,
+                tier_hits=tiers.stats.host_hits, tier_swap_outs=tiers.stats.swap_outs)
