@@ -35,9 +35,9 @@ def llama_kv1_dir(tmp_path_factory, builtin_dir):
     return _write_hf("llama", tmp_path_factory.mktemp("hf-llama-kv1"), builtin_dir, kv_heads=1)
 
 
-def tp_engine(path, size=2, spec=None, comm="auto", blocks=40, vocab_parallel=True, ep=False):
+def tp_engine(path, size=2, spec=None, comm="auto", blocks=40, vocab_parallel=True, ep=False, **tiers):
     return LLMEngine.from_config(EngineConfig(
-        model=str(path), cache=CacheConfig(block_size=16, num_blocks=blocks),
+        model=str(path), cache=CacheConfig(block_size=16, num_blocks=blocks, **tiers),
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=1024),
         speculative=SpeculativeConfig(method=spec, adaptive=False) if spec else SpeculativeConfig(),
         parallel=ParallelConfig(tensor_parallel_size=size, comm=comm, vocab_parallel_head=vocab_parallel,
@@ -104,6 +104,30 @@ def test_gloo_and_a_head_on_every_rank_give_the_same_tokens(llama_dir, comm, voc
         assert [lp.token_id for lp in got] == [lp.token_id for lp in want] and len(got) == len(prompts[1]) - 1
         assert max(abs(a.logprob - b.logprob) for a, b in zip(got, want)) < 1e-4
         assert [lp.top[0][0] for lp in got] == [lp.top[0][0] for lp in want]
+    finally:
+        engine.runner.close()
+
+
+def test_kv_tiers_under_two_ranks(llama_dir, tmp_path):
+    """Every rank keeps its share of a block in its own host slots and files, moved in
+    rank 0's order: prefixes back from host memory and disk, swapped preemptions, and
+    the tokens transformers gives."""
+    block = 2 * 2 * 16 * 2 * 32 * 4  # the worker's bytes a block: layers, K and V, tokens, KV heads, dims, fp32
+    engine = tp_engine(llama_dir, blocks=24, offload_host_gb=6 * block / 2**30, swap_space_gb=8 * block / 2**30,
+                       offload_disk_path=str(tmp_path), offload_disk_gb=64 * block / 2**30)
+    try:
+        index = engine.tiers.index
+        assert (index.host_blocks, index.swap_blocks, index.disk_blocks) == (6, 8, 64)
+        prompts = prompts_with_cases()
+        params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+        want = [hf_greedy(llama_dir, p, NEW, ignore_eos=True) for p in prompts]
+        for _ in range(2):
+            got, _ = run(engine, prompts, params)
+            assert got == want
+        st = index.stats
+        assert engine.scheduler.num_preemptions > 0 and st.swap_outs > 0
+        assert st.host_hits > 0 and st.disk_hits > 0 and st.disk_errors == 0
+        assert {p.name for p in tmp_path.iterdir()} == {"r0", "r1"}  # each rank's files
     finally:
         engine.runner.close()
 
