@@ -370,6 +370,38 @@ def test_each_role_has_its_own_disruption_budget_and_grace_above_its_drain():
     assert "tdm-tandem-prefill" not in names
 
 
+def test_kv_tiers_reach_the_controller_and_the_disk_tier_is_mounted_on_workers_alone():
+    values = yaml.safe_load((CHART / "ci" / "llama-70b-values.yaml").read_text())
+    docs = render(values)
+    cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-config"))
+    controller = yaml.safe_load(cm["data"]["controller.yaml"])
+    assert (controller["kv-offload-host-gb"], controller["swap-space"], controller["kv-offload-disk-gb"],
+            controller["kv-offload-disk-path"]) == (64, 16, 1000, "/var/lib/tandem/kv")
+    rc = next(d for d in docs if d["kind"] == "RayCluster")
+    groups = {g["groupName"]: g["template"]["spec"] for g in rc["spec"]["workerGroupSpecs"]}
+    groups["head"] = rc["spec"]["headGroupSpec"]["template"]["spec"]
+    for name, spec in groups.items():
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        mounts = {m["name"]: m["mountPath"] for c in spec["containers"] for m in c.get("volumeMounts", [])}
+        if name in ("prefill", "decode"):
+            assert volumes["kv-disk"]["hostPath"]["path"] == "/mnt/nvme0/tandem-kv"
+            assert mounts["kv-disk"] == "/var/lib/tandem/kv"
+        else:
+            assert "kv-disk" not in volumes and "kv-disk" not in mounts, name
+    # off by default; a disk tier without host memory is refused at render time
+    plain = yaml.safe_load(next(d for d in render({}) if d["kind"] == "ConfigMap"
+                                and d["metadata"]["name"].endswith("-config"))["data"]["controller.yaml"])
+    assert not {k for k in plain if k.startswith("kv-offload") or k == "swap-space"}
+    with pytest.raises(Exception, match="needs kvOffload.hostGb"):
+        render({"kvOffload": {"disk": {"enabled": True}}})
+    # the default volume: the node's ephemeral storage, the tier's size and a tenth
+    rc = next(d for d in render({"kvOffload": {"hostGb": 8, "disk": {"enabled": True, "sizeGb": 200}}})
+              if d["kind"] == "RayCluster")
+    decode = next(g for g in rc["spec"]["workerGroupSpecs"] if g["groupName"] == "decode")["template"]["spec"]
+    assert next(v for v in decode["volumes"] if v["name"] == "kv-disk") == {"name": "kv-disk",
+                                                                          "emptyDir": {"sizeLimit": "220Gi"}}
+
+
 def test_the_rdma_values_give_workers_alone_the_device_ipc_lock_and_ucx_settings():
     values = yaml.safe_load((CHART / "ci" / "rdma-values.yaml").read_text())
     docs = render(values)
