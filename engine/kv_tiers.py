@@ -235,7 +235,9 @@ class TierIndex:
         return self._free_slots.pop()
 
     def _num_unpinned(self) -> int:
-        return len(self._host) - self._num_pinned + len(self._fetching)
+        """Slots the LRU budget counts: ordinary host blocks, those being fetched, and those
+        held for a restore (they keep their slots until the load is queued)."""
+        return len(self._host) - self._num_pinned + len(self._fetching) + len(self._held)
 
     def _evict_oldest(self, protect: frozenset | set = frozenset()) -> bool:
         victim = next((h for h, e in self._host.items() if e.pinned_by is None and h not in protect), None)

@@ -114,6 +114,8 @@ def _tier_hits(server, admin_key: str) -> dict[str, float]:
                 for s in fam.samples:
                     key = {"tandem:kv_offload_hits_total": "hits_" + s.labels.get("tier", ""),
                            "tandem:kv_preemptions_by_decision_total": "preempt_" + s.labels.get("decision", ""),
+                           "tandem:kv_offload_queries_total": "tier_queries",
+                           "tandem:kv_offload_disk_errors_total": "disk_errors",
                            "tandem:num_preemptions_total": "preemptions"}.get(s.name)
                     if key:
                         out[key] = out.get(key, 0.0) + s.value

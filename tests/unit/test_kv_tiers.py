@@ -75,6 +75,22 @@ def test_restore_frees_the_slot_after_the_load_and_hold_protects_from_eviction()
     t.check_integrity()
 
 
+def test_held_blocks_count_against_the_budget_so_an_eviction_still_finds_a_slot():
+    """The restores' own allocations evict device blocks into host memory: the held
+    blocks keep their slots, so the LRU makes room from the others (a bug once: held
+    slots were not counted, the free list ran dry, and the evicted blocks were lost)."""
+    t = index(host=3, disk=8)
+    for i in (1, 2, 3):
+        t.offer(i, h(i), toks(i))
+    t.take_moves()
+    t.hold([h(3)])
+    assert t.offer(9, h(9), toks(9))  # room made by spilling h1, the oldest
+    assert t.take_moves() == [("spill", 0, h(1), toks(1)), ("save", 9, 0)]
+    t.restore(h(3), 4)
+    t.take_moves()
+    t.check_integrity()
+
+
 def test_swap_budget_pins_a_preempted_sequences_blocks_out_of_the_lru():
     t = index(host=1, swap=2)
     assert t.swap_out("s", [h(1), h(2)], num_tokens=8)
