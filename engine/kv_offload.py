@@ -77,8 +77,12 @@ class KVTierStore:
                 copies = True
             elif op == "spill":
                 _, slot, key, tokens = m
-                if copies and not synced and self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()  # the slot's save has landed
+                if not synced and self.device.type == "cuda":
+                    # the slot's save (this batch's, or an earlier batch's the stream may not have run
+                    # yet: asynchronous scheduling plans the next step before the last one ends)
+                    ev = self._mark_copies() if copies else self._copied
+                    if ev is not None:
+                        ev.synchronize()
                     synced = True
                 data = self.host[slot].clone()
                 self._io.submit(self._write, key, tokens, data)
