@@ -107,16 +107,21 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs need every prompt position computed here: prefill it locally")
         seq = self.new_sequence(seq_id, prompt_ids, params, priority, grammar=grammar)
-        if self._inflight is not None:
-            # a sequence that ended since the step on the device was launched gave back its
-            # blocks, and that step still writes one more token's KV into one of them: it
-            # must be done before a block goes to a writer outside the device's stream
-            self.runner.wait(self._inflight[1])
+        # a sequence that ended since the step on the device was launched gave back its
+        # blocks, and that step still writes one more token's KV into one of them: it
+        # must be done before a block goes to a writer outside the device's stream
+        self.wait_inflight()
         res = self.scheduler.reserve(seq)
         if self.tiers is not None:
             self.tiers.move()  # what it evicted to the tiers below leaves before a remote write lands
         self.seqs[seq_id] = seq
         return res
+
+    def wait_inflight(self) -> None:
+        """Return once the step on the device (if any) has run: before blocks go to a
+        writer or reader outside the device's stream (a reservation, a push to a peer)."""
+        if self._inflight is not None:
+            self.runner.wait(self._inflight[1])
 
     def mark_landed(self, seq_id: str, first_token: int, logprobs: TokenLogprobs | None = None) -> TokenEvent:
         seq = self.scheduler.mark_landed(seq_id, first_token)

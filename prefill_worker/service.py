@@ -204,6 +204,8 @@ class PrefillWorker(WorkerRpcs, pb_grpc.PrefillWorkerServicer):
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, f"cannot reach decode worker {request.target.worker_id}: {detail}"
             )
+        if request.HasField("pull"):  # another worker holds more of the prefix: pulled, not computed
+            await self.pull_prefix(rid, prompt, request.pull)
         t = request.target
         done = False
         try:  # any exit without a result (cancelled, timed out, failed) aborts the prefill

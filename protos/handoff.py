@@ -32,14 +32,16 @@ def reservation_event(*, block_ids: Sequence[int], num_cached_tokens: int, lease
 
 
 def prefill_request(*, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, priority: int,
-                    reservation: pb.Reservation, decode_address: str) -> pb.PrefillRequest:
+                    reservation: pb.Reservation, decode_address: str,
+                    pull: pb.PullSource | None = None) -> pb.PrefillRequest:
     """The prefill for a reservation: P writes into the blocks D named, past the ones
-    D already holds."""
+    D already holds. `pull`: another worker that holds more of the prompt's leading
+    blocks than P, which P pulls from (worker_runtime/kv_pull.py)."""
     r = reservation
     target = pb.DecodeTarget(worker_id=r.worker_id, epoch=r.epoch, address=decode_address, block_ids=r.block_ids,
                              num_cached_tokens=r.num_cached_tokens)
     return pb.PrefillRequest(request_id=request_id, prompt_ids=prompt_ids, params=params_to_pb(params),
-                             priority=priority, target=target)
+                             priority=priority, target=target, pull=pull)
 
 
 def prefill_reply(*, first_token: int, logprobs: TokenLogprobs | None, num_cached_tokens: int, num_blocks: int,

@@ -224,18 +224,60 @@ class DecodeTarget(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "params", "priority", "target")
+    __slots__ = ("request_id", "prompt_ids", "params", "priority", "target", "pull")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     priority: Priority
     target: DecodeTarget
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[Priority, str]] = ..., target: _Optional[_Union[DecodeTarget, _Mapping]] = ...) -> None: ...
+    pull: PullSource
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[Priority, str]] = ..., target: _Optional[_Union[DecodeTarget, _Mapping]] = ..., pull: _Optional[_Union[PullSource, _Mapping]] = ...) -> None: ...
+
+class PullSource(_message.Message):
+    __slots__ = ("worker_id", "epoch", "address", "role", "num_blocks")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    address: str
+    role: str
+    num_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., address: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("pull_id", "prompt_ids", "first_block", "block_ids", "worker_id", "epoch", "descriptor")
+    PULL_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
+    pull_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_block: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    worker_id: str
+    epoch: int
+    descriptor: bytes
+    def __init__(self, pull_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., descriptor: _Optional[bytes] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("num_blocks", "num_bytes")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    num_bytes: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_s", "prefill_s", "transfer_s")

@@ -79,6 +79,11 @@ class DecodeWorkerStub:
                 request_serializer=protos_dot_tandem__pb2.HealthRequest.SerializeToString,
                 response_deserializer=protos_dot_tandem__pb2.HealthReply.FromString,
                 _registered_method=True)
+        self.PushBlocks = channel.unary_unary(
+                '/tandem.v1.DecodeWorker/PushBlocks',
+                request_serializer=protos_dot_tandem__pb2.PushRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem__pb2.PushReply.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -139,6 +144,13 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushBlocks(self, request, context):
+        """a prefill worker pulls a prefix this worker holds
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +198,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.CheckIntegrity,
                     request_deserializer=protos_dot_tandem__pb2.HealthRequest.FromString,
                     response_serializer=protos_dot_tandem__pb2.HealthReply.SerializeToString,
+            ),
+            'PushBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushBlocks,
+                    request_deserializer=protos_dot_tandem__pb2.PushRequest.FromString,
+                    response_serializer=protos_dot_tandem__pb2.PushReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -441,6 +458,33 @@ class DecodeWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def PushBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.DecodeWorker/PushBlocks',
+            protos_dot_tandem__pb2.PushRequest.SerializeToString,
+            protos_dot_tandem__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -485,6 +529,11 @@ class PrefillWorkerStub:
                 '/tandem.v1.PrefillWorker/CheckIntegrity',
                 request_serializer=protos_dot_tandem__pb2.HealthRequest.SerializeToString,
                 response_deserializer=protos_dot_tandem__pb2.HealthReply.FromString,
+                _registered_method=True)
+        self.PushBlocks = channel.unary_unary(
+                '/tandem.v1.PrefillWorker/PushBlocks',
+                request_serializer=protos_dot_tandem__pb2.PushRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem__pb2.PushReply.FromString,
                 _registered_method=True)
 
 
@@ -533,6 +582,12 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushBlocks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -570,6 +625,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.CheckIntegrity,
                     request_deserializer=protos_dot_tandem__pb2.HealthRequest.FromString,
                     response_serializer=protos_dot_tandem__pb2.HealthReply.SerializeToString,
+            ),
+            'PushBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushBlocks,
+                    request_deserializer=protos_dot_tandem__pb2.PushRequest.FromString,
+                    response_serializer=protos_dot_tandem__pb2.PushReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -761,6 +821,33 @@ class PrefillWorker:
             '/tandem.v1.PrefillWorker/CheckIntegrity',
             protos_dot_tandem__pb2.HealthRequest.SerializeToString,
             protos_dot_tandem__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.PrefillWorker/PushBlocks',
+            protos_dot_tandem__pb2.PushRequest.SerializeToString,
+            protos_dot_tandem__pb2.PushReply.FromString,
             options,
             channel_credentials,
             insecure,

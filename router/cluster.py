@@ -23,14 +23,16 @@ import time
 from typing import AsyncIterator
 
 from engine.block_pool import block_hashes
+from protos import tandem_pb2 as pb
 from protos.tokens import TokenBatch
 from router.backend import Backend, BackendError, GenerateRequest
 from router.cluster_metrics import ClusterMetrics
-from router.policy import RoutingConfig, WorkerView, choose_decode, plan
+from router.policy import PULL_MIN_BLOCKS, RoutingConfig, WorkerView, choose_decode, plan
 from router.view import ClusterView
 from router.worker_client import disaggregated_stream, local_stream
 from router.workers import Worker
 from worker_runtime.config import WORKER_LOST, Role
+from worker_runtime.membership import WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +103,8 @@ class ClusterBackend(Backend):
                                        output_ids=list(emitted))
             d, p, reason = await self._route(this, hashes, exclude=failed)
             try:
-                async with contextlib.aclosing(self._run(this, d, p, reason)) as run:
+                pull = self._pull_source(hashes, p) if p is not None else None
+                async with contextlib.aclosing(self._run(this, d, p, reason, pull)) as run:
                     async for batch in run:
                         if batch.finished and batch.error and batch.error.startswith(WORKER_LOST):
                             if batch.token_ids:  # the worker failed, not the request: move it, what came kept
@@ -136,7 +139,33 @@ class ClusterBackend(Backend):
                 await asyncio.sleep(0.05 * (attempt + 1))
                 attempt += 1
 
-    async def _run(self, req: GenerateRequest, d: Worker, p: Worker | None, reason: str) -> AsyncIterator[TokenBatch]:
+    def _pull_source(self, hashes: list[bytes], p: Worker) -> pb.PullSource | None:
+        """Another worker (either pool, draining ones too: they still hold their cache) that
+        holds more of the prompt's leading blocks than prefill worker `p` does, by
+        PULL_MIN_BLOCKS or more, per the prefix index (every tier of theirs): `p` pulls them
+        instead of computing them (worker_runtime/kv_pull.py). The most blocks wins; among
+        equals a prefill worker (a push takes a decode worker's engine thread from its
+        batch), then the one with the fewest requests in flight from this router."""
+        mine = self.view.index.overlap_blocks(p.worker_id, hashes)
+        best, key = None, None
+        for w in self.view.workers.values():
+            if w.worker_id == p.worker_id or w.state != WorkerState.READY or w.client is None:
+                continue
+            n = self.view.index.overlap_blocks(w.worker_id, hashes)
+            if n - mine < PULL_MIN_BLOCKS:
+                continue
+            k = (n, w.role == Role.PREFILL, -w.load.pending)
+            if key is None or k > key:
+                best, key = w, k
+        if best is None:
+            return None
+        most = key[0]
+        self.metrics.pull_hints.inc()
+        return pb.PullSource(worker_id=best.worker_id, epoch=best.epoch, address=best.client.address,
+                             role=best.role.value, num_blocks=most)
+
+    async def _run(self, req: GenerateRequest, d: Worker, p: Worker | None, reason: str,
+                   pull: pb.PullSource | None = None) -> AsyncIterator[TokenBatch]:
         need = math.ceil((len(req.prompt_ids) + len(req.output_ids) + 1) / self.block_size)
         # a local prefill is prompt tokens on the decode worker's queue (spill weighs them)
         claims = [d.load.claim(blocks=need, tokens=0 if p is not None else len(req.prompt_ids) + len(req.output_ids))]
@@ -170,7 +199,8 @@ class ClusterBackend(Backend):
                 stream = local_stream(d.client, req)
             else:
                 self.metrics.decisions.labels("remote", reason).inc()
-                stream = disaggregated_stream(p.client, d.client, req, lease_s=self.lease_s, on_prefill=on_prefill)
+                stream = disaggregated_stream(p.client, d.client, req, lease_s=self.lease_s, on_prefill=on_prefill,
+                                              pull=pull)
             async with contextlib.aclosing(stream):
                 async for batch in stream:
                     settle()

@@ -157,6 +157,9 @@ class ClusterMetrics:
         self.retries = Counter(
             "tandem:request_retries", "Request attempts repeated on another worker, by cause.", ["cause"], registry=reg
         )
+        self.pull_hints = Counter(
+            "tandem:router_pull_hints", "Prefills sent with a worker to pull the prompt's prefix from (it held "
+            "more of it than the prefill worker chosen).", registry=reg)
         for where, reason in (
             ("local", "colocated"),
             ("local", "no_prefill_worker"),

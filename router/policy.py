@@ -113,6 +113,11 @@ def choose_decode(workers: list[WorkerView], need_blocks: int, cfg: RoutingConfi
     return DecodeChoice(best, reason)
 
 
+# a prefill worker pulls a prompt's prefix from another worker that holds at least this
+# many more of its leading blocks (worker_runtime/kv_pull.py MIN_PULL_BLOCKS, the same)
+PULL_MIN_BLOCKS = 2
+
+
 def choose_prefill(workers: list[WorkerView], block_size: int) -> WorkerView | None:
     if not workers:
         return None

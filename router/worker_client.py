@@ -145,9 +145,9 @@ async def local_stream(decode: WorkerClient, req: GenerateRequest) -> AsyncItera
 
 
 async def run_prefill(prefill: WorkerClient, decode: WorkerClient, req: GenerateRequest, res: pb.Reservation,
-                      timeout: float) -> PrefillOutcome:
+                      timeout: float, pull: pb.PullSource | None = None) -> PrefillOutcome:
     preq = prefill_request(request_id=req.request_id, prompt_ids=req.prompt_ids, params=req.params,
-                           priority=req.priority, reservation=res, decode_address=decode.address)
+                           priority=req.priority, reservation=res, decode_address=decode.address, pull=pull)
     span = tracing.start("remote_prefill", req.trace, kind=tracing.CLIENT, attributes={
         "tandem.prefill_worker": prefill.worker_id, "tandem.decode_worker": decode.worker_id})
     outcome = PrefillOutcome(None, "cancelled")
@@ -165,9 +165,10 @@ async def run_prefill(prefill: WorkerClient, decode: WorkerClient, req: Generate
 
 async def disaggregated_stream(prefill: WorkerClient, decode: WorkerClient, req: GenerateRequest,
                                lease_s: float = 30.0, fallback_local: bool = True,
-                               on_prefill=None) -> AsyncIterator[TokenBatch]:
+                               on_prefill=None, pull: pb.PullSource | None = None) -> AsyncIterator[TokenBatch]:
     """Reserve on D, prefill on P into the reservation, then stream D's tokens.
-    `on_prefill(outcome)` (optional) sees the prefill's reply or error (for metrics)."""
+    `on_prefill(outcome)` (optional) sees the prefill's reply or error (for metrics).
+    `pull`: a worker holding more of the prompt's prefix than P, which P pulls from."""
     dc = _DecodeCall(decode, req, pb.REMOTE_PREFILL, lease_s)
     call = dc.call
     try:
@@ -177,7 +178,7 @@ async def disaggregated_stream(prefill: WorkerClient, decode: WorkerClient, req:
             raise rpc_error(e, f"decode worker {decode.worker_id}") from e
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "reservation":
             raise BackendError(f"decode worker {decode.worker_id} sent no reservation", 500)
-        outcome = await run_prefill(prefill, decode, req, first.reservation, timeout=lease_s)
+        outcome = await run_prefill(prefill, decode, req, first.reservation, timeout=lease_s, pull=pull)
         if on_prefill is not None:
             on_prefill(outcome)
         if outcome.reply is None:

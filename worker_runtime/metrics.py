@@ -266,6 +266,30 @@ class WorkerMetrics:
         """Export the KV tiers' usage, hits, bytes moved and times (engine/kv_tiers.py)."""
         self.registry.register(_TierCollector(self.labels, tiers))
 
+    def add_pulls(self, stats) -> None:
+        """Export peer pulls and pushes (worker_runtime/kv_pull.py PullStats)."""
+        reg, lab = self.registry, ["worker_id", "role"]
+
+        class _Pulls(Collector):
+            def collect(inner):
+                for name, doc, value, kind in (
+                    ("tandem:kv_pull_blocks", "Prefix blocks pulled in from another worker instead of computed.",
+                     stats.pulled_blocks, CounterMetricFamily),
+                    ("tandem:kv_pull_seconds", "Time pulls took (reservation to landed), summed.",
+                     stats.pull_s, CounterMetricFamily),
+                    ("tandem:kv_push_blocks", "Blocks this worker wrote into another worker's cache for its pulls.",
+                     stats.pushed_blocks, CounterMetricFamily)):
+                    fam = kind(name, doc, labels=lab)
+                    fam.add_metric(self.labels, value)
+                    yield fam
+                fam = CounterMetricFamily("tandem:kv_pulls", "Pulls of a prefix from another worker, by outcome "
+                                          "(failed: the prompt was computed instead).", labels=[*lab, "outcome"])
+                fam.add_metric([*self.labels, "ok"], stats.pulls)
+                fam.add_metric([*self.labels, "failed"], stats.failed)
+                yield fam
+
+        reg.register(_Pulls())
+
     def add_experts(self, blocks: list) -> None:
         """Export a mixture of experts' routing (`blocks`: its sparse layers)."""
         self.registry.register(_ExpertCollector(self.labels, blocks))

@@ -1,5 +1,5 @@
 """Pieces both worker services build the same way: the transport, and the RPCs they
-answer alike (Health, CheckIntegrity, Drain, KVEvents, Stats)."""
+answer alike (Health, CheckIntegrity, Drain, KVEvents, Stats, PushBlocks)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from protos import tandem_pb2 as pb
 from worker_runtime import envs, tracing
 from worker_runtime.addresses import Endpoint
 from worker_runtime.config import WorkerConfig
+from worker_runtime.kv_pull import PullMixin, PullStats
 from worker_runtime.metrics import WorkerMetrics, model_dtypes
 from worker_runtime.rpc import epoch_str
 from worker_runtime.stats import WorkerStats
@@ -64,11 +65,12 @@ def make_transport(cfg: WorkerConfig, epoch: int, endpoint: Endpoint) -> Transpo
     return transport
 
 
-class WorkerRpcs(abc.ABC):
+class WorkerRpcs(PullMixin, abc.ABC):
     """The RPCs both worker services answer the same way. A service sets `role`,
-    `config`, `epoch`, `draining`, `metrics`, `kv_events` and `engine_loop` (its
-    EngineLoop), and defines `stats()` (its WorkerStats, built in one place) and
-    `check_integrity()` (run on the engine thread)."""
+    `config`, `epoch`, `draining`, `metrics`, `kv_events`, `kv` and `transport` (its
+    KV transports), `engine` and `engine_loop` (its EngineLoop), and defines `stats()`
+    (its WorkerStats, built in one place) and `check_integrity()` (run on the engine
+    thread). PushBlocks and a prefill worker's pulls: worker_runtime/kv_pull.py."""
 
     def add_parallel_metrics(self, runner) -> None:
         """Tensor parallel (rank 0): its time in all-reduces, against its step time; a
@@ -98,6 +100,8 @@ class WorkerRpcs(abc.ABC):
         Called once the transport and the engine are made: it names both."""
         tracing.configure(f"tandem-{self.role.value}", self.config.otlp_traces_endpoint)
         metrics = WorkerMetrics(self.config.worker_id, self.role, self.stats, self.config.model_name)
+        self.pull_stats = PullStats()
+        metrics.add_pulls(self.pull_stats)
         kernels = None
         if self.config.engine.device.device == "cpu":
             from engine.cpu_kernels import build
