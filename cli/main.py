@@ -185,6 +185,11 @@ def _router_args(p: argparse.ArgumentParser) -> None:
 
 def _routing_args(c) -> None:
     c.add_argument(
+        "--no-prefix-pull", dest="prefix_pull", action="store_false",
+        help="never have a prefill worker pull a prompt's prefix from another worker that holds more of it (by "
+             "default it does, where the other holds 2 or more blocks more: docs/architecture.md)",
+    )
+    c.add_argument(
         "--local-prefill-threshold",
         type=int,
         default=64,

@@ -50,7 +50,7 @@ def build_backend(args: argparse.Namespace, attach: bool = False):
     routing = RoutingConfig(local_prefill_threshold=args.local_prefill_threshold,
                             colocated=getattr(args, "colocated", False), decode_routing=args.decode_routing,
                             prefill_block_weight=args.prefill_block_weight,
-                            spill_prefill_s=args.spill_prefill_s)
+                            spill_prefill_s=args.spill_prefill_s, prefix_pull=args.prefix_pull)
     if attach:
         view = ClusterView(ViewConfig(args.address, controller_wait_s=args.controller_wait_s))
     else:

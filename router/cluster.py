@@ -103,7 +103,7 @@ class ClusterBackend(Backend):
                                        output_ids=list(emitted))
             d, p, reason = await self._route(this, hashes, exclude=failed)
             try:
-                pull = self._pull_source(hashes, p) if p is not None else None
+                pull = self._pull_source(hashes, p) if p is not None and self.routing.prefix_pull else None
                 async with contextlib.aclosing(self._run(this, d, p, reason, pull)) as run:
                     async for batch in run:
                         if batch.finished and batch.error and batch.error.startswith(WORKER_LOST):

@@ -47,6 +47,8 @@ class RoutingConfig:
     # seconds of backlog on the least-loaded prefill worker from which a prompt may
     # prefill on its decode worker instead; 0: never
     spill_prefill_s: float = 2.0
+    # a prefill worker pulls a prompt's prefix from a worker holding PULL_MIN_BLOCKS more of it
+    prefix_pull: bool = True
 
     def __post_init__(self) -> None:
         if self.decode_routing not in DECODE_ROUTING:

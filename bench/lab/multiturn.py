@@ -115,6 +115,7 @@ def _tier_hits(server, admin_key: str) -> dict[str, float]:
                     key = {"tandem:kv_offload_hits_total": "hits_" + s.labels.get("tier", ""),
                            "tandem:kv_preemptions_by_decision_total": "preempt_" + s.labels.get("decision", ""),
                            "tandem:kv_offload_queries_total": "tier_queries",
+                           "tandem:kv_pull_blocks_total": "pulled_blocks",
                            "tandem:kv_offload_disk_errors_total": "disk_errors",
                            "tandem:num_preemptions_total": "preemptions"}.get(s.name)
                     if key:
