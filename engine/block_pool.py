@@ -55,7 +55,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int, extra_key: bytes = b
 class KVEvent:
     """A change to the set of cached block hashes, for prefix-aware routing."""
 
-    kind: str  # "stored" | "removed" | "cleared"
+    kind: str  # "stored" | "removed" | "cleared" | "offloaded" (left the device, kept by a tier below)
     hashes: list[bytes] = field(default_factory=list)
 
 
@@ -169,8 +169,7 @@ class BlockPool:
         if h is not None:
             del self._block_of[h]
             del self._tokens_of[b]
-            if not kept:
-                self._events.append(KVEvent("removed", [h]))
+            self._events.append(KVEvent("offloaded" if kept else "removed", [h]))
 
     def holds(self, h: bytes) -> bool:
         """Whether a device block is named `h`."""
@@ -197,9 +196,16 @@ class BlockPool:
 
     def cached_hashes(self) -> list[bytes]:
         """Every block hash this worker holds, on the device or below it."""
+        return [*self._block_of, *self.offloaded_hashes()]
+
+    def device_hashes(self) -> list[bytes]:
+        return list(self._block_of)
+
+    def offloaded_hashes(self) -> list[bytes]:
+        """The hashes held only below the device (engine/kv_tiers.py)."""
         if self.lower is None:
-            return list(self._block_of)
-        return [*self._block_of, *(h for h in self.lower.hashes() if h not in self._block_of)]
+            return []
+        return [h for h in self.lower.hashes() if h not in self._block_of]
 
     # ---- invariants ----------------------------------------------------------
     def check_integrity(self, expected_refs: dict[int, int] | None = None) -> None:

@@ -436,15 +436,17 @@ class KVEventsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KVEventBatch(_message.Message):
-    __slots__ = ("worker_id", "epoch", "cleared", "stored", "removed")
+    __slots__ = ("worker_id", "epoch", "cleared", "stored", "removed", "offloaded")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CLEARED_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
+    OFFLOADED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     cleared: bool
     stored: _containers.RepeatedScalarFieldContainer[bytes]
     removed: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., cleared: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    offloaded: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., cleared: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., offloaded: _Optional[_Iterable[bytes]] = ...) -> None: ...

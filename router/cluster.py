@@ -27,7 +27,7 @@ from protos import tandem_pb2 as pb
 from protos.tokens import TokenBatch
 from router.backend import Backend, BackendError, GenerateRequest
 from router.cluster_metrics import ClusterMetrics
-from router.policy import PULL_MIN_BLOCKS, RoutingConfig, WorkerView, choose_decode, plan
+from router.policy import BELOW_COST, PULL_MIN_BLOCKS, RoutingConfig, WorkerView, choose_decode, plan
 from router.view import ClusterView
 from router.worker_client import disaggregated_stream, local_stream
 from router.workers import Worker
@@ -143,7 +143,8 @@ class ClusterBackend(Backend):
         """Another worker (either pool, draining ones too: they still hold their cache) that
         holds more of the prompt's leading blocks than prefill worker `p` does, by
         PULL_MIN_BLOCKS or more, per the prefix index (every tier of theirs): `p` pulls them
-        instead of computing them (worker_runtime/kv_pull.py). The most blocks wins; among
+        instead of computing them (worker_runtime/kv_pull.py). The most blocks wins (those
+        below the holder's device counting BELOW_COST less: they are copied back first); among
         equals a prefill worker (a push takes a decode worker's engine thread from its
         batch), then the one with the fewest requests in flight from this router."""
         mine = self.view.index.overlap_blocks(p.worker_id, hashes)
@@ -154,12 +155,13 @@ class ClusterBackend(Backend):
             n = self.view.index.overlap_blocks(w.worker_id, hashes)
             if n - mine < PULL_MIN_BLOCKS:
                 continue
-            k = (n, w.role == Role.PREFILL, -w.load.pending)
+            k = (n - BELOW_COST * self.view.index.overlap_below(w.worker_id, hashes, n), w.role == Role.PREFILL,
+                 -w.load.pending)
             if key is None or k > key:
                 best, key = w, k
         if best is None:
             return None
-        most = key[0]
+        most = self.view.index.overlap_blocks(best.worker_id, hashes)
         self.metrics.pull_hints.inc()
         return pb.PullSource(worker_id=best.worker_id, epoch=best.epoch, address=best.client.address,
                              role=best.role.value, num_blocks=most)
@@ -262,6 +264,7 @@ class ClusterBackend(Backend):
             in_flight_blocks=w.load.blocks,
             in_flight_tokens=w.load.tokens,
             max_num_seqs=s.max_num_seqs if s else 1,
-            cached_blocks=self.view.index.overlap_blocks(w.worker_id, hashes),
+            cached_blocks=(n := self.view.index.overlap_blocks(w.worker_id, hashes)),
+            cached_below=self.view.index.overlap_below(w.worker_id, hashes, n),
             prefill_tokens_per_s=s.prefill_tokens_per_s if s else 0.0,
         )

@@ -26,9 +26,8 @@ class KVEventHub:
         """Engine thread. The queue starts with a full snapshot."""
         self.pool.drain_events()  # everything so far is in the snapshot
         q: asyncio.Queue = asyncio.Queue()  # bounded by the subscriber's RPC: cancelled -> unsubscribed
-        snap = pb.KVEventBatch(
-            worker_id=self.worker_id, epoch=self.epoch, cleared=True, stored=self.pool.cached_hashes()
-        )
+        snap = pb.KVEventBatch(worker_id=self.worker_id, epoch=self.epoch, cleared=True,
+                               stored=self.pool.device_hashes(), offloaded=self.pool.offloaded_hashes())
         self.loop.call_soon_threadsafe(q.put_nowait, snap)
         self._subs.append(q)
         return q
@@ -49,9 +48,12 @@ class KVEventHub:
                 batch.stored.extend(ev.hashes)
             elif ev.kind == "removed":
                 batch.removed.extend(ev.hashes)
+            elif ev.kind == "offloaded":
+                batch.offloaded.extend(ev.hashes)
             else:
                 batch.cleared = True
                 del batch.stored[:]
                 del batch.removed[:]
+                del batch.offloaded[:]
         for q in list(self._subs):
             self.loop.call_soon_threadsafe(q.put_nowait, batch)

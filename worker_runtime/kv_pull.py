@@ -19,8 +19,10 @@ Where anything fails (Q gone, a refused descriptor, a write that failed or timed
 block Q no longer holds), P1 computes the prompt as it would have: the reservation is
 quarantined for the handoff's quarantine (longer than any write may take, as for a
 decode worker's reservation), then freed, so a late write cannot reach a reused block.
-Single-rank workers only for now: a tensor-parallel worker's ranks would each write their
-heads (worker_runtime/tp_kv.py), which the pull does not do yet; the router does not ask.
+Tensor-parallel workers on either side: the holder's ranks each write the KV heads the
+puller's ranks hold, as in a handoff (worker_runtime/tp_kv.py: rank 0 its own pairs, the
+others theirs on a `Call` between steps, reporting them done), and the holder answers
+once all are done.
 """
 
 from __future__ import annotations
@@ -135,6 +137,11 @@ def release_pull(engine, pull_id: str) -> None:
     engine.scheduler.release_reservation(pull_id)
 
 
+def _rank_push(runner, writes) -> None:
+    """A rank other than 0: write its pairs of a push now, every layer at once."""
+    writes.hook(runner)(writes.num_layers - 1)
+
+
 # ---- the RPCs ------------------------------------------------------------------------------
 class PullMixin:
     """PushBlocks for both worker services, and the pull a prefill worker makes. A
@@ -143,24 +150,18 @@ class PullMixin:
 
     async def PushBlocks(self, request: pb.PushRequest, context):
         stats: PullStats = self.pull_stats
-        if self.kv.size > 1:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "a tensor-parallel worker does not push blocks yet")
         bs = self.engine.scheduler.bs
         prefix = list(request.prompt_ids)
         if not prefix or len(prefix) % bs or request.first_block < 0 or \
                 len(request.block_ids) != len(prefix) // bs - request.first_block:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a push takes whole blocks of {bs} tokens and "
                                 "one target block for each from first_block on")
-        try:
+        try:  # each of our ranks to the puller's ranks whose KV heads it holds (worker_runtime/tp_kv.py)
             gpeer = await asyncio.to_thread(self.kv.add_peer, request.descriptor)
         except Exception as e:  # noqa: BLE001 - a refused or unreachable puller: its pull fails
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot connect to {request.worker_id}: {e}")
-        group = self.kv.group_of(gpeer)
-        if group.size != 1:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a tensor-parallel puller: not yet")
-        peer = group.rank_peers[0]
         pull_id = f"push:{request.worker_id}:{request.pull_id}"
+        local = None
         for _ in range(int(FETCH_WAIT_S / 0.002)):  # blocks on disk: read into host memory first
             local = await self.engine_loop.call(hold_for_push, self.engine, pull_id, prefix, request.first_block)
             if local is not None:
@@ -170,32 +171,55 @@ class PullMixin:
                 await self.engine_loop.call(self.engine.tiers.poll)
         if not local:
             return pb.PushReply(num_blocks=0)
-        handle = None
+        handles: list = []
         try:
             remote = list(request.block_ids)[:len(local)]
-            handle = await self.engine_loop.call(self._start_push, peer, local, remote)
+            handles = await self.engine_loop.call(self._start_push, pull_id, gpeer, local, remote)
             deadline = time.monotonic() + self.config.handoff.transfer_s
             while True:
-                status = await self.engine_loop.call(self.transport.poll, handle)
-                if status.finished:
+                done, reason = await self.engine_loop.call(self._push_state, pull_id, gpeer, handles)
+                if done:
                     break
                 if time.monotonic() > deadline:
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the write did not finish in time")
                 await asyncio.sleep(0.001)
-            if status.state is not XferState.DONE:
-                await context.abort(grpc.StatusCode.ABORTED, f"the write failed: {status.reason}")
+            if reason is not None:
+                await context.abort(grpc.StatusCode.ABORTED, f"the write failed: {reason}")
             stats.pushes += 1
             stats.pushed_blocks += len(local)
             return pb.PushReply(num_blocks=len(local),
-                                num_bytes=len(local) * self.engine.runner.kv_cache.layout.block_bytes)
+                                num_bytes=len(local) * self.engine.runner.kv_cache.layout.block_bytes * self.kv.size)
         finally:
-            if handle is not None:
-                self.engine_loop.post(self.transport.release, handle)  # a pending write fails; a done one is kept
+            for h in handles:
+                self.engine_loop.post(self.transport.release, h)  # a pending write fails; a done one is kept
+            self.engine_loop.post(self.kv.forget, pull_id)
             self.engine_loop.post(release_push, self.engine, pull_id)
 
-    def _start_push(self, peer, local: list[int], remote: list[int]):
+    def _start_push(self, pull_id: str, gpeer, local: list[int], remote: list[int]) -> list:
+        """Engine thread: rank 0's writes of the push, and the other ranks' (a `Call`
+        ahead of the next step: each writes its pairs, and reports them done)."""
+        group = self.kv.group_of(gpeer)
         ready = self.engine.runner.compute_marker()  # CUDA: the restores' copies are queued before it
-        return self.transport.write_blocks(peer, local, remote, ready=ready)
+        handles = [self.transport.write_blocks(group.rank_peers[p.dst], local, remote, heads=p.heads, ready=ready)
+                   for p in group.mine(0)]
+        writes = self.kv.rank_writes([(pull_id, gpeer, local, remote)], False,
+                                     self.engine.runner.model_config.num_layers)
+        if writes is not None:
+            from engine.parallel.group import Call
+
+            self.kv.group.send(Call(_rank_push, (writes,)))
+        return handles
+
+    def _push_state(self, pull_id: str, gpeer, handles: list) -> tuple[bool, str | None]:
+        """Engine thread: (whether every rank's writes of the push finished, the first failure)."""
+        states = [self.transport.poll(h) for h in handles]
+        bad = next((s.reason for s in states if s.finished and s.state is not XferState.DONE), None)
+        if bad is not None:
+            return True, bad
+        others, reason = self.kv.shards_done(pull_id, gpeer)
+        if reason is not None:
+            return True, reason
+        return all(s.finished for s in states) and others, None
 
     async def pull_prefix(self, request_id: str, prompt: list[int], source: pb.PullSource) -> int:
         """Before a prefill: bring the prompt's leading blocks `source` holds into this
@@ -203,14 +227,18 @@ class PullMixin:
         stats: PullStats = self.pull_stats
         bs = self.engine.scheduler.bs
         n = min(source.num_blocks, (len(prompt) - 1) // bs)  # the last token is computed here anyway
-        if n < MIN_PULL_BLOCKS or self.kv.size > 1 or source.worker_id == self.config.worker_id:
+        if n < MIN_PULL_BLOCKS or source.worker_id == self.config.worker_id:
             return 0
         rate = getattr(getattr(self.engine, "rate", None), "value", 0.0)  # prompt tokens a second, measured
         if stats.pulled_blocks and rate > 0 and stats.pull_s / stats.pulled_blocks > bs / rate:
             return 0  # pulls measured slower than this worker computes a block: computed
         pull_id = f"pull:{request_id}"
         prefix = prompt[:n * bs]
-        got = await self.engine_loop.call(reserve_pull, self.engine, pull_id, prefix)
+        try:
+            got = await self.engine_loop.call(reserve_pull, self.engine, pull_id, prefix)
+        except asyncio.CancelledError:  # the prefill went away: nothing was asked of the holder yet
+            self.engine_loop.post(release_pull, self.engine, pull_id)
+            raise
         if got is None:
             return 0
         have, table = got
@@ -218,20 +246,27 @@ class PullMixin:
         req = pb.PushRequest(pull_id=pull_id, prompt_ids=prefix, first_block=have, block_ids=table[have:],
                              worker_id=self.config.worker_id, epoch=self.epoch,
                              descriptor=self.kv.local_descriptor())
+        reply, why = None, "cancelled"
         try:
             async with channel(source.address) as ch:
                 stub = (pb_grpc.DecodeWorkerStub if source.role == "decode" else pb_grpc.PrefillWorkerStub)(ch)
                 reply = await stub.PushBlocks(req, timeout=self.config.handoff.transfer_s + 5.0,
                                               metadata=call_metadata(self.config.cluster_token))
         except (grpc.aio.AioRpcError, OSError) as e:
-            detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-            log.warning("pull of %s's prefix from %s failed (%s): computing it", request_id, source.worker_id, detail)
-            stats.failed += 1
-            await self.engine_loop.call(abandon_pull, self.engine, pull_id)
-            asyncio.get_running_loop().call_later(self.config.handoff.quarantine_s, self.engine_loop.post,
-                                                  release_pull, self.engine, pull_id)
+            why = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+        finally:
+            if reply is None:  # failed, or the prefill was cancelled meanwhile: a late write may still come
+                log.warning("pull of %s's prefix from %s failed (%s): computing it", request_id, source.worker_id,
+                            why)
+                stats.failed += 1
+                self.engine_loop.post(abandon_pull, self.engine, pull_id)
+                asyncio.get_running_loop().call_later(self.config.handoff.quarantine_s, self.engine_loop.post,
+                                                      release_pull, self.engine, pull_id)
+        if reply is None:
             return 0
         await self.engine_loop.call(land_pull, self.engine, pull_id, have + reply.num_blocks)
+        if self.kv.size > 1:  # the holder's other ranks' writes carried shard notes: not a handoff's, dropped
+            await self.engine_loop.call(self.kv.notifications)
         if reply.num_blocks:
             stats.pulls += 1
             stats.pulled_blocks += reply.num_blocks

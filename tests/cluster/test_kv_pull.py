@@ -17,6 +17,7 @@ import pytest
 
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc as pb_grpc
+from tests.cluster.test_kv_tiers_serving import settled
 from tests.cluster.test_serve import TOKEN, labelled
 from tests.cluster.test_tp_serving import complete
 from tests.oracle import hf_greedy, random_prompts
@@ -73,6 +74,8 @@ def test_a_prefill_worker_pulls_a_prefix_another_one_holds(serve, model_path):
     assert pulled == pushed >= 200 // 16 - 1, (pulled, pushed)
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= pulled * 16
     assert srv.metrics()["tandem:router_pull_hints_total"] >= 1
+    # nothing held (tandem status reads the stats the controller polled last: a moment behind)
+    settled(srv, lambda ps: all(w["kv_usage"] == 0 for p in ps.values() for w in p["workers"]))
     for w in prefill_workers(srv).values():
         assert w["kv_usage"] == 0, w
 

@@ -6,6 +6,7 @@ answer is transformers' greedy one, and no block is left held."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import httpx
@@ -33,8 +34,20 @@ def hits_of(srv, role: str) -> dict[str, float]:
     return {dict(k)["tier"]: v for k, v in worker_series(srv, role, "tandem:kv_offload_hits_total").items()}
 
 
+def settled(srv, check, timeout_s: float = 15.0) -> dict:
+    """The pools as `tandem status` shows them once `check(pools)` holds: it reads the stats
+    the controller polled last, a moment behind the workers (bounded wait)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pools = srv.pools()
+        if check(pools) or time.monotonic() > deadline:
+            return pools
+        time.sleep(0.2)
+
+
 def all_blocks_free(srv) -> None:
-    for role, pool in srv.pools().items():
+    pools = settled(srv, lambda ps: all(w["kv_usage"] == 0 for p in ps.values() for w in p["workers"]))
+    for pool in pools.values():
         for w in pool["workers"]:
             assert w["kv_usage"] == 0, f"{w['worker_id']} holds blocks: {w}"
 
@@ -52,8 +65,7 @@ def test_tiers_on_a_disaggregated_cluster(serve, model_path, tmp_path):
             assert complete(srv.url, model, p, N)["choices"][0]["token_ids"] == want
     hits = hits_of(srv, "prefill")
     assert hits["disk"] > 0, hits  # (host memory holds 8 blocks: most came up from disk first)
-    [p] = srv.pools()["prefill"]["workers"]
-    # (tandem status reads the stats the controller polled last: a little behind /metrics)
+    [p] = settled(srv, lambda ps: ps["prefill"]["workers"][0].get("tiers", {}).get("hits"))["prefill"]["workers"]
     assert 0 < p["tiers"]["hits"] <= hits["host"] + hits["disk"] and p["tiers"]["disk_used"] > 0
     assert list((tmp_path / "kv" / p["worker_id"] / "r0").glob("*.kv"))  # the worker's own directory
     all_blocks_free(srv)

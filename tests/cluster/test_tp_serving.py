@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from engine.sampling_params import SamplingParams
+from protos import tandem_pb2 as pb
 from router.backend import GenerateRequest
 from router.worker_client import disaggregated_stream, local_stream
 from tests.cluster.test_disagg import assert_clean
@@ -86,6 +87,18 @@ async def test_prefill_and_decode_ranks_of_any_pairing_hand_off_exactly(spawn, c
     assert (await pc.stats()).prefix_cache_hits > 0
     if spec:  # the trained model repeats itself: drafts verified on both decode ranks, and kept
         assert sum(last.accepted_tokens for _, last in outs) > 0
+    # a prefix only the decode worker holds (it prefilled it itself): the prefill worker pulls
+    # it (worker_runtime/kv_pull.py), each decode rank writing the heads each prefill rank holds
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    own, tail = random_prompts([80, 10], seed=24)
+    out, _ = await with_usage(local_stream(dc, GenerateRequest("own", own, params)))
+    assert out == hf_greedy(model, own, NEW, ignore_eos=True)
+    source = pb.PullSource(worker_id="decode-0", address=dc.address, role="decode", num_blocks=len(own) // 16)
+    seen = []
+    out, _ = await with_usage(disaggregated_stream(pc, dc, GenerateRequest("pulled", own + tail, params),
+                                                   fallback_local=False, on_prefill=seen.append, pull=source))
+    assert out == hf_greedy(model, own + tail, NEW, ignore_eos=True)
+    assert seen[0].reply.num_cached_tokens == 80  # its 5 blocks came from the decode worker
     await assert_clean(dc, pc)
 
 

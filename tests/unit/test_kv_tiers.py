@@ -133,11 +133,11 @@ def test_block_pool_offers_evictions_and_reports_removed_only_when_the_worker_le
         pool.cache_block(b, hs[i], ids[i * BS:(i + 1) * BS])
         pool.release([b])
     pool.drain_events()
-    pool.allocate(1)  # evicts block 0's content to host memory: still on this worker
-    assert [e.kind for e in pool.drain_events()] == []
-    assert set(pool.cached_hashes()) == set(hs[:2])
+    pool.allocate(1)  # evicts block 0's content to host memory: still on this worker, below its device
+    assert [(e.kind, e.hashes) for e in pool.drain_events()] == [("offloaded", [hs[0]])]
+    assert set(pool.cached_hashes()) == set(hs[:2]) and pool.offloaded_hashes() == [hs[0]]
     pool.allocate(1)  # evicts the second: host memory holds one, so the first leaves the worker
-    assert [(e.kind, e.hashes) for e in pool.drain_events()] == [("removed", [hs[0]])]
+    assert [(e.kind, e.hashes) for e in pool.drain_events()] == [("removed", [hs[0]]), ("offloaded", [hs[1]])]
     removed.extend(pool.cached_hashes())
     assert removed == [hs[1]]
     assert pool.reset_prefix_cache() == 1 and t.num_host_used == 0

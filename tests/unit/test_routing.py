@@ -134,6 +134,33 @@ def test_prefix_index_follows_kv_events():
     assert idx.overlap_blocks("w", hashes) == 0 and idx.overlap_blocks("other", hashes) == 0
 
 
+def test_prefix_index_knows_which_blocks_are_below_the_device_and_routing_prefers_the_device():
+    """A block offloaded to a KV tier is still held (it counts in the run) but marked
+    below; restored, it is on the device again. Of two prefill workers holding the same
+    prefix, the one with it on its device gets the prompt; a tier's hit still beats none."""
+    from router.policy import WorkerView, choose_prefill
+
+    idx = PrefixIndex()
+    hashes = block_hashes(list(range(64)), 16)
+    idx.apply("a", pb.KVEventBatch(cleared=True, stored=hashes))
+    idx.apply("b", pb.KVEventBatch(cleared=True, stored=hashes[:1], offloaded=hashes[1:]))
+    assert idx.overlap_blocks("b", hashes) == 4 and idx.overlap_below("b", hashes, 4) == 3
+    idx.apply("a", pb.KVEventBatch(offloaded=hashes[2:]))
+    assert idx.overlap_below("a", hashes, 4) == 2
+    idx.apply("a", pb.KVEventBatch(offloaded=[hashes[3]], stored=[hashes[3]]))  # restored in the same batch
+    assert idx.overlap_below("a", hashes, 4) == 1
+    idx.apply("a", pb.KVEventBatch(removed=hashes[2:3]))
+    assert idx.overlap_blocks("a", hashes) == 2 and idx.overlap_below("a", hashes, 2) == 0
+
+    def view(wid, cached, below):
+        return WorkerView(wid, free_blocks=10, num_blocks=10, running=0, queued_tokens=0, in_flight=0,
+                          in_flight_blocks=0, in_flight_tokens=0, max_num_seqs=4, cached_blocks=cached,
+                          cached_below=below)
+
+    assert choose_prefill([view("a", 4, 3), view("b", 4, 0)], 16).worker_id == "b"
+    assert choose_prefill([view("a", 4, 4), view("b", 0, 0)], 16).worker_id == "a"
+
+
 @pytest.mark.parametrize("cores,n,slot,want", [((0, 1), 1, 0, (0, 1)), ((0, 1), 2, 1, (1,)), ((0, 1), 5, 4, (0,)),
                                                (tuple(range(8)), 3, 2, (4, 5)), (tuple(range(8)), 4, 3, (6, 7))])
 def test_share_cores(cores, n, slot, want):
