@@ -126,14 +126,29 @@ BELOW_COST = 0.1
 # a prefill worker pulls a prompt's prefix from another worker that holds at least this
 # many more of its leading blocks (worker_runtime/kv_pull.py MIN_PULL_BLOCKS, the same)
 PULL_MIN_BLOCKS = 2
+# a block a prefill worker would pull counts as this much of a block to compute (a write
+# over the KV transport and a round trip, far below a prefill of its tokens): the holder
+# keeps a prompt unless its queue is longer than a quarter of the prefix it holds plus
+# the other's queue
+PULL_COST = 0.25
 
 
-def choose_prefill(workers: list[WorkerView], block_size: int) -> WorkerView | None:
+def choose_prefill(workers: list[WorkerView], block_size: int, pullable: int = 0) -> WorkerView | None:
+    """The prefill worker whose cached prefix, in tokens, most exceeds its queue. With
+    `pullable` (the most leading blocks any worker holds, when peer pulls are on), a
+    worker lacking PULL_MIN_BLOCKS or more of them counts them at 1 - PULL_COST of a
+    cached block: it pulls them (router/cluster.py _pull_source), so an idle worker can
+    take a prompt from a busy one that holds its prefix."""
     if not workers:
         return None
-    return max(workers, key=lambda w: ((w.cached_blocks - BELOW_COST * w.cached_below) * block_size
-                                       - w.queued_tokens - w.in_flight_tokens,
-                                       -w.in_flight, w.worker_id))
+
+    def score(w: WorkerView):
+        missing = pullable - w.cached_blocks
+        pulled = (1 - PULL_COST) * missing if missing >= PULL_MIN_BLOCKS else 0.0
+        return ((w.cached_blocks - BELOW_COST * w.cached_below + pulled) * block_size
+                - w.queued_tokens - w.in_flight_tokens, -w.in_flight, w.worker_id)
+
+    return max(workers, key=score)
 
 
 def plan(prompt_len: int, decode: WorkerView, prefills: list[WorkerView], cfg: RoutingConfig,
@@ -147,7 +162,8 @@ def plan(prompt_len: int, decode: WorkerView, prefills: list[WorkerView], cfg: R
     uncached = prompt_len - decode.cached_blocks * block_size
     if uncached < cfg.local_prefill_threshold:
         return Route(decode.worker_id, None, "short_uncached")
-    p = choose_prefill(prefills, block_size)
+    pullable = max(v.cached_blocks for v in (*prefills, decode)) if cfg.prefix_pull else 0
+    p = choose_prefill(prefills, block_size, pullable)
     backlog, rate = p.queued_tokens + p.in_flight_tokens, p.prefill_tokens_per_s
     if rate > 0:  # a worker that has not measured its rate yet takes the prompt
         if (cfg.spill_prefill_s and backlog >= cfg.spill_prefill_s * rate

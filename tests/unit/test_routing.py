@@ -161,6 +161,21 @@ def test_prefix_index_knows_which_blocks_are_below_the_device_and_routing_prefer
     assert choose_prefill([view("a", 4, 4), view("b", 0, 0)], 16).worker_id == "a"
 
 
+def test_with_peer_pulls_an_idle_prefill_worker_takes_a_prompt_from_a_busy_holder():
+    """The holder of an 8-block prefix (128 tokens) has 100 tokens queued; the other is
+    idle. Without pulls the holder wins (28 against 0); with them the idle one counts the
+    8 blocks it would pull at 3/4 (96 tokens) and wins; a holder with a short queue (118)
+    still keeps its prompt."""
+    def view(wid, cached, queued):
+        return WorkerView(wid, free_blocks=10, num_blocks=10, running=0, queued_tokens=queued, in_flight=0,
+                          in_flight_blocks=0, in_flight_tokens=0, max_num_seqs=4, cached_blocks=cached)
+
+    busy, idle = view("holder", 8, 100), view("idle", 0, 0)
+    assert choose_prefill([busy, idle], 16).worker_id == "holder"
+    assert choose_prefill([busy, idle], 16, pullable=8).worker_id == "idle"
+    assert choose_prefill([view("holder", 8, 10), idle], 16, pullable=8).worker_id == "holder"
+
+
 @pytest.mark.parametrize("cores,n,slot,want", [((0, 1), 1, 0, (0, 1)), ((0, 1), 2, 1, (1,)), ((0, 1), 5, 4, (0,)),
                                                (tuple(range(8)), 3, 2, (4, 5)), (tuple(range(8)), 4, 3, (6, 7))])
 def test_share_cores(cores, n, slot, want):
