@@ -170,9 +170,7 @@ class LLMEngine:
         out: SchedulerOutput = self.scheduler.schedule()
         self._last_plan = out.plan
         if tiers is not None:
-            tiers.move()
-            if not out.plan:
-                tiers.idle_wait()
+            tiers.move(idle=not out.plan)
         if not out.plan:
             return []
         if self.spec is not None and self.spec.fills_after_schedule:

@@ -52,7 +52,6 @@ class KVTierStore:
             self._io = ThreadPoolExecutor(1, thread_name_prefix=f"kv-disk-r{rank}")
         self._fetches: dict[bytes, Future] = {}
         self._copied: torch.cuda.Event | None = None  # CUDA: the last batch of device copies
-        self.bytes_moved = {"save": 0, "load": 0, "spill": 0, "fetch": 0}
         self.last_load_s = 0.0
 
     # ---- moves -----------------------------------------------------------------------
@@ -66,14 +65,12 @@ class KVTierStore:
             if op == "save":
                 _, block, slot = m
                 self.host[slot].copy_(self.kv[:, :, block], non_blocking=True)
-                self.bytes_moved["save"] += self.slot_bytes
                 copies = True
             elif op == "load":
                 _, slot, block = m
                 t0 = time.perf_counter()
                 self.kv[:, :, block].copy_(self.host[slot], non_blocking=True)
                 t_load += time.perf_counter() - t0
-                self.bytes_moved["load"] += self.slot_bytes
                 copies = True
             elif op == "spill":
                 _, slot, key, tokens = m
@@ -148,7 +145,6 @@ class KVTierStore:
                 f.write(struct.pack(f"<{len(tokens)}q", *tokens))
                 f.write(payload)
             os.replace(tmp, path)
-            self.bytes_moved["spill"] += len(payload)
         except OSError as e:
             log.warning("kv disk tier: could not write %s: %s", path, e)
             tmp.unlink(missing_ok=True)
@@ -168,7 +164,6 @@ class KVTierStore:
             path.unlink(missing_ok=True)
             return False, time.perf_counter() - t0
         self.host[slot].view(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(ok), dtype=torch.uint8))
-        self.bytes_moved["fetch"] += len(ok)
         return True, time.perf_counter() - t0
 
     def _check(self, raw: bytes, key: bytes, tokens) -> bytes | None:
@@ -186,10 +181,6 @@ class KVTierStore:
 
     def _unlink(self, key: bytes) -> None:
         self._path(key).unlink(missing_ok=True)
-
-    def file_of(self, key: bytes) -> Path | None:
-        """Where block `key` is (or would be) on disk; for tests that damage one."""
-        return None if self.dir is None else self._path(key)
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait for the disk work queued so far (tests, shutdown)."""
@@ -213,27 +204,25 @@ class TierDriver:
         self.cache = cache_manager
         self.index = cache_manager.tiers
 
-    def move(self) -> None:
+    def move(self, idle: bool = False) -> None:
+        """Run the moves decided since the last call; `idle` (the step planned nothing):
+        then wait a moment where a request waits for its prefix from disk, instead of a
+        spin of empty steps."""
         moves = self.cache.take_moves()
-        if not moves:
-            return
-        t0 = time.perf_counter()
-        self.runner.move_kv(moves)
-        copies = sum(1 for m in moves if m[0] in ("save", "load"))
-        if copies and self.runner.device.type == "cpu":  # on CUDA the copies were only queued
-            self.index.cost.observe_copy(copies * self.index.block_bytes, time.perf_counter() - t0)
-        self.index.stats.restore_s += self.runner.kv_store.last_load_s
+        if moves:
+            t0 = time.perf_counter()
+            self.runner.move_kv(moves)
+            copies = sum(1 for m in moves if m[0] in ("save", "load"))
+            if copies and self.runner.device.type == "cpu":  # on CUDA the copies were only queued
+                self.index.cost.observe_copy(copies * self.index.block_bytes, time.perf_counter() - t0)
+            self.index.stats.restore_s += self.runner.kv_store.last_load_s
+        if idle and self.index.num_fetching:
+            time.sleep(0.0005)
 
     def poll(self) -> None:
         if self.index.disk_blocks:
             for key, ok, seconds in self.runner.finished_kv_fetches():
                 self.index.fetched(key, ok, seconds)
-
-    def idle_wait(self) -> None:
-        """Nothing to run: where a request waits for its prefix from disk, a short sleep
-        instead of a spin of empty steps."""
-        if self.index.num_fetching:
-            time.sleep(0.0005)
 
 
 def tier_driver(runner, cache_manager) -> TierDriver | None:

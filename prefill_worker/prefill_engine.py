@@ -195,9 +195,7 @@ class PrefillEngine:
             tiers.poll()
         out = self.scheduler.schedule()
         if tiers is not None:
-            tiers.move()
-            if not out.plan:
-                tiers.idle_wait()
+            tiers.move(idle=not out.plan)
         if not out.plan:
             return []
         if self.faults.prefill_step_delay_s:

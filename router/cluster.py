@@ -148,7 +148,7 @@ class ClusterBackend(Backend):
         equals a prefill worker (a push takes a decode worker's engine thread from its
         batch), then the one with the fewest requests in flight from this router."""
         mine = self.view.index.overlap_blocks(p.worker_id, hashes)
-        best, key = None, None
+        best, key, most = None, None, 0
         for w in self.view.workers.values():
             if w.worker_id == p.worker_id or w.state != WorkerState.READY or w.client is None:
                 continue
@@ -158,10 +158,9 @@ class ClusterBackend(Backend):
             k = (n - BELOW_COST * self.view.index.overlap_below(w.worker_id, hashes, n), w.role == Role.PREFILL,
                  -w.load.pending)
             if key is None or k > key:
-                best, key = w, k
+                best, key, most = w, k, n
         if best is None:
             return None
-        most = self.view.index.overlap_blocks(best.worker_id, hashes)
         self.metrics.pull_hints.inc()
         return pb.PullSource(worker_id=best.worker_id, epoch=best.epoch, address=best.client.address,
                              role=best.role.value, num_blocks=most)
