@@ -247,6 +247,11 @@ def _pool_args(p: argparse.ArgumentParser, c) -> None:
                    help="ranks per prefill worker (default: --tensor-parallel-size)")
     c.add_argument("--decode-tensor-parallel-size", type=int, default=None, metavar="N",
                    help="ranks per decode worker, colocated ones included (default: --tensor-parallel-size)")
+    for pool in ("prefill", "decode"):
+        c.add_argument(f"--{pool}-num-blocks", type=int, default=None, metavar="N",
+                       help=f"KV blocks of each {pool} worker (default: --num-blocks)")
+        c.add_argument(f"--{pool}-kv-cache-memory-gb", type=float, default=None, metavar="GB",
+                       help=f"KV cache memory of each {pool} worker (default: --kv-cache-memory-gb)")
     c.add_argument("--num-gpus-per-worker", type=float, default=None,
                    help="Ray GPUs per worker rank (default: 1 on cuda)")
     c.add_argument("--pin-cores", default="auto", help="auto (local CPU runs), none, or a core list like 0-7")

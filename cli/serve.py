@@ -90,7 +90,21 @@ def pool_config(args: argparse.Namespace, model_path: str):
     tensor_parallel = {"prefill": args.prefill_tensor_parallel_size or tp,
                        "decode": args.decode_tensor_parallel_size or tp}
     return PoolConfig(template, sizes=sizes, resources=resources, cores=cores, autoscale=autoscale_config(args),
-                      dead_after_s=args.worker_dead_after_s, tensor_parallel=tensor_parallel)
+                      dead_after_s=args.worker_dead_after_s, tensor_parallel=tensor_parallel,
+                      cache={role: pool_cache(args, role) for role in ("prefill", "decode")})
+
+
+def pool_cache(args: argparse.Namespace, role: str) -> dict:
+    """One pool's KV cache size over the shared --num-blocks / --kv-cache-memory-gb: a
+    pool's --<pool>-num-blocks wins, then its --<pool>-kv-cache-memory-gb (which drops a
+    shared --num-blocks, as --num-blocks would otherwise win over it)."""
+    blocks = getattr(args, f"{role}_num_blocks", None)
+    memory = getattr(args, f"{role}_kv_cache_memory_gb", None)
+    if blocks is not None:
+        return {"num_blocks": blocks}
+    if memory is not None:
+        return {"num_blocks": None, "kv_cache_memory_gb": memory}
+    return {}
 
 
 def autoscale_config(args: argparse.Namespace):

@@ -113,6 +113,10 @@ class PoolConfig:
     # ranks per worker, by pool (default: the template's --tensor-parallel-size); a pool's
     # resources are per rank: a worker of N ranks holds N such bundles (a placement group)
     tensor_parallel: dict[Role, int] = field(default_factory=dict)
+    # KV cache size by pool, over the template's (CacheConfig fields: num_blocks,
+    # kv_cache_memory_gb): decode workers hold every running sequence's context, prefill
+    # workers a prefix cache, and the two are sized apart
+    cache: dict[Role, dict] = field(default_factory=dict)
     # workers outlive the controller (a detached controller's, or a local runtime's); else
     # they share its fate, and a restarted controller starts new ones
     detached_workers: bool = False
@@ -121,6 +125,7 @@ class PoolConfig:
         object.__setattr__(self, "sizes", {Role(r): n for r, n in self.sizes.items()})
         object.__setattr__(self, "resources", {Role(r): v for r, v in self.resources.items()})
         object.__setattr__(self, "tensor_parallel", {Role(r): n for r, n in self.tensor_parallel.items()})
+        object.__setattr__(self, "cache", {Role(r): dict(v) for r, v in self.cache.items()})
 
 
 @dataclass
@@ -365,9 +370,9 @@ class PoolManager:
                                          serial_step_work=serial, core_table=self.core_table,
                                          shared_cores=self.config.cores if self.core_table else None)
         parallel = dataclasses.replace(t.engine.parallel, tensor_parallel_size=self.tp_size(role))
-        return dataclasses.replace(
-            t, role=role, worker_id=worker_id, engine=dataclasses.replace(t.engine, device=device, parallel=parallel)
-        )
+        cache = dataclasses.replace(t.engine.cache, **self.config.cache.get(role, {}))
+        engine = dataclasses.replace(t.engine, device=device, parallel=parallel, cache=cache)
+        return dataclasses.replace(t, role=role, worker_id=worker_id, engine=engine)
 
     def tp_size(self, role: Role) -> int:
         return self.config.tensor_parallel.get(role, self.config.template.engine.parallel.tensor_parallel_size)

@@ -88,3 +88,21 @@ async def test_the_engine_loop_reports_idle_before_it_sleeps():
     finally:
         loop.stop()
     assert idle and idle[0] == 0  # not while it had work
+
+
+def test_each_pool_sizes_its_own_kv_cache():
+    from cli.main import build_parser
+    from cli.serve import pool_config
+    from controller.pools import PoolManager
+    from worker_runtime.config import Role
+
+    args = build_parser().parse_args(["serve", "--num-blocks", "38", "--decode-num-blocks", "96",
+                                      "--prefill-kv-cache-memory-gb", "0.5", "--pin-cores", "none"])
+    mgr = PoolManager(pool_config(args, "/nonexistent"))
+    prefill = mgr._worker_config(Role.PREFILL, "prefill-0", 0).engine.cache
+    decode = mgr._worker_config(Role.DECODE, "decode-0", 1).engine.cache
+    assert (decode.num_blocks, prefill.num_blocks, prefill.kv_cache_memory_gb) == (96, None, 0.5)
+    shared = PoolManager(pool_config(build_parser().parse_args(["serve", "--num-blocks", "38", "--pin-cores", "none"]),
+                                     "/nonexistent"))
+    assert shared._worker_config(Role.PREFILL, "prefill-0", 0).engine.cache.num_blocks == 38
+    assert shared._worker_config(Role.DECODE, "decode-0", 0).engine.cache.num_blocks == 38
