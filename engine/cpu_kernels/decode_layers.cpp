@@ -44,7 +44,7 @@ using Store = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, cons
 using StoreFp8 = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                       double, double);
 using Attend = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                    const at::Tensor&, double, bool, double);
+                    const at::Tensor&, double, bool, double, int64_t, double);
 
 constexpr int64_t kLinears = 5;  // qkv, o, gate, up, down
 
@@ -124,11 +124,11 @@ at::Tensor decode_layers(const at::Tensor& residual, at::TensorList norms,
     if (fp8) {  // the K scale into the softmax scale, the V scale onto the output (as the Python layers)
       store_fp8.call(k_caches[l], v_caches[l], k, v, slots, kv_scales[2 * l], kv_scales[2 * l + 1]);
       attend.call(o, qk.narrow(1, 0, num_heads), k_caches[l], v_caches[l], block_tables, seq_lens,
-                  scale * kv_scales[2 * l], bf16_pairs, kv_scales[2 * l + 1]);
+                  scale * kv_scales[2 * l], bf16_pairs, kv_scales[2 * l + 1], 0, 0.0);
     } else {
       store.call(k_caches[l], v_caches[l], k, v, slots);
       attend.call(o, qk.narrow(1, 0, num_heads), k_caches[l], v_caches[l], block_tables, seq_lens, scale, bf16_pairs,
-                  1.0);
+                  1.0, 0, 0.0);
     }
     at::Tensor attn = project(o.view({M, q_size}), l, 1, residual.size(1));
     h = at::empty_like(residual);

@@ -249,7 +249,33 @@ struct Problem {
   float scale;
   bool bf16_pairs;  // bf16 query and cache: p.v on the dot-product instruction (see attend)
   float v_scale;    // the V cache's scale (an fp8 cache's; 1 otherwise): multiplies the output
+  int64_t window;   // a sliding window: the query sees the last `window` positions (0: all)
+  float softcap;    // scores soft-capped as cap * tanh(s / cap) before the softmax (0: none)
 };
+
+// The part of sequence b's context a windowed query sees: its block table from the first
+// block the window touches, the context's length counted from that block, and how many
+// of that block's leading positions lie before the window (masked). Blocks wholly before
+// the window are never read: they may be freed and reused.
+struct Span {
+  const int32_t* table;
+  int64_t len, skip;
+};
+inline Span window_span(const int32_t* row, int64_t L, int64_t window, int64_t bs) {
+  const int64_t start = window > 0 && L > window ? L - window : 0, first = start / bs;
+  return {row + first, L - first * bs, start - first * bs};
+}
+
+// Soft-capping of n scores (n a multiple of 16): cap * tanh(s / cap), with tanh(|x|)
+// = (1 - e) / (1 + e), e = exp(-2|x|) in (0, 1] (the kernels' exp takes x <= 0).
+inline void softcap_scores(float* s, int64_t n, float cap) {
+  alignas(64) float e[16];
+  for (int64_t t = 0; t < n; t += 16) {
+    for (int i = 0; i < 16; ++i) e[i] = -2.f * std::fabs(s[t + i]) / cap;
+    vstore(e, vexp(vload(e)));
+    for (int i = 0; i < 16; ++i) s[t + i] = std::copysign(cap * (1.f - e[i]) / (1.f + e[i]), s[t + i]);
+  }
+}
 
 // Per-thread scratch, grown on demand and reused across calls (no per-call malloc).
 float* thread_scratch(size_t n) {
@@ -325,16 +351,20 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
 #else
   constexpr bool kPairPass = false;
 #endif
-  const int64_t L = P.seq_lens[b];
+  const int64_t L_all = P.seq_lens[b];
   Q* o = out + b * P.o_seq + g0 * G * P.o_head;
-  if (L <= 0) {  // nothing to attend to: the output is defined as zeros
+  if (L_all <= 0) {  // nothing to attend to: the output is defined as zeros
     for (int64_t h = 0; h < GT; ++h)
       for (int64_t d = 0; d < D; ++d) o[h * P.o_head + d] = Q(0.f);
     return;
   }
-  TORCH_CHECK(L <= P.max_blocks * bs, "seq_len ", L, " of sequence ", b,
+  TORCH_CHECK(L_all <= P.max_blocks * bs, "seq_len ", L_all, " of sequence ", b,
               " exceeds its block table (", P.max_blocks, " blocks of ", bs, ")");
-  const int32_t* table = P.block_tables + b * P.bt_row;
+  // Below, the context is the window's span: positions count from its first block, and
+  // the `skip` leading ones (before the window) get no weight.
+  const Span span = window_span(P.block_tables + b * P.bt_row, L_all, P.window, bs);
+  const int32_t* table = span.table;
+  const int64_t L = span.len, skip = span.skip;
   const int64_t Lp = kAmx ? (L + 31) & ~int64_t(31) : round16(L), nblk = (L + bs - 1) / bs;
   for (int64_t i = 0; i < nblk; ++i)
     TORCH_CHECK(table[i] >= 0 && table[i] < P.num_cache_blocks, "block id ", table[i],
@@ -576,6 +606,8 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t h = 0; h < GT && !kAmx; ++h) {
     float* sh = s + h * Lp;
+    if (P.softcap > 0.f) softcap_scores(sh, round16(L), P.softcap);
+    for (int64_t t = 0; t < skip; ++t) sh[t] = ninf;
     for (int64_t t = L; t < Lp; ++t) sh[t] = ninf;
     V16 m = vset1(ninf);
     for (int64_t t = 0; t < Lp; t += 16) m = vmax(m, vload(sh + t));
@@ -666,9 +698,11 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
       const int64_t i1 = std::min(nblk, i0 + kSegBlocks);
       if (i0 == 0) {  // the next item's K, spread over this pass
         pf.clear();
-        if (whole_rows && next_b >= 0)
-          pf.plan(P, reinterpret_cast<const char*>(kc), P.block_tables + next_b * P.bt_row, P.seq_lens[next_b],
-                  head_off, row_bytes, elem, ng * ((G + NHB - 1) / NHB) * ((L + 1) / 2));
+        if (whole_rows && next_b >= 0) {
+          const Span nx = window_span(P.block_tables + next_b * P.bt_row, P.seq_lens[next_b], P.window, bs);
+          pf.plan(P, reinterpret_cast<const char*>(kc), nx.table, nx.len, head_off, row_bytes, elem,
+                  ng * ((G + NHB - 1) / NHB) * ((L + 1) / 2));
+        }
       }
       load_blocks(vc, i0, i1);
       for (int64_t gg = 0; gg < ng; ++gg) {
@@ -800,8 +834,9 @@ void run_all(const Problem& P, const at::Tensor& k_cache, const at::Tensor& v_ca
   // the faster one (docs/performance.md, fifteenth round).
   constexpr bool kAmxShape = TANDEM_AMX && std::is_same_v<KV, BFloat16> && std::is_same_v<Q, BFloat16> &&
                              (C == 4 || C == 8);
-  const bool amx = kAmxShape && pairs && P.block_size % 32 == 0 && G >= 4 && G <= 16 &&
-                   g_decode_amx.load(std::memory_order_relaxed) && tandem_amx::usable();
+  // A window or a soft cap takes the AVX512-BF16 loops (the tile path has neither)
+  const bool amx = kAmxShape && pairs && P.block_size % 32 == 0 && G >= 4 && G <= 16 && P.window == 0 &&
+                   P.softcap == 0.f && g_decode_amx.load(std::memory_order_relaxed) && tandem_amx::usable();
   if (amx)
     while (ng > 1 && ng * G > 16) ng = ng % 2 == 0 ? ng / 2 : 1;
   const int64_t runs = hkv / ng, items = num_seqs * runs;
@@ -868,7 +903,9 @@ void dispatch(const Problem& P, const at::Tensor& kc, const at::Tensor& vc,
 
 void paged_decode_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, double scale, bool bf16_pairs, double v_scale) {
+                            const at::Tensor& seq_lens, double scale, bool bf16_pairs, double v_scale,
+                            int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must not be negative");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [B, H, D] alike");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
               v_cache.strides() == k_cache.strides(), "k/v cache must be [N, bs, Hkv, D] with equal strides");
@@ -893,7 +930,7 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query, cons
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), k_cache.size(0),
             block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), static_cast<float>(scale), bf16_pairs,
-            static_cast<float>(v_scale)};
+            static_cast<float>(v_scale), window, static_cast<float>(softcap)};
   dispatch(P, k_cache, v_cache, query, out, B);
 }
 
@@ -925,17 +962,28 @@ struct PrefillProblem {
   float scale;
   bool fp8;       // the cache holds float8 e4m3 (widened to bf16 as it is copied: exact)
   float v_scale;  // an fp8 cache's V scale (1 otherwise): multiplies the output
+  int64_t window; // a sliding window: the row at position p sees keys p - window + 1 .. p (0: all)
+  float softcap;  // scores soft-capped as cap * tanh(s / cap) (0: none)
 };
 
+// softcap_scores on one vector, the same operations in the same order
+inline __m512 softcap16(__m512 x, float cap) {
+  const __m512 e = vexp(V16{_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-2.f / cap))}).v;
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 t = _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(cap), _mm512_sub_ps(one, e)), _mm512_add_ps(one, e));
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign));
+}
+
 // Item b's block table row, after checking that its lengths fit it and its block ids
-// lie inside the cache.
-const int32_t* checked_table(const PrefillProblem& P, int64_t b, int64_t q_len, int64_t L) {
+// from block `first` on (those its rows read) lie inside the cache.
+const int32_t* checked_table(const PrefillProblem& P, int64_t b, int64_t q_len, int64_t L, int64_t first) {
   const int64_t bs = P.block_size;
   TORCH_CHECK(L >= q_len && L <= P.max_blocks * bs, "sequence ", b, ": seq_len ", L, " with ", q_len,
               " new tokens does not fit its block table (", P.max_blocks, " blocks of ", bs, ")");
   const int32_t* table = P.block_tables + b * P.bt_row;
   const int64_t nblk = (L + bs - 1) / bs;
-  for (int64_t i = 0; i < nblk; ++i)
+  for (int64_t i = first; i < nblk; ++i)
     TORCH_CHECK(table[i] >= 0 && table[i] < P.num_cache_blocks, "block id ", table[i], " of sequence ", b,
                 " is outside the cache (", P.num_cache_blocks, " blocks)");
   return table;
@@ -1002,9 +1050,13 @@ void prefill_item(const PrefillProblem& P, const void* kc, const void* vc, const
                   BFloat16* out, int64_t b, int64_t g) {
   constexpr int D = 16 * C, NP = D / 2;  // NP: dim pairs per row
   const int64_t G = P.num_heads / P.num_kv_heads;
-  const int64_t r0 = P.query_start[b], q_len = P.query_start[b + 1] - r0, L = P.seq_lens[b];
+  const int64_t r0 = P.query_start[b], q_len = P.query_start[b + 1] - r0, L_all = P.seq_lens[b];
   if (q_len <= 0) return;
-  const int32_t* table = checked_table(P, b, q_len, L);
+  // With a window the context starts at the block holding the first row's first key;
+  // positions below count from there (origin), and a row's keys before its window are masked.
+  auto lowest = [&](int64_t pos) { return P.window > 0 ? std::max<int64_t>(0, pos - P.window + 1) : 0; };
+  const int64_t first = lowest(L_all - q_len) / P.block_size, origin = first * P.block_size, L = L_all - origin;
+  const int32_t* table = checked_table(P, b, q_len, L_all, first) + first;
   const int64_t ntile = (L + 15) / 16, Lp = ntile * 16;  // keys padded to whole tiles
   // scratch (floats): kt [ntile][NP][16] u32, vp [Lp/2][D] u32, scores [G][Lp], p [G][Lp/2] u32
   float* base = thread_scratch(ntile * NP * 16 + (Lp / 2) * D + G * Lp + G * (Lp / 2) + 16);
@@ -1018,6 +1070,7 @@ void prefill_item(const PrefillProblem& P, const void* kc, const void* vc, const
   constexpr int RH = 4;  // query heads whose scores are computed together
   for (int64_t j = 0; j < q_len; ++j) {
     const int64_t pos = L - q_len + j, nk = pos + 1, nt = (nk + 15) / 16;
+    const int64_t lo = lowest(pos + origin) - origin, tt0 = lo / 16;  // keys lo .. pos; tiles from tt0
     const BFloat16* qrow = query + (r0 + j) * P.q_tok + g * G * P.q_head;
     // Scores, RH heads x one tile at a time: RH chains of NP dot products.
     for (int64_t h0 = 0; h0 < G; h0 += RH) {
@@ -1025,7 +1078,7 @@ void prefill_item(const PrefillProblem& P, const void* kc, const void* vc, const
       const uint32_t* qp[RH];
       for (int h = 0; h < RH; ++h)
         qp[h] = reinterpret_cast<const uint32_t*>(qrow + (h0 + std::min(h, nh - 1)) * P.q_head);
-      for (int64_t tt = 0; tt < nt; ++tt) {
+      for (int64_t tt = tt0; tt < nt; ++tt) {
         const uint32_t* kb = kt + tt * NP * 16;
         __m512 acc[RH];
         for (int h = 0; h < RH; ++h) acc[h] = _mm512_setzero_ps();
@@ -1034,9 +1087,13 @@ void prefill_item(const PrefillProblem& P, const void* kc, const void* vc, const
           for (int h = 0; h < RH; ++h)
             acc[h] = _mm512_dpbf16_ps(acc[h], kv, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[h][c])));
         }
-        const __mmask16 valid = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(nk - tt * 16)));
-        for (int h = 0; h < nh; ++h)
-          _mm512_storeu_ps(sc + (h0 + h) * Lp + tt * 16, _mm512_mask_blend_ps(valid, ninf, _mm512_mul_ps(acc[h], vscale)));
+        const __mmask16 valid = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(nk - tt * 16))) &
+                                _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(lo - tt * 16)));
+        for (int h = 0; h < nh; ++h) {
+          __m512 x = _mm512_mul_ps(acc[h], vscale);
+          if (P.softcap > 0.f) x = softcap16(x, P.softcap);
+          _mm512_storeu_ps(sc + (h0 + h) * Lp + tt * 16, _mm512_mask_blend_ps(valid, ninf, x));
+        }
       }
     }
     // Softmax numerators per head; p rounded to bf16, packed in token pairs.
@@ -1044,11 +1101,11 @@ void prefill_item(const PrefillProblem& P, const void* kc, const void* vc, const
     for (int64_t h = 0; h < G; ++h) {
       float* sh = sc + h * Lp;
       __m512 m = ninf;
-      for (int64_t t = 0; t < nt * 16; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sh + t));
+      for (int64_t t = tt0 * 16; t < nt * 16; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sh + t));
       const V16 neg_max = vset1(-_mm512_reduce_max_ps(m));
       __m512 sum = _mm512_setzero_ps();
       __m256i* ph = reinterpret_cast<__m256i*>(pp + h * (Lp / 2));
-      for (int64_t t = 0; t < nt * 16; t += 16) {
+      for (int64_t t = tt0 * 16; t < nt * 16; t += 16) {
         const __m512 e = vexp(vadd(V16{_mm512_loadu_ps(sh + t)}, neg_max)).v;
         sum = _mm512_add_ps(sum, e);
         _mm256_storeu_si256(ph + t / 16, (__m256i)_mm512_cvtneps_pbh(e));
@@ -1065,7 +1122,7 @@ void prefill_item(const PrefillProblem& P, const void* kc, const void* vc, const
         for (int c = 0; c < C; ++c) acc[h][c] = _mm512_setzero_ps();
       const uint32_t* ph[RO];
       for (int h = 0; h < RO; ++h) ph[h] = pp + (h0 + std::min(h, nh - 1)) * (Lp / 2);
-      for (int64_t s = 0; s < npair; ++s) {
+      for (int64_t s = tt0 * 8; s < npair; ++s) {  // p of the tiles before tt0: not this row's
         const uint32_t* vrow = vp + s * D;
         for (int c = 0; c < C; ++c) {
           const __m512bh v = (__m512bh)_mm512_loadu_si512(vrow + 16 * c);
@@ -1111,7 +1168,7 @@ void prefill_item_amx(const PrefillProblem& P, const void* kc, const void* vc, c
   const int64_t G = P.num_heads / P.num_kv_heads;
   const int64_t r0 = P.query_start[b], q_len = P.query_start[b + 1] - r0, L = P.seq_lens[b];
   if (q_len <= 0) return;
-  const int32_t* table = checked_table(P, b, q_len, L);
+  const int32_t* table = checked_table(P, b, q_len, L, 0);
   const int64_t Lp = (L + 31) & ~int64_t(31), ntile = Lp / 16;  // keys padded to whole 32-key blocks
   // scratch (4-byte words): kt [ntile][NP][16], vp [Lp/2][D], scores [16][Lp], p [16][Lp/2],
   // output [16][D], a padded query block [16][D/2]
@@ -1256,8 +1313,9 @@ bool paged_prefill_attention_supported() {
 void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
                              const at::Tensor& query_start, const at::Tensor& seq_lens, double scale,
-                             double v_scale) {
+                             double v_scale, int64_t window, double softcap) {
   TORCH_CHECK(paged_prefill_attention_supported(), "paged_prefill_attention needs AVX512-BF16");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must not be negative");
 #if defined(__AVX512BF16__)
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [T, H, D] alike");
   const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
@@ -1290,7 +1348,7 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, con
                    query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                    k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
                    qs, seq_lens.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(), static_cast<float>(scale),
-                   fp8, static_cast<float>(v_scale)};
+                   fp8, static_cast<float>(v_scale), window, static_cast<float>(softcap)};
   const void* kc = k_cache.data_ptr();
   const void* vc = v_cache.data_ptr();
   const BFloat16* q = reinterpret_cast<const BFloat16*>(query.data_ptr());
@@ -1298,7 +1356,9 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, con
   const int64_t items = Bp * Hkv, threads = at::get_num_threads();
   std::atomic<int64_t> next{0};
 #if TANDEM_AMX
-  const bool amx = g_prefill_amx.load(std::memory_order_relaxed) && tandem_amx::usable();
+  // a window or a soft cap takes the AVX512-BF16 rows (the tile path has neither)
+  const bool amx = g_prefill_amx.load(std::memory_order_relaxed) && tandem_amx::usable() && window == 0 &&
+                   softcap == 0;
 #else
   const bool amx = false;
 #endif
@@ -1344,10 +1404,12 @@ bool set_prefill_amx(bool on) {
 // so two builds loaded into one process never collide. They show up in torch.profiler.
 TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor seq_lens, float scale, bool bf16_pairs=True, float v_scale=1.0) -> ()",
+        "Tensor block_tables, Tensor seq_lens, float scale, bool bf16_pairs=True, float v_scale=1.0, int window=0, "
+        "float softcap=0.0) -> ()",
         &paged_decode_attention);
   m.def("paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor query_start, Tensor seq_lens, float scale, float v_scale=1.0) -> ()",
+        "Tensor block_tables, Tensor query_start, Tensor seq_lens, float scale, float v_scale=1.0, int window=0, "
+        "float softcap=0.0) -> ()",
         &paged_prefill_attention);
   m.def("paged_prefill_attention_supported() -> bool", &paged_prefill_attention_supported);
   m.def("simd_lanes() -> int", &simd_lanes);  // 16 with AVX-512, 8 with AVX2, 0 for the portable build

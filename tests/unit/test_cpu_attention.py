@@ -166,6 +166,42 @@ def test_decode_other_head_dims_and_blocks(head_dim, block_size):
     torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
+def poison_before_windows(block_tables, seq_lens, block_size, window):
+    """Blocks wholly before each sequence's window may be freed and reused: their table
+    ids become -1 (the kernel must not read them) and the reference gets block 0 there."""
+    poisoned = block_tables.clone()
+    for i, n in enumerate(seq_lens.tolist()):
+        poisoned[i, : max(0, n - window) // block_size] = -1
+    return poisoned
+
+
+@pytest.mark.usefixtures("kernel_build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4])
+def test_decode_sliding_window_and_soft_cap(dtype, group):
+    """A window reads the blocks it touches alone (those before it poisoned) and masks
+    its first block up to its start; a soft cap bends the scores before the softmax. Each
+    against the fp32 reference with the same window and cap, and (so that the check is
+    not vacuous) away from full attention where the window hides something."""
+    bs = 16
+    g = torch.Generator().manual_seed(group)
+    lens = ragged_lens(bs, 40, g)
+    query, kc, vc, tables, seq_lens = make_case(group, 64, bs, dtype, lens, seed=group)
+    query = (query.float() * 4).to(dtype)  # scores large enough for the cap to matter
+    scale = 64**-0.5
+    full = reference.paged_decode_attention(query.float(), kc.float(), vc.float(), tables.clamp(min=0), seq_lens,
+                                            scale)
+    for window, softcap in ((1, None), (20, None), (64, None), (100, 5.0), (None, 5.0), (1000, None)):
+        poisoned = poison_before_windows(tables, seq_lens, bs, window) if window else tables
+        got = kernels.paged_decode_attention(query, kc, vc, poisoned, seq_lens, scale, window=window,
+                                             softcap=softcap)
+        want = reference.paged_decode_attention(query.float(), kc.float(), vc.float(), poisoned.clamp(min=0),
+                                                seq_lens, scale, window=window, softcap=softcap)
+        torch.testing.assert_close(got.float(), want, **TOL[dtype])
+        if softcap or window < max(lens):
+            assert (want - full).abs().max() > 0.1
+
+
 @pytest.mark.usefixtures("kernel_build")
 def test_decode_non_contiguous_views_and_out():
     """Caches as views of the engine's [layers, 2, ...] tensor; query a strided slice."""
@@ -319,6 +355,35 @@ def test_prefill_kernel_over_an_fp8_cache(amx):
     want = reference.varlen_attention(query.float(), key, value, k8, v8, tables.clamp(min=0),
                                       [q for q, _ in chunks], [n for _, n in chunks], scale, (0.5, 0.25))
     torch.testing.assert_close(got.float(), want, **TOL[torch.bfloat16])
+
+
+@needs_bf16_prefill
+@pytest.mark.parametrize("group", [1, 4])
+def test_prefill_kernel_sliding_window_and_soft_cap(group):
+    """Each row sees its own last `window` keys: fresh prompts longer than the window and
+    chunks over a cached context whose first blocks lie before every row's window (their
+    ids poisoned: the kernel must not read them); with and without a soft cap; against the
+    fp32 reference with the same window and cap."""
+    bs = 16
+    chunks = [(1, 1), (17, 17), (300, 300), (1, 40), (33, 100), (64, 257), (7, 333)]
+    query, kc, vc, tables, starts, seq_lens, key, value = prefill_case(group, 64, chunks, seed=group)
+    query = (query.float() * 4).bfloat16()
+    scale = 64**-0.5
+    q_lens, s_lens = [q for q, _ in chunks], [s for _, s in chunks]
+    for window, softcap in ((1, None), (24, None), (64, 5.0), (None, 5.0)):
+        poisoned = tables.clone()
+        if window:
+            for i, (q, s_len) in enumerate(chunks):
+                poisoned[i, : max(0, s_len - q - window + 1) // bs] = -1
+        got = kernels.paged_prefill_attention(query, kc, vc, poisoned, starts, seq_lens, scale, window=window,
+                                              softcap=softcap)
+        want = reference.varlen_attention(query.float(), key.float(), value.float(), kc.float(), vc.float(),
+                                          poisoned.clamp(min=0), q_lens, s_lens, scale, window=window,
+                                          softcap=softcap)
+        full = reference.varlen_attention(query.float(), key.float(), value.float(), kc.float(), vc.float(),
+                                          tables.clamp(min=0), q_lens, s_lens, scale)
+        torch.testing.assert_close(got.float(), want, **TOL[torch.bfloat16])
+        assert (want - full).abs().max() > 0.1
 
 
 @needs_bf16_prefill

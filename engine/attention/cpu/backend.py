@@ -71,31 +71,34 @@ class CpuAttention(AttentionBackend):
 
     def decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
                kv_scales=(1.0, 1.0), window=None, softcap=None) -> torch.Tensor:
-        # the kernel walks D in 16-lane steps, and a whole context: past a sliding window's
-        # length the reference masks the positions before the window; it has no soft cap
-        if query.shape[-1] % 16 or query.stride(-1) != 1 or beyond(window, max_seq_len) or softcap:
+        # the kernel walks D in 16-lane steps; with a window it reads the blocks the window
+        # touches alone (a window that hides nothing is not passed: the tile path has none)
+        if query.shape[-1] % 16 or query.stride(-1) != 1:
             return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
                                                     kv_scales, window, softcap)
+        window = window if beyond(window, max_seq_len) else None
         if k_cache.dtype == FP8:  # the K scale folded into the softmax's, the V scale into the output's
             return kernels.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens,
-                                                  scale * kv_scales[0], v_scale=kv_scales[1])
+                                                  scale * kv_scales[0], v_scale=kv_scales[1], window=window,
+                                                  softcap=softcap)
         return kernels.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale,
-                                              bf16_pairs=self.bf16_pairs)
+                                              bf16_pairs=self.bf16_pairs, window=window, softcap=softcap)
 
     def prefill(self, query, key, value, k_cache, v_cache, meta, scale: float, kv_scales=(1.0, 1.0),
                 window=None, softcap=None) -> torch.Tensor:
-        if beyond(window, max(meta.prefill_seq_lens, default=0)) or softcap:
-            return super().prefill(query, key, value, k_cache, v_cache, meta, scale, kv_scales, window, softcap)
+        window = window if beyond(window, max(meta.prefill_seq_lens, default=0)) else None
         if (self._bf16_prefill and query.dtype == torch.bfloat16 and k_cache.dtype in (torch.bfloat16, FP8)
                 and query.shape[-1] in (64, 128) and query.stride(-1) == 1 and k_cache.is_contiguous()
                 and v_cache.is_contiguous() and meta.prefill_query_start_loc is not None):
-            if self.long_chunks_sdpa and max(meta.prefill_query_lens) >= SDPA_MIN_ROWS:
+            if (self.long_chunks_sdpa and window is None and not softcap
+                    and max(meta.prefill_query_lens) >= SDPA_MIN_ROWS):
                 return self._prefill_split(query, key, value, k_cache, v_cache, meta, scale, kv_scales)
             # an fp8 cache: widened to bf16 as the kernel copies it, the K scale in the softmax's
             return kernels.paged_prefill_attention(query, k_cache, v_cache, meta.prefill_block_tables,
                                                    meta.prefill_query_start_loc, meta.prefill_seq_lens_tensor,
-                                                   scale * kv_scales[0], v_scale=kv_scales[1])
-        return super().prefill(query, key, value, k_cache, v_cache, meta, scale, kv_scales)
+                                                   scale * kv_scales[0], v_scale=kv_scales[1], window=window,
+                                                   softcap=softcap)
+        return super().prefill(query, key, value, k_cache, v_cache, meta, scale, kv_scales, window, softcap)
 
     def _prefill_split(self, query, key, value, k_cache, v_cache, meta, scale: float,
                        kv_scales=(1.0, 1.0)) -> torch.Tensor:

@@ -18,6 +18,8 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [B, H, D], query's dtype; allocated when None
     bf16_pairs: bool = True,  # bf16 query and cache: p.v two tokens an instruction, p in bf16
     v_scale: float = 1.0,  # an fp8 cache's V scale (its K scale goes into `scale`)
+    window: int | None = None,  # a sliding window: the last `window` positions (their blocks alone are read)
+    softcap: float | None = None,  # scores soft-capped as cap * tanh(s / cap)
 ) -> torch.Tensor:  # [B, H, D]
     """Attention of one query token per sequence over its paged context."""
     if out is None:
@@ -27,7 +29,7 @@ def paged_decode_attention(
     if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
         seq_lens = seq_lens.to(torch.int32).contiguous()
     build.load().paged_decode_attention(out, query, k_cache, v_cache, block_tables, seq_lens, float(scale), bf16_pairs,
-                                        float(v_scale))
+                                        float(v_scale), int(window or 0), float(softcap or 0.0))
     return out
 
 
@@ -40,6 +42,8 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,  # [Bp] int32, context incl. the rows
     scale: float,
     v_scale: float = 1.0,  # an fp8 cache's V scale (its K scale goes into `scale`)
+    window: int | None = None,  # a sliding window: row p sees keys p - window + 1 .. p
+    softcap: float | None = None,  # scores soft-capped as cap * tanh(s / cap)
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention of each sequence's new rows over its paged context (bf16, AVX512-BF16;
     the cache bf16 or fp8 e4m3)."""
@@ -48,5 +52,6 @@ def paged_prefill_attention(
         block_tables = block_tables.to(torch.int32).contiguous()
     build.load().paged_prefill_attention(out, query, k_cache, v_cache, block_tables,
                                          query_start.to(torch.int32).contiguous(),
-                                         seq_lens.to(torch.int32).contiguous(), float(scale), float(v_scale))
+                                         seq_lens.to(torch.int32).contiguous(), float(scale), float(v_scale),
+                                         int(window or 0), float(softcap or 0.0))
     return out
