@@ -71,7 +71,8 @@ at::Tensor decode_layers(const at::Tensor& residual, at::TensorList norms,
                    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim, double scale, double eps, bool bf16_pairs,
-                   int64_t small_rows, int64_t tile_rows, at::ArrayRef<double> kv_scales) {
+                   int64_t small_rows, int64_t tile_rows, at::ArrayRef<double> kv_scales,
+                   at::IntArrayRef windows) {
   static const auto linear = sibling<Linear>("small_batch_linear");
   static const auto tile_linear = sibling<Linear>("tile_linear");
   static const auto norm = sibling<Norm>("rms_norm");
@@ -95,6 +96,9 @@ at::Tensor decode_layers(const at::Tensor& residual, at::TensorList norms,
   const bool fp8 = k_caches[0].scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(!fp8 || static_cast<int64_t>(kv_scales.size()) == 2 * L,
               "decode_layers: an fp8 cache needs a K and a V scale per layer");
+  // each layer's sliding window (0: none), or none at all
+  TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == L,
+              "decode_layers: a window per layer, or none");
   const auto opts = residual.options();
   // the linear layers as engine/models/packed.py runs them: the tile kernel on the
   // tile-order copy, or the row-major kernel on the row-major one, for steps of up to
@@ -121,14 +125,15 @@ at::Tensor decode_layers(const at::Tensor& residual, at::TensorList norms,
     at::Tensor k = qk.narrow(1, num_heads, num_kv_heads);
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({M, num_kv_heads, head_dim});
     at::Tensor o = at::empty({M, num_heads, head_dim}, opts);
+    const int64_t window = windows.empty() ? 0 : windows[l];
     if (fp8) {  // the K scale into the softmax scale, the V scale onto the output (as the Python layers)
       store_fp8.call(k_caches[l], v_caches[l], k, v, slots, kv_scales[2 * l], kv_scales[2 * l + 1]);
       attend.call(o, qk.narrow(1, 0, num_heads), k_caches[l], v_caches[l], block_tables, seq_lens,
-                  scale * kv_scales[2 * l], bf16_pairs, kv_scales[2 * l + 1], 0, 0.0);
+                  scale * kv_scales[2 * l], bf16_pairs, kv_scales[2 * l + 1], window, 0.0);
     } else {
       store.call(k_caches[l], v_caches[l], k, v, slots);
       attend.call(o, qk.narrow(1, 0, num_heads), k_caches[l], v_caches[l], block_tables, seq_lens, scale, bf16_pairs,
-                  1.0, 0, 0.0);
+                  1.0, window, 0.0);
     }
     at::Tensor attn = project(o.view({M, q_size}), l, 1, residual.size(1));
     h = at::empty_like(residual);
@@ -149,6 +154,6 @@ TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers(Tensor(a!) residual, Tensor[] norms, Tensor[] packed, Tensor[] plain, Tensor[] tiles, "
         "Tensor[] k_caches, Tensor[] v_caches, Tensor positions, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, "
         "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float scale, float eps, bool bf16_pairs, "
-        "int small_rows, int tile_rows, float[] kv_scales=[]) -> Tensor",
+        "int small_rows, int tile_rows, float[] kv_scales=[], int[] windows=[]) -> Tensor",
         &decode_layers);
 }

@@ -11,6 +11,7 @@ positions; attention reads and writes the paged cache through an AttentionBacken
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable, Iterable
 
@@ -348,7 +349,7 @@ class LlamaForCausalLM(nn.Module):
             residual = residual * torch.tensor(self.cfg.hidden_size**0.5, dtype=residual.dtype)
         ops = self.cpu_ops if residual.is_cpu else None
         if (ops is not None and on_layer_done is None and meta.num_decode_tokens == residual.shape[0]
-                and backend.name == "cpu" and not self._windowed(meta.decode_max_seq_len)):
+                and backend.name == "cpu"):
             stack = self._decode_stack(ops, kv_caches, residual.dtype)
             if stack is not None:
                 # the layers in one C++ call, the same kernels and rounding (cpu_kernels/decode_layers.cpp)
@@ -359,7 +360,8 @@ class LlamaForCausalLM(nn.Module):
                                           positions, self.rotary.cos, self.rotary.sin, meta.slot_mapping.contiguous(),
                                           tables, lens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                           self.layers[0].self_attn.scale, self.layers[0].input_layernorm.eps,
-                                          backend.bf16_pairs, self._small_rows, TILE_ROWS, self._kv_scales)
+                                          backend.bf16_pairs, self._small_rows, TILE_ROWS, self._kv_scales,
+                                          self._windows if self._windowed(meta.decode_max_seq_len) else [])
                 return self.norm.add_forward(residual, delta, ops)
         rope = self.rotary.rotation(positions, residual.dtype, ops)
         local = rope if self.rotary_local is None else self.rotary_local.rotation(positions, residual.dtype, ops)
@@ -374,6 +376,11 @@ class LlamaForCausalLM(nn.Module):
         if residual.shape[0] == 0:  # no row kept
             return residual
         return self.norm(residual, ops) if delta is None else self.norm.add_forward(residual, delta, ops)
+
+    @functools.cached_property
+    def _windows(self) -> list[int]:
+        """Each layer's sliding window for the one-call stack (0: the layer sees everything)."""
+        return [self.cfg.window_of(i) or 0 for i in range(len(self.layers))]
 
     def _windowed(self, longest: int | None) -> bool:
         """Whether a sliding window hides part of a context of `longest` tokens (None: unknown)."""

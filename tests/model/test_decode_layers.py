@@ -4,7 +4,8 @@ layers: tokens and logprobs bitwise equal to the same engine with the call turne
 for one stream, a pair, four and six at once: with the tile kernel (AMX) all of them on
 it; with the row-major kernel (TANDEM_CPU_TILE_LINEAR=0, or no AMX) one to four tokens
 on it and six on oneDNN's packed linear layers; and fp32, or bf16 on the AVX2 build
-without oneDNN's packing, on the checkpoint's own weights (PlainLinear)."""
+without oneDNN's packing, on the checkpoint's own weights (PlainLinear); and Mistral
+with a 64-token window, whose longer contexts pass each layer's window to the call."""
 
 import pytest
 
@@ -66,22 +67,24 @@ def run(builtin_dir, fused: bool, dtype: str = "bfloat16", kv_cache_dtype: str =
     # the row-major kernel up to four tokens, at::linear above; bf16 on the AVX2 build
     ("float32", {}),
     ("bfloat16", {"TANDEM_CPU_PACKED_WEIGHTS": "0", "TANDEM_CPU_KERNELS": "avx2"}),
-], ids=["bf16", "bf16-fp8-kv", "bf16-row-major", "fp32", "bf16-plain-avx2"])
-def test_fused_decode_layers_equal_the_python_layers_bitwise(builtin_dir, dtype, env, monkeypatch):
+    ("bfloat16", {"model": "mistral_window_dir"}),
+], ids=["bf16", "bf16-fp8-kv", "bf16-row-major", "fp32", "bf16-plain-avx2", "bf16-window"])
+def test_fused_decode_layers_equal_the_python_layers_bitwise(builtin_dir, dtype, env, monkeypatch, request):
     from engine.cpu_kernels import build
 
     if env.get("TANDEM_CPU_KERNELS") and not build.variant(env["TANDEM_CPU_KERNELS"]).runs_on(build.cpu_flag_set()):
         pytest.skip(f"this CPU does not run the {env['TANDEM_CPU_KERNELS']} build")
     env = dict(env)
     kv = env.pop("kv_cache_dtype", "auto")
+    model = request.getfixturevalue(env.pop("model")) if "model" in env else builtin_dir
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     build._load_once.cache_clear()
     try:
-        got, calls, available = run(builtin_dir, fused=True, dtype=dtype, kv_cache_dtype=kv)
+        got, calls, available = run(model, fused=True, dtype=dtype, kv_cache_dtype=kv)
         if not available:
             pytest.skip("no small-batch kernel here: the layers stay in Python")
-        want, python_calls, _ = run(builtin_dir, fused=False, dtype=dtype, kv_cache_dtype=kv)
+        want, python_calls, _ = run(model, fused=False, dtype=dtype, kv_cache_dtype=kv)
     finally:
         monkeypatch.undo()
         build._load_once.cache_clear()
