@@ -55,6 +55,9 @@ def build_parts(config: EngineConfig, checkpoint=None, launcher=None) -> EngineP
     if (window is not None and len(ckpt.config.sliding_layers) == ckpt.config.num_layers
             and config.speculative.method != "draft"):  # a draft model's layers read the whole context
         sched = dataclasses.replace(sched, free_outside_window=window)
+    if ckpt.config.long_rope_from is not None and ckpt.config.long_rope_from < max_len:
+        sched = dataclasses.replace(sched, long_rope_from=ckpt.config.long_rope_from)
+        log.info("LongRoPE: prompts longer than %d tokens rotate with the long factors", ckpt.config.long_rope_from)
     if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_len:
         sched = dataclasses.replace(sched, max_num_batched_tokens=max_len)
     step_limits = (sched.max_num_batched_tokens, sched.max_num_seqs, max_len)

@@ -55,7 +55,7 @@ def _require(cond: bool, msg: str) -> None:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rope scaling from config.json; `kind` is "llama3", "linear", "yarn" or "default"."""
+    """Rope scaling from config.json; `kind` is "llama3", "linear", "yarn", "longrope" or "default"."""
 
     kind: str = "default"
     factor: float = 1.0
@@ -70,14 +70,22 @@ class RopeScaling:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    # LongRoPE (Phi-3 and Phi-3.5 long-context checkpoints): a divisor per frequency, one set
+    # for sequences within original_max_position_embeddings, one for longer ones
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
     @property
     def attention_scaling(self) -> float:
-        """What cos and sin are multiplied by (YaRN's; 1 otherwise)."""
-        if self.kind != "yarn":
+        """What cos and sin are multiplied by (YaRN's and LongRoPE's; 1 otherwise)."""
+        if self.kind not in ("yarn", "longrope"):
             return 1.0
         if self.attention_factor is not None:
             return self.attention_factor
+        if self.kind == "longrope":  # transformers' default, from the ratio of the two lengths
+            if self.factor <= 1.0:
+                return 1.0
+            return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position_embeddings))
 
         def mscale(scale: float, m: float = 1.0) -> float:
             return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -87,17 +95,32 @@ class RopeScaling:
         return mscale(self.factor)
 
     @classmethod
-    def from_hf(cls, d: dict[str, Any] | None) -> "RopeScaling":
+    def from_hf(cls, d: dict[str, Any] | None, top: dict[str, Any] | None = None) -> "RopeScaling":
+        """`d`: config.json's rope_scaling (or rope_parameters); `top`: the whole of it
+        (Phi-3 keeps original_max_position_embeddings at the top level)."""
         if not d:
             return cls()
         kind = d.get("rope_type", d.get("type", "default"))
         if kind == "default":
             return cls()
-        if kind not in ("llama3", "linear", "yarn"):
+        if kind == "su":  # LongRoPE's first name in Phi-3's configs
+            kind = "longrope"
+        if kind not in ("llama3", "linear", "yarn", "longrope"):
             raise ConfigError(
-                f"rope_scaling type {kind!r} is not supported; supported: llama3, linear, yarn "
+                f"rope_scaling type {kind!r} is not supported; supported: llama3, linear, yarn, longrope "
                 "(or remove rope_scaling from config.json)"
             )
+        if kind == "longrope":
+            top = top or {}
+            original = d.get("original_max_position_embeddings") or top.get("original_max_position_embeddings")
+            if not original or not d.get("short_factor") or not d.get("long_factor"):
+                raise ConfigError("rope_scaling longrope needs short_factor, long_factor and "
+                                  "original_max_position_embeddings in config.json")
+            factor = d.get("factor") or int(top.get("max_position_embeddings", original)) / int(original)
+            return cls(kind=kind, factor=float(factor), original_max_position_embeddings=int(original),
+                       attention_factor=None if d.get("attention_factor") is None else float(d["attention_factor"]),
+                       short_factor=tuple(float(x) for x in d["short_factor"]),
+                       long_factor=tuple(float(x) for x in d["long_factor"]))
         if kind == "yarn":
             if "original_max_position_embeddings" not in d or not d.get("factor"):
                 raise ConfigError("rope_scaling yarn needs factor and original_max_position_embeddings in config.json")
@@ -205,8 +228,30 @@ class ModelConfig:
             _require(self.moe_intermediate_size > 0, "config.json: moe_intermediate_size must be > 0")
             _require(self.quant is None, "quantized weights are not supported for mixture-of-experts models yet "
                      "(drop --quantization, or serve a bf16 checkpoint)")
+        r = self.rope_scaling
+        if r.kind == "longrope":
+            _require(len(r.short_factor) == len(r.long_factor) == self.head_dim // 2,
+                     f"config.json: rope_scaling longrope needs short_factor and long_factor of head_dim / 2 = "
+                     f"{self.head_dim // 2} values each (got {len(r.short_factor)} and {len(r.long_factor)})")
         _require(self.kv_cache_dtype in (None, FP8_KV_DTYPE), f"kv_cache_dtype {self.kv_cache_dtype!r} is not "
                  f"{FP8_KV_DTYPE!r}")
+
+    @property
+    def long_rope_from(self) -> int | None:
+        """LongRoPE: the length past which a sequence takes the long factors (None: not LongRoPE).
+        As transformers decides per forward pass (its longest position + 1), a token at
+        position p of a prompt of n tokens rotates with the long factors when max(n, p + 1)
+        exceeds it: a whole prompt longer than it, and every token from that position on."""
+        r = self.rope_scaling
+        return r.original_max_position_embeddings if r.kind == "longrope" else None
+
+    def rope_row(self, position: int, long_prompt: bool) -> int:
+        """The row of the rotary tables a token at `position` rotates with: LongRoPE's long
+        factors are a second table after the short one (rows + max_position_embeddings)."""
+        start = self.long_rope_from
+        if start is not None and (long_prompt or position >= start):
+            return position + self.max_position_embeddings
+        return position
 
     def window_of(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: it sees the whole context)."""
@@ -283,7 +328,7 @@ class ModelConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
-            rope_scaling=RopeScaling.from_hf(rope),
+            rope_scaling=RopeScaling.from_hf(rope, d),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=family in ("qwen2", "qwen2_moe") or bool(d.get("attention_bias", False)),
             o_bias=family not in ("qwen2", "qwen2_moe") and bool(d.get("attention_bias", False)),
@@ -460,6 +505,10 @@ class SchedulerConfig:
     # decoding sequence's blocks wholly before its window go back to the pool (into the
     # prefix cache, where they were named) as it grows. None: every block is kept.
     free_outside_window: int | None = None
+    # LongRoPE (engine/build.py sets it): prompts longer than this rotate with the long
+    # factors throughout (ModelConfig.rope_row), so their blocks' content hashes differ
+    # from a shorter prompt's blocks of the same tokens (KVCacheManager salts them)
+    long_rope_from: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")

@@ -30,6 +30,7 @@ from engine.block_pool import BlockPool, hash_block
 from engine.sequence import Sequence
 
 _EMPTY = array("i")  # for lookups here that only read a missing table; never handed out
+_LONG_ROPE = b"long-rope"  # the extra key of a LongRoPE long prompt's block hashes
 # a table entry whose block went back to the pool because every layer's sliding window
 # has passed it (`release_before`); the attention paths never read such a position
 NO_BLOCK = -1
@@ -59,8 +60,11 @@ class PrefixHit:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, watermark_blocks: int = 0) -> None:
+    def __init__(self, pool: BlockPool, watermark_blocks: int = 0, long_rope_from: int | None = None) -> None:
         self.pool = pool
+        # LongRoPE: the KV of a prompt longer than this was rotated with the long factors,
+        # so its blocks are named apart from a shorter prompt's of the same tokens
+        self.long_rope_from = long_rope_from
         self.block_size = pool.block_size
         self.watermark_blocks = watermark_blocks
         self._tables: dict[str, array] = {}
@@ -239,11 +243,23 @@ class KVCacheManager:
         if self.tiers is not None:
             self.tiers.check_integrity()
 
+    def long_rope(self, seq: Sequence) -> bool:
+        """Whether every token of `seq` rotates with LongRoPE's long factors: its prompt is
+        longer than their threshold, or it grew past it (and was recomputed)."""
+        return self.long_rope_from is not None and (seq.long_rope or len(seq.prompt_ids) > self.long_rope_from)
+
+    def set_long_rope(self, seq: Sequence) -> None:
+        """`seq`, holding no blocks, is computed with the long factors from now on: its
+        blocks' names change (the memoized hashes go)."""
+        seq.long_rope = True
+        self._hashes.pop(seq.seq_id, None)
+
     def _hashes_of(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """Content hashes of the first `num_blocks` full blocks (computed once each)."""
         hs = self._hashes.setdefault(seq.seq_id, [])
         bs = self.block_size
+        salt = _LONG_ROPE if self.long_rope(seq) else b""
         while len(hs) < num_blocks:
             i = len(hs)
-            hs.append(hash_block(hs[-1] if hs else None, seq.token_slice(i * bs, (i + 1) * bs)))
+            hs.append(hash_block(hs[-1] if hs else None, seq.token_slice(i * bs, (i + 1) * bs), salt))
         return hs[:num_blocks]

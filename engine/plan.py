@@ -37,6 +37,9 @@ class SeqWork:
     sample: SampleRow | None = None  # None: no token is sampled (a prompt chunk that is not the last)
     prompt_targets: Sequence[int] = ()  # prompt logprobs: the prompt tokens after positions start_pos..
     prompt_topk: int = 0
+    # LongRoPE: the sequence's prompt is longer than the short factors' length, so all of
+    # its tokens rotate with the long ones (ModelConfig.rope_row)
+    long_rope: bool = False
 
 
 @dataclass

@@ -131,6 +131,8 @@ class ModelRunner:
             model.cpu_ops = fused_cpu_ops()
             use_cpu_kernels(model, model.cpu_ops)
         self.model_config = model_config
+        # LongRoPE: a token's position becomes its row of the rotary tables (short or long)
+        self._rope_row = model_config.rope_row if model_config.long_rope_from is not None else None
         self.block_size = cache_config.block_size
         self.backend: AttentionBackend = get_backend(device_config.attention_backend, self.device)
         self.sampler = Sampler(self.device, sampler_seed)
@@ -616,7 +618,8 @@ class ModelRunner:
         pending_rows: list[int] = []  # rows of `ids` whose token is `after`'s, and where in `after` it is
         pending_from: list[int] = []
         after_rows = after.row_of() if after is not None else None
-        positions: list[int] = []
+        positions: list[int] = []  # with LongRoPE, rows of the rotary tables (ModelConfig.rope_row)
+        rope_row = self._rope_row
         slots: list[int] = []
         logits_index: list[int] = []
         sample_ids: list[object] = []
@@ -642,7 +645,7 @@ class ModelRunner:
                 token = 0
             ids.append(token)
             if not draft:
-                positions.append(p)
+                positions.append(p if rope_row is None else rope_row(p, w.long_rope))
                 slots.append(table[p // bs] * bs + p % bs)
                 decode_lens.append(p + 1)
                 dec_tables.append(table)
@@ -654,7 +657,7 @@ class ModelRunner:
                 continue
             ids.extend(draft)
             for q in range(p, p + 1 + len(draft)):
-                positions.append(q)
+                positions.append(q if rope_row is None else rope_row(q, w.long_rope))
                 slots.append(table[q // bs] * bs + q % bs)
                 decode_lens.append(q + 1)
                 dec_tables.append(table)
@@ -665,7 +668,7 @@ class ModelRunner:
         for w in plan.prefills:
             ids.extend(w.token_ids)
             rng = range(w.start_pos, w.start_pos + len(w.token_ids))
-            positions.extend(rng)
+            positions.extend(rng if rope_row is None else (rope_row(p, w.long_rope) for p in rng))
             table = w.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in rng)
             sample = w.sample

@@ -84,10 +84,11 @@ class Scheduler:
         # what a sampled token does to its sequence: chosen once, not tested per token
         self._on_token = self._to_handoff if hand_off else self._append_token
         self.watermark_blocks = math.ceil(config.watermark * pool.num_blocks)
-        self.cache = KVCacheManager(pool, self.watermark_blocks)
+        self.cache = KVCacheManager(pool, self.watermark_blocks, config.long_rope_from)
         self.num_preemptions = 0
         # decode only: blocks a sliding window has passed go back as the sequence grows
         self.window = None if hand_off else config.free_outside_window
+        self.long_rope_from = config.long_rope_from
 
     # ---- queries -------------------------------------------------------------
     @property
@@ -227,6 +228,9 @@ class Scheduler:
             draft = seq.draft_ids
             if draft and 1 + len(draft) > budget:
                 seq.draft_ids = draft = []
+            if self._crosses_long_rope(seq, seq.num_computed + len(draft)):
+                self._recompute_long(seq, out)
+                continue
             n = 1 + len(draft)
             need = need_blocks(seq, seq.num_computed + n)
             if not need or self._make_room(seq, need, scheduled, out):
@@ -247,6 +251,8 @@ class Scheduler:
         for lane in (self.lanes[INTERACTIVE], self.lanes[BATCH]):
             while lane and budget > 0 and self._slots_left() > 0:
                 seq = lane[0]
+                if self._crosses_long_rope(seq, seq.num_tokens - 1):  # (re)computed whole: long throughout
+                    self.cache.set_long_rope(seq)
                 admission = self._admission(seq, budget)
                 if admission is None:
                     return  # strict FCFS and lane order: nothing behind the head jumps it
@@ -292,6 +298,8 @@ class Scheduler:
             if num_out + 1 >= seq.params.max_tokens or len(seq.prompt_ids) + num_out + 1 >= max_len:
                 continue  # `out`'s token ends it
             computed = seq.num_computed + n  # once `out` is updated; its token is then the one to compute
+            if self._crosses_long_rope(seq, computed):
+                return None  # the ordinary step recomputes it
             table = block_table(seq.seq_id)
             short = -(-(computed + 1) // bs) - len(table)  # blocks to add for position `computed`
             if short > 0:
@@ -311,7 +319,8 @@ class Scheduler:
             # the pending token counts towards min_tokens
             banned = () if len(seq.output_ids) + 1 >= params.min_tokens else seq.banned_ids()
             decodes.append(SeqWork(seq.seq_id, _PENDING_INPUT, computed, table,
-                                   SampleRow(params, _OutputAhead(seq.output_ids), seq.prompt_ids, banned, None, ())))
+                                   SampleRow(params, _OutputAhead(seq.output_ids), seq.prompt_ids, banned, None, ()),
+                                   long_rope=self.cache.long_rope(seq)))
             scheduled.append((seq, 1))
         return ahead
 
@@ -360,7 +369,8 @@ class Scheduler:
         else:
             sample = SampleRow(params, seq.output_ids, seq.prompt_ids, seq.banned_ids(), seq.grammar,
                                tuple(draft) if draft else ())
-        work = SeqWork(seq.seq_id, seq.token_slice(start, start + n), start, self.cache.block_table(seq.seq_id), sample)
+        work = SeqWork(seq.seq_id, seq.token_slice(start, start + n), start, self.cache.block_table(seq.seq_id), sample,
+                       long_rope=self.cache.long_rope(seq))
         if params.prompt_logprobs is not None and seq.prompt_logprobs_left and start == len(seq.prompt_logprobs):
             work.prompt_targets = seq.prompt_ids[start + 1: min(start + n + 1, len(seq.prompt_ids))]
             work.prompt_topk = seq.params.prompt_logprobs
@@ -385,6 +395,26 @@ class Scheduler:
         if need:
             self.cache.grow(seq, need)
         return True
+
+    def _crosses_long_rope(self, seq: Sequence, last: int) -> bool:
+        """LongRoPE: whether computing positions up to `last` takes `seq` past the short
+        factors' length while it is still short."""
+        return self.long_rope_from is not None and last >= self.long_rope_from and not self.cache.long_rope(seq)
+
+    def _recompute_long(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """LongRoPE: `seq` grew past the short factors' length. transformers (Phi-3's
+        generation) drops its cache there and computes the whole sequence again with the
+        long factors; so does this: back to the head of its lane, its blocks released
+        (named under the short rotation, they stay cached for others), recomputed long."""
+        self.running.remove(seq)
+        self.cache.forget(seq)
+        self.cache.set_long_rope(seq)
+        seq.num_computed = 0
+        seq.draft_ids = []
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1  # usage keeps its first admission's cache hit
+        self.lanes[seq.priority].appendleft(seq)
+        out.preempted.append(seq)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

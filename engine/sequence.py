@@ -64,6 +64,9 @@ class Sequence:
     # the scheduler's SampleRow for a plain decode of this sequence (no grammar, draft or
     # banned ids left), made once: it holds the live output list, so it stays current
     plain_row: SampleRow | None = field(default=None, repr=False)
+    # LongRoPE: past the short factors' length every token of the sequence rotates with
+    # the long ones (the scheduler recomputes it once there, as transformers does)
+    long_rope: bool = False
 
     @property
     def num_tokens(self) -> int:

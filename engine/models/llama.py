@@ -31,7 +31,11 @@ class WeightError(ValueError):
     """A checkpoint tensor is missing, unexpected or of the wrong shape."""
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling, long: bool = False) -> torch.Tensor:
+    """The rotation's frequencies (`long`: LongRoPE's long factors, else its short ones)."""
+    if scaling.kind == "longrope":  # transformers' arithmetic, so that the bits agree
+        ext = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float32)
+        return 1.0 / (ext * theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
@@ -102,14 +106,17 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Precomputed cos/sin tables indexed by position (non-interleaved, rotate-half)."""
+    """Precomputed cos/sin tables indexed by position (non-interleaved, rotate-half). With
+    LongRoPE, the long factors' table follows the short one: the runner passes each token's
+    row (ModelConfig.rope_row) as its position."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
-        freqs = pos[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        kinds = (False, True) if cfg.rope_scaling.kind == "longrope" else (False,)
+        freqs = torch.cat([pos[:, None] * rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, long)[None, :]
+                           for long in kinds])
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D] ([2P, D] with LongRoPE)
         scaling = cfg.rope_scaling.attention_scaling  # YaRN's (1 otherwise: the same bits)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)

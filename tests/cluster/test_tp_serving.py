@@ -46,6 +46,7 @@ def checkpoints(tmp_path_factory, model_path):
             "qwen3_moe": _write_hf("qwen3_moe", root / "qwen3_moe", model_path),
             "mixtral": _write_hf("mixtral", root / "mixtral", model_path),
             "gemma2": _write_hf("gemma2", root / "gemma2", model_path),
+            "phi3": _write_hf("phi3", root / "phi3", model_path),
             "builtin": model_path}
 
 
@@ -289,12 +290,15 @@ def test_colocated_ranks_through_http_and_a_rank_killed_mid_stream(serve, checkp
     ("llama-kv2", 1, 2, ()),
     ("llama-kv1", 2, 2, ("--speculative-method", "ngram", "--no-adaptive-speculation")),
     ("gemma2", 1, 1, ()),
+    ("phi3", 1, 2, ()),
 ])
 def test_disaggregated_ranks_through_http(serve, checkpoints, name, p_tp, d_tp, extra):
     """Prefill and decode workers of 2 and 1 (Qwen3-MoE: q/k norms, experts split by
     their intermediate size), 1 and 2, 2 and 2 ranks (the last verifying n-gram drafts
-    on both decode ranks), and Gemma 2 on one rank each (soft caps; a 48-token window its
-    90-token prompt passes): HTTP answers equal transformers'."""
+    on both decode ranks), Gemma 2 on one rank each (soft caps; a 48-token window its
+    90-token prompt passes), and Phi-3 on 1 and 2 (LongRoPE from 64 positions: the
+    90-token prompt long throughout, the 60-token one computed again by the decode worker
+    as it grows past 64): HTTP answers equal transformers'."""
     model = str(checkpoints[name])
     srv = serve("--prefill", "1", "--decode", "1", "--prefill-tensor-parallel-size", str(p_tp),
                 "--decode-tensor-parallel-size", str(d_tp), "--model", model, "--block-size", "16",
@@ -302,7 +306,7 @@ def test_disaggregated_ranks_through_http(serve, checkpoints, name, p_tp, d_tp, 
     pools = srv.pools()
     assert [w["tensor_parallel_size"] for w in pools["prefill"]["workers"]] == [p_tp]
     assert [w["tensor_parallel_size"] for w in pools["decode"]["workers"]] == [d_tp]
-    prompts = random_prompts([7, 40, 90], seed=63)
+    prompts = random_prompts([7, 40, 60, 90], seed=63)
     for p in prompts:
         assert complete(srv.url, model, p)["choices"][0]["token_ids"] == hf_greedy(model, p, NEW, ignore_eos=True)
     assert srv.metrics()["tandem:router_kv_transfer_bytes_total"] > 0  # prefilled on the prefill worker, handed off

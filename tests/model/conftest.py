@@ -59,8 +59,12 @@ def _write_hf(kind: str, path: Path, tokenizer_src: Path, window: int | None = N
                                           moe_intermediate_size=64, mlp_only_layers=[0], norm_topk_prob=False,
                                           **common)
         cls = transformers.Qwen3MoeForCausalLM
-    elif kind == "phi3":  # q/k/v and gate/up stored fused
-        cfg = transformers.Phi3Config(tie_word_embeddings=False, pad_token_id=0, **common)
+    elif kind == "phi3":  # q/k/v and gate/up stored fused; LongRoPE (as Phi-3-mini-128k and Phi-3.5-mini) from 64
+        short = [1.0 + 0.5 * i / 15 for i in range(16)]  # head_dim 32: 16 frequencies
+        long = [1.0 + 15.0 * (i / 15) ** 2 for i in range(16)]
+        cfg = transformers.Phi3Config(tie_word_embeddings=False, pad_token_id=0, original_max_position_embeddings=64,
+                                      rope_parameters={"rope_type": "longrope", "short_factor": short,
+                                                       "long_factor": long, "rope_theta": 10000.0}, **common)
         cls = transformers.Phi3ForCausalLM
     elif kind == "gemma2":  # a windowed layer then a global one; scores capped at 5 (transformers' default: 50);
         # untied: with the tied head of a random Gemma every answer is the embedding row of largest norm

@@ -12,6 +12,8 @@ expert)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from decode_worker.llm_engine import EngineConfig, LLMEngine
@@ -95,3 +97,54 @@ def test_yarn_rope_scaling(builtin_dir, tmp_path):
     want = [hf_greedy(path, p, NEW, ignore_eos=True) for p in prompts]
     assert got == want
     assert [hf_greedy(plain, p, NEW, ignore_eos=True) for p in prompts] != want
+
+
+def test_longrope_switches_a_sequence_to_the_long_factors_as_transformers_does(phi3_dir, tmp_path):
+    """Phi-3's LongRoPE (short factors up to 64 positions here, long ones past): a prompt
+    longer than 64 rotates with the long factors throughout; a shorter one that grows past
+    64 is computed again, whole, with them (transformers drops its cache there), once; a
+    long prompt gets no prefix hit from a short one's blocks of the same tokens (rotated
+    otherwise), a long one's do. Greedy ids equal transformers'; without the scaling
+    the answers differ (the oracle sees it)."""
+    import json
+    import shutil
+
+    from engine.config import ModelConfig
+
+    engine = LLMEngine.from_config(EngineConfig(
+        model=str(phi3_dir), cache=CacheConfig(block_size=16, num_blocks=64),
+        scheduler=SchedulerConfig(max_num_batched_tokens=256, max_model_len=1024)))
+    assert engine.scheduler.long_rope_from == 64
+    short, long_, grows = random_prompts([50, 100, 60], seed=85)
+    long_ = short[:48] + long_[48:]  # the short prompt's first three blocks, then its own
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    brief = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)  # 58 tokens: short throughout
+    usage: list = []
+    assert run(engine, [short], brief, usage) == [hf_greedy(phi3_dir, short, 8, ignore_eos=True)]
+    assert run(engine, [long_], greedy, usage) == [hf_greedy(phi3_dir, long_, 24, ignore_eos=True)]
+    assert usage[1].cached_tokens == 0  # the short prompt's blocks, rotated with the short factors: no hit
+    again = long_[:96] + [7, 8]
+    assert run(engine, [again], greedy, usage) == [hf_greedy(phi3_dir, again, 24, ignore_eos=True)]
+    assert usage[2].cached_tokens == 96  # a long prompt's blocks: hit
+    got = run(engine, [grows], greedy)  # 60 + 24 tokens: computed again at position 64
+    assert got == [hf_greedy(phi3_dir, grows, 24, ignore_eos=True)]
+    assert engine.scheduler.num_preemptions == 0  # (that recompute is not a preemption)
+    engine.check_integrity()
+    plain = tmp_path / "plain"
+    shutil.copytree(phi3_dir, plain)
+    cfg = json.loads((plain / "config.json").read_text())
+    cfg.pop("rope_scaling", None)
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    (plain / "config.json").write_text(json.dumps(cfg))
+    assert [hf_greedy(plain, p, 24, ignore_eos=True) for p in (long_, grows)] != [
+        hf_greedy(phi3_dir, p, 24, ignore_eos=True) for p in (long_, grows)]
+
+    base = json.loads((phi3_dir / "config.json").read_text())
+    bad = dict(base, rope_parameters=dict(base["rope_parameters"], short_factor=[1.0] * 3))
+    with pytest.raises(ConfigError, match="short_factor and long_factor of head_dim / 2"):
+        ModelConfig.from_hf(bad)
+    with pytest.raises(ConfigError, match="longrope needs short_factor"):
+        ModelConfig.from_hf(dict(base, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0}))
+    su = dict(base, rope_parameters=dict(base["rope_parameters"], rope_type="su"))  # the factors' older name
+    factor = ModelConfig.from_hf(su).rope_scaling.attention_scaling
+    assert factor == pytest.approx((1 + math.log(16) / math.log(64)) ** 0.5)  # transformers' default
