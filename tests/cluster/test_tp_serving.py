@@ -331,18 +331,19 @@ def test_mixtral_colocated_through_http(serve, checkpoints):
     assert answer["choices"][0]["token_ids"] == hf_greedy(model, hit, 2 * NEW, ignore_eos=True)
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
 
-    # the four prompts in one request (a prompt list): the router starts them together, so
-    # they run at once and outgrow the 16 blocks (as separate requests on a loaded host they
-    # could run one after another and never preempt: CI saw that once). 48 tokens each: 27
-    # blocks at the end against the cache's 16 (with 24 each, 21 blocks, an order of
-    # admission that let the long one finish early preempted none: CI saw that too)
-    body = {"model": os.path.basename(model), "prompt": prompts, "max_tokens": 4 * NEW, "temperature": 0,
+    # the four prompts in one request (a prompt list): the router starts them together. 60
+    # tokens each, so that the three short ones alone outgrow the 16 blocks (4 + 5 + 8 at
+    # the end): in whatever order they arrive, and even with the long one held back for
+    # room, they run at once and preempt (with 48 each the short three fit in exactly 16,
+    # so an order that admitted them first and the long one after them preempted none:
+    # the likely story of a CI run that counted no preemption)
+    body = {"model": os.path.basename(model), "prompt": prompts, "max_tokens": 5 * NEW, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True}
     r = httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     choices = sorted(r.json()["choices"], key=lambda c: c["index"])
     for p, c in zip(prompts, choices, strict=True):
-        assert c["token_ids"] == hf_greedy(model, p, 4 * NEW, ignore_eos=True)
+        assert c["token_ids"] == hf_greedy(model, p, 5 * NEW, ignore_eos=True)
     text = httpx.get("http://" + worker["metrics"] + "/metrics").text
     per_expert = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                   if line.startswith("tandem:moe_expert_tokens_total{")]
