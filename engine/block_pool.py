@@ -32,6 +32,11 @@ class NoFreeBlocks(RuntimeError):
     """Not enough free (or evictable) blocks for an allocation."""
 
 
+# the extra key of the blocks of a sequence rotated with LongRoPE's long factors
+# (engine/kv_cache_manager.py; routers hash such prompts with it too)
+LONG_ROPE_KEY = b"long-rope"
+
+
 def hash_block(prev: bytes | None, tokens: Sequence[int], extra_key: bytes = b"") -> bytes:
     """Chained content hash of one full block; stable across processes and machines."""
     h = hashlib.blake2b(digest_size=16)

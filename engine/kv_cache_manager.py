@@ -26,11 +26,10 @@ import math
 from array import array
 from dataclasses import dataclass
 
-from engine.block_pool import BlockPool, hash_block
+from engine.block_pool import LONG_ROPE_KEY, BlockPool, hash_block
 from engine.sequence import Sequence
 
 _EMPTY = array("i")  # for lookups here that only read a missing table; never handed out
-_LONG_ROPE = b"long-rope"  # the extra key of a LongRoPE long prompt's block hashes
 # a table entry whose block went back to the pool because every layer's sliding window
 # has passed it (`release_before`); the attention paths never read such a position
 NO_BLOCK = -1
@@ -258,7 +257,7 @@ class KVCacheManager:
         """Content hashes of the first `num_blocks` full blocks (computed once each)."""
         hs = self._hashes.setdefault(seq.seq_id, [])
         bs = self.block_size
-        salt = _LONG_ROPE if self.long_rope(seq) else b""
+        salt = LONG_ROPE_KEY if self.long_rope(seq) else b""
         while len(hs) < num_blocks:
             i = len(hs)
             hs.append(hash_block(hs[-1] if hs else None, seq.token_slice(i * bs, (i + 1) * bs), salt))

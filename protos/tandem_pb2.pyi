@@ -368,7 +368,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "epoch", "role", "num_running", "num_waiting", "num_awaiting_kv", "num_blocks", "num_free_blocks", "num_reserved_blocks", "queued_prefill_tokens", "max_num_seqs", "block_size", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "draining", "transport", "max_model_len", "num_quarantined_blocks", "num_handoffs", "prefill_tokens_per_s", "tier_host_blocks", "tier_host_used", "tier_disk_blocks", "tier_disk_used", "tier_hits", "tier_swap_outs")
+    __slots__ = ("worker_id", "epoch", "role", "num_running", "num_waiting", "num_awaiting_kv", "num_blocks", "num_free_blocks", "num_reserved_blocks", "queued_prefill_tokens", "max_num_seqs", "block_size", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "draining", "transport", "max_model_len", "num_quarantined_blocks", "num_handoffs", "prefill_tokens_per_s", "tier_host_blocks", "tier_host_used", "tier_disk_blocks", "tier_disk_used", "tier_hits", "tier_swap_outs", "long_rope_from")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -396,6 +396,7 @@ class WorkerStats(_message.Message):
     TIER_DISK_USED_FIELD_NUMBER: _ClassVar[int]
     TIER_HITS_FIELD_NUMBER: _ClassVar[int]
     TIER_SWAP_OUTS_FIELD_NUMBER: _ClassVar[int]
+    LONG_ROPE_FROM_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     role: str
@@ -423,7 +424,8 @@ class WorkerStats(_message.Message):
     tier_disk_used: int
     tier_hits: int
     tier_swap_outs: int
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_awaiting_kv: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_reserved_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., draining: _Optional[bool] = ..., transport: _Optional[str] = ..., max_model_len: _Optional[int] = ..., num_quarantined_blocks: _Optional[int] = ..., num_handoffs: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., tier_host_blocks: _Optional[int] = ..., tier_host_used: _Optional[int] = ..., tier_disk_blocks: _Optional[int] = ..., tier_disk_used: _Optional[int] = ..., tier_hits: _Optional[int] = ..., tier_swap_outs: _Optional[int] = ...) -> None: ...
+    long_rope_from: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_awaiting_kv: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_reserved_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., draining: _Optional[bool] = ..., transport: _Optional[str] = ..., max_model_len: _Optional[int] = ..., num_quarantined_blocks: _Optional[int] = ..., num_handoffs: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., tier_host_blocks: _Optional[int] = ..., tier_host_used: _Optional[int] = ..., tier_disk_blocks: _Optional[int] = ..., tier_disk_used: _Optional[int] = ..., tier_hits: _Optional[int] = ..., tier_swap_outs: _Optional[int] = ..., long_rope_from: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("drain",)

@@ -22,7 +22,7 @@ import math
 import time
 from typing import AsyncIterator
 
-from engine.block_pool import block_hashes
+from engine.block_pool import LONG_ROPE_KEY, block_hashes
 from protos import tandem_pb2 as pb
 from protos.tokens import TokenBatch
 from router.backend import Backend, BackendError, GenerateRequest
@@ -76,10 +76,17 @@ class ClusterBackend(Backend):
         sizes = [w.stats.block_size for w in self.view.workers.values() if w.stats and w.stats.block_size]
         return sizes[0] if sizes else 16
 
+    def _hash_key(self, prompt_len: int) -> bytes:
+        """The extra key the workers name a prompt's blocks with: LongRoPE's, for a prompt
+        longer than its short factors' length (engine/kv_cache_manager.py), else none."""
+        start = next((w.stats.long_rope_from for w in self.view.workers.values()
+                      if w.stats and w.stats.long_rope_from), 0)
+        return LONG_ROPE_KEY if start and prompt_len > start else b""
+
     # ---- one request ---------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenBatch]:
         emitted: list[int] = list(req.output_ids)
-        hashes = block_hashes(req.prompt_ids, self.block_size)
+        hashes = block_hashes(req.prompt_ids, self.block_size, self._hash_key(len(req.prompt_ids)))
         failed: set[str] = set()  # decode workers this request saw fail: the retry goes elsewhere
         # A worker that refuses the request for room (its free blocks went to others since
         # the stats this router routed on) has not failed: the request waits for room again,

@@ -51,6 +51,7 @@ class WorkerStats:
     tier_disk_used: int = 0
     tier_hits: int = 0
     tier_swap_outs: int = 0
+    long_rope_from: int = 0  # LongRoPE: prompts longer than this hash their blocks with LONG_ROPE_KEY (0: none)
 
     @property
     def kv_usage(self) -> float:
@@ -117,7 +118,8 @@ def engine_fields(scheduler, pool) -> dict:
                 queued_prefill_tokens=scheduler.queued_prefill_tokens, max_num_seqs=scheduler.config.max_num_seqs,
                 block_size=pool.block_size, max_model_len=scheduler.config.max_model_len,
                 prefix_cache_queries=pool.queries, prefix_cache_hits=pool.hits,
-                num_preemptions=scheduler.num_preemptions, **tier_fields(pool.lower))
+                num_preemptions=scheduler.num_preemptions, long_rope_from=scheduler.long_rope_from or 0,
+                **tier_fields(pool.lower))
 
 
 def tier_fields(tiers) -> dict:

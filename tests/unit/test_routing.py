@@ -180,3 +180,34 @@ def test_with_peer_pulls_an_idle_prefill_worker_takes_a_prompt_from_a_busy_holde
                                                (tuple(range(8)), 3, 2, (4, 5)), (tuple(range(8)), 4, 3, (6, 7))])
 def test_share_cores(cores, n, slot, want):
     assert share_cores(cores, n, slot) == want
+
+
+def test_the_router_hashes_a_longrope_prompt_as_the_worker_names_its_blocks():
+    """LongRoPE: a worker names a long prompt's blocks with an extra key (rotated with the
+    long factors, they are not a short prompt's blocks of the same tokens); the router,
+    told the threshold in the worker's stats, hashes such a prompt with the same key, so
+    its prefix index (fed the worker's events) still finds them; a short prompt is hashed
+    plain on both sides."""
+    from types import SimpleNamespace
+
+    from engine.block_pool import LONG_ROPE_KEY, BlockPool
+    from engine.kv_cache_manager import KVCacheManager
+    from engine.sampling_params import SamplingParams
+    from engine.sequence import Sequence
+    from router.cluster import ClusterBackend
+    from worker_runtime.config import Role
+    from worker_runtime.stats import WorkerStats
+
+    stats = WorkerStats("p0", 1, Role.PREFILL, block_size=16, long_rope_from=64)
+    view = SimpleNamespace(workers={"p0": SimpleNamespace(stats=stats)})
+    router = ClusterBackend(view, RoutingConfig(), metrics=object())
+    cache = KVCacheManager(BlockPool(32, 16), long_rope_from=64)
+    for n, key in ((64, b""), (100, LONG_ROPE_KEY)):
+        prompt = list(range(5, 5 + n))
+        seq = Sequence(f"s{n}", prompt, SamplingParams(max_tokens=1))
+        assert router._hash_key(n) == key
+        assert cache._hashes_of(seq, n // 16) == block_hashes(prompt, 16, router._hash_key(n))
+    assert block_hashes(list(range(5, 69)), 16, LONG_ROPE_KEY) != block_hashes(list(range(5, 69)), 16)
+    plain = ClusterBackend(SimpleNamespace(workers={"p0": SimpleNamespace(stats=WorkerStats("p0", 1, Role.PREFILL))}),
+                           RoutingConfig(), metrics=object())
+    assert plain._hash_key(10_000) == b""
