@@ -402,6 +402,25 @@ def test_kv_tiers_reach_the_controller_and_the_disk_tier_is_mounted_on_workers_a
                                                                           "emptyDir": {"sizeLimit": "220Gi"}}
 
 
+def test_each_pool_can_size_its_kv_cache():
+    """pools.<pool>.kvCacheMemoryGb becomes the controller's --<pool>-kv-cache-memory-gb
+    (both controller options); unset, neither key is written (the engine sizes it)."""
+    from cli.main import build_parser
+
+    def controller(values):
+        cm = next(d for d in render(values) if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-config"))
+        return yaml.safe_load(cm["data"]["controller.yaml"])
+
+    got = controller({"pools": {"prefill": {"kvCacheMemoryGb": 8}, "decode": {"kvCacheMemoryGb": 24.5}}})
+    assert (got["prefill-kv-cache-memory-gb"], got["decode-kv-cache-memory-gb"]) == (8, 24.5)
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["controller"]
+    known = {o.lstrip("-") for a in sub._actions for o in a.option_strings}
+    assert {"prefill-kv-cache-memory-gb", "decode-kv-cache-memory-gb"} <= known
+    assert not {k for k in controller({}) if "kv-cache-memory" in k}
+    with pytest.raises(Exception):  # the schema: a size is positive
+        render({"pools": {"decode": {"kvCacheMemoryGb": 0}}})
+
+
 def test_the_rdma_values_give_workers_alone_the_device_ipc_lock_and_ucx_settings():
     values = yaml.safe_load((CHART / "ci" / "rdma-values.yaml").read_text())
     docs = render(values)
