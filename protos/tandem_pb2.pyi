@@ -254,7 +254,7 @@ class PullSource(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., address: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("pull_id", "prompt_ids", "first_block", "block_ids", "worker_id", "epoch", "descriptor")
+    __slots__ = ("pull_id", "prompt_ids", "first_block", "block_ids", "worker_id", "epoch", "descriptor", "long_rope")
     PULL_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +262,7 @@ class PushRequest(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
+    LONG_ROPE_FIELD_NUMBER: _ClassVar[int]
     pull_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     first_block: int
@@ -269,7 +270,8 @@ class PushRequest(_message.Message):
     worker_id: str
     epoch: int
     descriptor: bytes
-    def __init__(self, pull_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., descriptor: _Optional[bytes] = ...) -> None: ...
+    long_rope: bool
+    def __init__(self, pull_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., descriptor: _Optional[bytes] = ..., long_rope: _Optional[bool] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("num_blocks", "num_bytes")

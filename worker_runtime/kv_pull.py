@@ -61,7 +61,8 @@ class PullStats:
 
 
 # ---- the holder (engine thread) ---------------------------------------------------------
-def hold_for_push(engine, pull_id: str, prefix: list[int], first_block: int) -> list[int] | None:
+def hold_for_push(engine, pull_id: str, prefix: list[int], first_block: int,
+                  long_rope: bool = False) -> list[int] | None:
     """This worker's blocks for the prefix's blocks `first_block`.. that it holds in a run
     from the start (device, or host memory restored to the device), held until
     `release_push`; [] when it holds none of them; None while some are coming up from its
@@ -69,7 +70,7 @@ def hold_for_push(engine, pull_id: str, prefix: list[int], first_block: int) -> 
     sched = engine.scheduler
     if sched.find(pull_id) is not None:
         raise ValueError(f"pull {pull_id!r} is already being served")
-    seq = Sequence(pull_id, list(prefix), _PARAMS, frozenset())
+    seq = Sequence(pull_id, list(prefix), _PARAMS, frozenset(), long_rope=long_rope)
     hit = sched.cache.match(seq, max_tokens=len(prefix))
     if hit.pending:
         if engine.tiers is not None:
@@ -96,12 +97,12 @@ def release_push(engine, pull_id: str) -> None:
 
 
 # ---- the puller (engine thread) ------------------------------------------------------------
-def reserve_pull(engine, pull_id: str, prefix: list[int]) -> tuple[int, list[int]] | None:
+def reserve_pull(engine, pull_id: str, prefix: list[int], long_rope: bool = False) -> tuple[int, list[int]] | None:
     """Blocks for the prefix's blocks this worker lacks: (how many it has, the whole
     table), held as a reservation; None where fewer than MIN_PULL_BLOCKS are missing or
     there is no room now."""
     sched = engine.scheduler
-    seq = Sequence(pull_id, list(prefix), _PARAMS, frozenset())
+    seq = Sequence(pull_id, list(prefix), _PARAMS, frozenset(), long_rope=long_rope)
     n = len(prefix) // sched.bs
     hit = sched.cache.match(seq, max_tokens=len(prefix), fetch=False)
     need = n - hit.num_blocks
@@ -163,7 +164,8 @@ class PullMixin:
         pull_id = f"push:{request.worker_id}:{request.pull_id}"
         local = None
         for _ in range(int(FETCH_WAIT_S / 0.002)):  # blocks on disk: read into host memory first
-            local = await self.engine_loop.call(hold_for_push, self.engine, pull_id, prefix, request.first_block)
+            local = await self.engine_loop.call(hold_for_push, self.engine, pull_id, prefix, request.first_block,
+                                                request.long_rope)
             if local is not None:
                 break
             await asyncio.sleep(0.002)
@@ -234,8 +236,11 @@ class PullMixin:
             return 0  # pulls measured slower than this worker computes a block: computed
         pull_id = f"pull:{request_id}"
         prefix = prompt[:n * bs]
+        # LongRoPE: a long prompt's blocks are named apart, however short the prefix pulled
+        start = self.engine.scheduler.long_rope_from
+        long_rope = start is not None and len(prompt) > start
         try:
-            got = await self.engine_loop.call(reserve_pull, self.engine, pull_id, prefix)
+            got = await self.engine_loop.call(reserve_pull, self.engine, pull_id, prefix, long_rope)
         except asyncio.CancelledError:  # the prefill went away: nothing was asked of the holder yet
             self.engine_loop.post(release_pull, self.engine, pull_id)
             raise
@@ -245,7 +250,7 @@ class PullMixin:
         t0 = time.monotonic()
         req = pb.PushRequest(pull_id=pull_id, prompt_ids=prefix, first_block=have, block_ids=table[have:],
                              worker_id=self.config.worker_id, epoch=self.epoch,
-                             descriptor=self.kv.local_descriptor())
+                             descriptor=self.kv.local_descriptor(), long_rope=long_rope)
         reply, why = None, "cancelled"
         try:
             async with channel(source.address) as ch:

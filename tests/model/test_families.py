@@ -123,6 +123,14 @@ def test_longrope_switches_a_sequence_to_the_long_factors_as_transformers_does(p
     assert run(engine, [short], brief, usage) == [hf_greedy(phi3_dir, short, 8, ignore_eos=True)]
     assert run(engine, [long_], greedy, usage) == [hf_greedy(phi3_dir, long_, 24, ignore_eos=True)]
     assert usage[1].cached_tokens == 0  # the short prompt's blocks, rotated with the short factors: no hit
+    # a peer asking for the first three blocks of a long prompt gets the long prompt's,
+    # not the short one's of the same tokens (worker_runtime/kv_pull.py)
+    from worker_runtime.kv_pull import hold_for_push, release_push
+    held = {}
+    for flag in (True, False):
+        held[flag] = hold_for_push(engine, f"push-{flag}", long_[:48], 0, long_rope=flag)
+        release_push(engine, f"push-{flag}")
+    assert len(held[True]) == len(held[False]) == 3 and not set(held[True]) & set(held[False])
     again = long_[:96] + [7, 8]
     assert run(engine, [again], greedy, usage) == [hf_greedy(phi3_dir, again, 24, ignore_eos=True)]
     assert usage[2].cached_tokens == 96  # a long prompt's blocks: hit
