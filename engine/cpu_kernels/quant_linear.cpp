@@ -209,8 +209,9 @@ void qspan_rows(int64_t mt, const float* xa, const Q* W, const float* S, int64_t
   }
 }
 
+constexpr int64_t kPanel = 32;  // output rows a panel: two B tiles of 16 (tile order's 32 outputs)
+
 #if TANDEM_AMX
-constexpr int64_t kPanel = 32;  // output rows a panel: two B tiles of 16
 
 // 16 x 16 32-bit words transposed in registers: r[c] becomes what was column c
 inline void transpose16(__m512i* r) {
@@ -475,7 +476,15 @@ void ispan_rows(int64_t mt, const XQ& xq, int64_t K, const int8_t* W, const floa
   }
 }
 
-#if TANDEM_AMX
+// int8 weights in tile order (quant_pack_int8) on VNNI: where the build has AVX512-VNNI and
+// AVX512-BF16 (the amx and avx512_bf16 builds)
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define TANDEM_VNNI_TILES 1
+#else
+#define TANDEM_VNNI_TILES 0
+#endif
+
+#if TANDEM_VNNI_TILES
 // rows x 16 int32 sums (row stride 16) -> y, as w8a8_out
 inline void store_w8a8(const int32_t* c, const float* sx, const float* sw, const BFloat16* b, BFloat16* y,
                        int64_t ldy, int rows) {
@@ -627,8 +636,10 @@ at::Tensor quant_pack_int8(const at::Tensor& weight) {
   return out;
 }
 
-#if TANDEM_AMX
-// one to four rows of x (MT) against panels [p0, p1) of tiles
+#if TANDEM_VNNI_TILES
+// MT rows of x against panels [p0, p1) of tiles on VNNI, the rows' sums in the vector
+// lanes: one to four rows stream the weights (a decode step); without AMX, more rows go
+// MT = 8 at a time over each panel (tile_vnni), the panel staying in L2 between them
 template <int MT>
 void tile_stream(const XQ& xq, const int8_t* tiles, const float* S, const int32_t* wsum, const BFloat16* b,
                  BFloat16* y, int64_t N, int64_t K, int64_t p0, int64_t p1) {
@@ -664,6 +675,32 @@ void tile_stream(const XQ& xq, const int8_t* tiles, const float* S, const int32_
   }
 }
 
+// more than four rows of x on VNNI (no AMX): for each panel, the rows 8 at a time (16
+// accumulators, the panel's two weight vectors and a broadcast of x in 19 registers), so
+// each weight vector loaded serves 16 products; no horizontal sums, the bits of every
+// other path
+void tile_vnni(const XQ& xq, const int8_t* tiles, const float* S, const int32_t* wsum, const BFloat16* b,
+               BFloat16* y, int64_t M, int64_t N, int64_t K, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      const XQ part{xq.q + m0 * K, xq.u + m0 * K, xq.s + m0};
+      BFloat16* yo = y + m0 * N;
+      switch (std::min<int64_t>(8, M - m0)) {
+        case 1: tile_stream<1>(part, tiles, S, wsum, b, yo, N, K, p, p + 1); break;
+        case 2: tile_stream<2>(part, tiles, S, wsum, b, yo, N, K, p, p + 1); break;
+        case 3: tile_stream<3>(part, tiles, S, wsum, b, yo, N, K, p, p + 1); break;
+        case 4: tile_stream<4>(part, tiles, S, wsum, b, yo, N, K, p, p + 1); break;
+        case 5: tile_stream<5>(part, tiles, S, wsum, b, yo, N, K, p, p + 1); break;
+        case 6: tile_stream<6>(part, tiles, S, wsum, b, yo, N, K, p, p + 1); break;
+        case 7: tile_stream<7>(part, tiles, S, wsum, b, yo, N, K, p, p + 1); break;
+        default: tile_stream<8>(part, tiles, S, wsum, b, yo, N, K, p, p + 1); break;
+      }
+    }
+  }
+}
+#endif
+
+#if TANDEM_AMX
 void tile_amx(const XQ& xq, const int8_t* tiles, const float* S, const BFloat16* b, BFloat16* y, int64_t M,
               int64_t N, int64_t K, int64_t p0, int64_t p1) {
   const int64_t steps = K / 64, blocks = (M + 31) / 32;
@@ -697,12 +734,13 @@ void tile_amx(const XQ& xq, const int8_t* tiles, const float* S, const BFloat16*
 }
 #endif
 
-bool tiles_supported() { return tandem_amx::usable(); }
+// tile order pays where the CPU multiplies int8 on AMX tiles or VNNI with BF16 beside it
+bool tiles_supported() { return TANDEM_VNNI_TILES || tandem_amx::usable(); }
 
 // the W8A8 layer on weights in tile order (quant_pack_int8); bf16 x, one scale a row
 void quant_linear_tiles(const at::Tensor& out, const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scale,
                         const std::optional<at::Tensor>& bias, const at::Tensor& weight_sums) {
-  TORCH_CHECK(tiles_supported(), "quant_linear_tiles: this build or this CPU has no AMX tiles");
+  TORCH_CHECK(tiles_supported(), "quant_linear_tiles: this build has neither AMX tiles nor AVX512-VNNI with BF16");
   TORCH_CHECK(tiles.dim() == 5 && tiles.size(2) == 2 && tiles.size(3) == 16 && tiles.size(4) == 64 &&
                   tiles.scalar_type() == at::kChar && tiles.is_contiguous(),
               "quant_linear_tiles: tiles must come from quant_pack_int8");
@@ -723,15 +761,23 @@ void quant_linear_tiles(const at::Tensor& out, const at::Tensor& x, const at::Te
     b = bias->data_ptr<BFloat16>();
   }
   if (M == 0) return;
-#if TANDEM_AMX
+#if TANDEM_VNNI_TILES
   const XQ xq = quantize_rows(x.data_ptr<BFloat16>(), M, K);
   const int8_t* tp = tiles.data_ptr<int8_t>();
   const float* S = scale.data_ptr<float>();
   const int32_t* wsum = weight_sums.data_ptr<int32_t>();
   BFloat16* yp = out.data_ptr<BFloat16>();
+  const bool amx = tandem_amx::usable();
+  (void)amx;  // read only where the build has tiles
   at::parallel_for(0, N / kPanel, 1, [&](int64_t p0, int64_t p1) {
     if (M > kStreamRows) {
-      tile_amx(xq, tp, S, b, yp, M, N, K, p0, p1);
+#if TANDEM_AMX
+      if (amx) {
+        tile_amx(xq, tp, S, b, yp, M, N, K, p0, p1);
+        return;
+      }
+#endif
+      tile_vnni(xq, tp, S, wsum, b, yp, M, N, K, p0, p1);
       return;
     }
     switch (M) {
@@ -758,7 +804,8 @@ std::string kernel_name() {
 #endif
   std::string widen = TANDEM_QVEC == 16 ? "avx512" : TANDEM_QVEC == 8 ? "avx2" : "generic";
   const bool amx = tandem_amx::usable();
-  return "int8 x bf16: " + w8a8 + (amx ? "+amx_int8" : "") + "; widening: " + widen + (amx ? "+amx_bf16" : "");
+  const std::string order = TANDEM_VNNI_TILES ? " (bf16 models: weights in tile order)" : "";
+  return "int8 x bf16: " + w8a8 + (amx ? "+amx_int8" : "") + order + "; widening: " + widen + (amx ? "+amx_bf16" : "");
 }
 
 }  // namespace

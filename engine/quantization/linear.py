@@ -92,9 +92,11 @@ class QuantLinear(nn.Module):
         """Run on `ops.quant_linear` (engine/cpu_kernels) from now on; None: F.linear.
         int8 weights with one scale a row then take bf16 activations as int8 too (W8A8:
         the kernel quantizes each row of x, one scale a row); fp32 activations, fp8 or
-        group-scaled weights stay weight-only. With a bf16 model (`dtype`) on a CPU with
-        AMX, such a layer's q is laid out once in the tile unit's order, in place of the
-        row-major one (the same bytes), which the kernel reads at every batch size."""
+        group-scaled weights stay weight-only. With a bf16 model (`dtype`) on a build with
+        AMX or AVX512-VNNI and BF16, such a layer's q is laid out once in the tile unit's
+        order, in place of the row-major one (the same bytes), which the kernel reads at
+        every batch size (AMX tiles above four rows, else VNNI with the outputs in the
+        vector lanes: no horizontal sums)."""
         self._ops = ops
         if ops is None or self.weight.dtype != torch.int8 or self.weight_scale.shape[1] != 1:
             return
