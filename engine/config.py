@@ -239,15 +239,17 @@ class ModelConfig:
     @property
     def long_rope_from(self) -> int | None:
         """LongRoPE: the length past which a sequence takes the long factors (None: not LongRoPE).
-        As transformers decides per forward pass (its longest position + 1), a token at
-        position p of a prompt of n tokens rotates with the long factors when max(n, p + 1)
-        exceeds it: a whole prompt longer than it, and every token from that position on."""
+        As transformers decides per forward pass (its longest position + 1): a prompt longer
+        than it is long throughout, and a sequence that grows past it is computed again,
+        whole, with the long factors (the scheduler's `_recompute_long`)."""
         r = self.rope_scaling
         return r.original_max_position_embeddings if r.kind == "longrope" else None
 
     def rope_row(self, position: int, long_prompt: bool) -> int:
         """The row of the rotary tables a token at `position` rotates with: LongRoPE's long
-        factors are a second table after the short one (rows + max_position_embeddings)."""
+        factors are a second table after the short one (rows + max_position_embeddings).
+        A position past the threshold is long even in a work without the flag (a draft
+        model's: the scheduler recomputes its own sequences before they get there)."""
         start = self.long_rope_from
         if start is not None and (long_prompt or position >= start):
             return position + self.max_position_embeddings

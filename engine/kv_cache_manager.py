@@ -242,10 +242,14 @@ class KVCacheManager:
         if self.tiers is not None:
             self.tiers.check_integrity()
 
+    def long_prompt(self, num_tokens: int) -> bool:
+        """Whether a prompt of `num_tokens` rotates with LongRoPE's long factors throughout."""
+        return self.long_rope_from is not None and num_tokens > self.long_rope_from
+
     def long_rope(self, seq: Sequence) -> bool:
         """Whether every token of `seq` rotates with LongRoPE's long factors: its prompt is
         longer than their threshold, or it grew past it (and was recomputed)."""
-        return self.long_rope_from is not None and (seq.long_rope or len(seq.prompt_ids) > self.long_rope_from)
+        return self.long_rope_from is not None and (seq.long_rope or self.long_prompt(len(seq.prompt_ids)))
 
     def set_long_rope(self, seq: Sequence) -> None:
         """`seq`, holding no blocks, is computed with the long factors from now on: its

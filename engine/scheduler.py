@@ -88,7 +88,6 @@ class Scheduler:
         self.num_preemptions = 0
         # decode only: blocks a sliding window has passed go back as the sequence grows
         self.window = None if hand_off else config.free_outside_window
-        self.long_rope_from = config.long_rope_from
 
     # ---- queries -------------------------------------------------------------
     @property
@@ -395,6 +394,11 @@ class Scheduler:
         if need:
             self.cache.grow(seq, need)
         return True
+
+    @property
+    def long_rope_from(self) -> int | None:
+        """LongRoPE's threshold (SchedulerConfig.long_rope_from), as the cache names blocks by it."""
+        return self.cache.long_rope_from
 
     def _crosses_long_rope(self, seq: Sequence, last: int) -> bool:
         """LongRoPE: whether computing positions up to `last` takes `seq` past the short

@@ -237,8 +237,7 @@ class PullMixin:
         pull_id = f"pull:{request_id}"
         prefix = prompt[:n * bs]
         # LongRoPE: a long prompt's blocks are named apart, however short the prefix pulled
-        start = self.engine.scheduler.long_rope_from
-        long_rope = start is not None and len(prompt) > start
+        long_rope = self.engine.scheduler.cache.long_prompt(len(prompt))
         try:
             got = await self.engine_loop.call(reserve_pull, self.engine, pull_id, prefix, long_rope)
         except asyncio.CancelledError:  # the prefill went away: nothing was asked of the holder yet

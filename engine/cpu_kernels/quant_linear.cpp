@@ -767,12 +767,10 @@ void quant_linear_tiles(const at::Tensor& out, const at::Tensor& x, const at::Te
   const float* S = scale.data_ptr<float>();
   const int32_t* wsum = weight_sums.data_ptr<int32_t>();
   BFloat16* yp = out.data_ptr<BFloat16>();
-  const bool amx = tandem_amx::usable();
-  (void)amx;  // read only where the build has tiles
   at::parallel_for(0, N / kPanel, 1, [&](int64_t p0, int64_t p1) {
     if (M > kStreamRows) {
 #if TANDEM_AMX
-      if (amx) {
+      if (tandem_amx::usable()) {
         tile_amx(xq, tp, S, b, yp, M, N, K, p0, p1);
         return;
       }
