@@ -72,7 +72,7 @@ def test_a_surge_grows_the_decode_pool_and_its_end_shrinks_it_back(tmp_path):
             users = [asyncio.create_task(_user(srv.url, i, stop, results, t0)) for i in range(6)]
             await _wait_for(lambda: decode()["ready"] == 2, GROW_WITHIN_S, "the decode pool to grow to 2")
             grown = time.monotonic() - t0
-            await asyncio.sleep(20)
+            await asyncio.sleep(12)
             stop.set()
             await asyncio.wait_for(asyncio.gather(*users), 120)
             ended = time.monotonic()

@@ -25,6 +25,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -146,6 +147,18 @@ def _wait_http(url: str, timeout: float) -> None:
             pass
         time.sleep(0.5)
     raise TimeoutError(f"{url} did not answer 200 within {timeout} s")
+
+
+def _wait_port(host: str, port: int, timeout: float) -> None:
+    """Until something accepts TCP connections on host:port."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=2).close()
+            return
+        except OSError:
+            time.sleep(0.25)
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout} s")
 
 
 @pytest.fixture
@@ -294,11 +307,15 @@ def test_joining_a_cluster_with_token_authentication(hosts, tmp_path):
     serve = [sys.executable, "-m", "cli", "serve", "--address", f"{HOSTS['a']}:{RAY_PORT}", "--host",
              HOSTS["a"], "--port", str(HTTP_PORT + 5), "--colocated", "--decode", "1", "--num-threads", "1"]
     try:
-        time.sleep(5)
+        _wait_port(HOSTS["a"], RAY_PORT, 60)  # the head's GCS is up: the refusal below is the token's
+        # Ray tries a refused driver's GCS connection about once a second,
+        # RAY_gcs_server_port_wait_time_s times (20 unless set)
         refused = subprocess.run(["ip", "netns", "exec", hosts.ns["a"], *serve], capture_output=True, text=True,
-                                 timeout=180, env={**base, "HOME": str(driver_home)})
+                                 timeout=180,
+                                 env={**base, "HOME": str(driver_home), "RAY_gcs_server_port_wait_time_s": "3"})
         assert refused.returncode == 1, refused.stderr[-3000:]
         assert "cannot join the Ray cluster" in refused.stderr and "RAY_AUTH_TOKEN_PATH" in refused.stderr
+        assert "Authentication token is missing or incorrect" in refused.stderr, refused.stderr[-3000:]
         out = open(tmp_path / "serve.log", "w")
         joined = hosts.run("a", serve, out, {**base, "HOME": str(driver_home), "RAY_AUTH_TOKEN_PATH": str(token)})
         try:
@@ -446,10 +463,10 @@ def test_router_failover_under_load(hosts, ray_cluster, tmp_path, model_path):
             stop, on1, on2 = asyncio.Event(), [], []
             users = [asyncio.create_task(_load(url1, prompts, stop, on1, "r1")) for _ in range(3)]
             users += [asyncio.create_task(_load(url2, prompts, stop, on2, "r2")) for _ in range(3)]
-            await asyncio.sleep(6)
+            await asyncio.sleep(4)
             assert on1 and on2, "both routers serve before the kill"
             os.killpg(r1.pid, signal.SIGKILL)  # the router's whole process group, as a node loss would
-            await asyncio.sleep(8)
+            await asyncio.sleep(5)
             stop.set()
             await asyncio.wait_for(asyncio.gather(*users), 180)
             return on1, on2

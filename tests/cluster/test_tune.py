@@ -20,7 +20,7 @@ def test_tune_measures_each_configuration_and_writes_a_profile_serve_takes(tmp_p
     out = tmp_path / "profile.yaml"
     done = subprocess.run(
         [sys.executable, "-m", "cli", "tune", "--bench-args=--input-len 32 --output-len 16 --request-rate 8 "
-         "--num-requests 24", "--slo", "ttft:2000", "tpot:200", "--serve-args=--colocated --num-threads 1",
+         "--num-requests 12", "--slo", "ttft:2000", "tpot:200", "--serve-args=--colocated --num-threads 1",
          "--knob", "max-num-seqs=4", "--budget-s", "240", "-o", str(out), "--plot", str(tmp_path),
          "--log-dir", str(tmp_path)], capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -45,7 +45,7 @@ def test_tune_measures_each_configuration_and_writes_a_profile_serve_takes(tmp_p
         again = tmp_path / "running.yaml"
         done = subprocess.run(
             [sys.executable, "-m", "cli", "tune", "--url", srv.url, "--admin-key", ADMIN, "--bench-args="
-             "--input-len 32 --output-len 16 --request-rate 8 --num-requests 24", "--slo", "ttft:2000",
+             "--input-len 32 --output-len 16 --request-rate 8 --num-requests 12", "--slo", "ttft:2000",
              "--knob", "pools=0:2", "--budget-s", "240", "-o", str(again)], capture_output=True, text=True, timeout=400)
         assert done.returncode == 0, done.stderr[-3000:]
         assert "[2/2] pools=0:2: goodput" in done.stderr and "putting the pools at" in done.stderr
