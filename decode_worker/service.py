@@ -125,8 +125,8 @@ class DecodeWorker(WorkerRpcs, pb_grpc.DecodeWorkerServicer):
         return WorkerStats(
             worker_id=self.config.worker_id, epoch=self.epoch, role=self.role, **engine_fields(s, self.engine.pool),
             num_awaiting_kv=len(awaiting),
-            num_reserved_blocks=sum(len(s.cache.block_table(q.seq_id)) for q in awaiting),
-            num_quarantined_blocks=sum(len(s.cache.block_table(q.seq_id)) for q in quarantined),
+            num_reserved_blocks=sum(s.cache.num_held(q.seq_id) for q in awaiting),
+            num_quarantined_blocks=sum(s.cache.num_held(q.seq_id) for q in quarantined),
             draining=self.draining,
             transport=self.transport.name)
 

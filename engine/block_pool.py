@@ -46,6 +46,17 @@ def hash_block(prev: bytes | None, tokens: Sequence[int], extra_key: bytes = b""
     return h.digest()
 
 
+def group_key(h: bytes, group: int) -> bytes:
+    """The name of KV group `group`'s block (group > 0: engine/kv_groups.py) of content hash
+    `h`. Such names stay inside the worker: no KV event, router or tier sees them."""
+    return h + bytes((group,))
+
+
+def _announced(h: bytes) -> bool:
+    """Whether `h` is a content hash the routers and tiers know (not a group's name)."""
+    return len(h) == 16
+
+
 def block_hashes(token_ids: Sequence[int], block_size: int, extra_key: bytes = b"") -> list[bytes]:
     """Hashes of every full block of `token_ids`, in order."""
     out: list[bytes] = []
@@ -109,8 +120,8 @@ class BlockPool:
                 b = self._free.popleft()
             else:
                 b, _ = self._cached_free.popitem(last=False)
-                lower = self.lower
-                self._uncache(b, kept=lower is not None and lower.offer(b, self._hash_of[b], self._tokens_of[b]))
+                lower, h = self.lower, self._hash_of[b]
+                self._uncache(b, kept=lower is not None and _announced(h) and lower.offer(b, h, self._tokens_of[b]))
             self.ref_counts[b] = 1
             out.append(b)
         return out
@@ -143,6 +154,11 @@ class BlockPool:
             out.append(b)
         return out
 
+    def lookup(self, h: bytes, tokens: Sequence[int]) -> int | None:
+        """The cached block named `h` holding `tokens`, or None. No ref taken."""
+        b = self._block_of.get(h) if self.enable_prefix_caching else None
+        return b if b is not None and self._tokens_of[b] == tuple(tokens) else None
+
     def acquire_cached(self, block_ids: Sequence[int]) -> None:
         """Take a ref on blocks returned by match_prefix (removes them from the LRU)."""
         for b in block_ids:
@@ -166,7 +182,8 @@ class BlockPool:
         self._hash_of[block_id] = h
         self._block_of[h] = block_id
         self._tokens_of[block_id] = tuple(tokens)
-        self._events.append(KVEvent("stored", [h]))
+        if _announced(h):
+            self._events.append(KVEvent("stored", [h]))
 
     def _uncache(self, b: int, kept: bool = False) -> None:
         """`kept`: a lower tier took the block's content; the worker still holds it."""
@@ -174,7 +191,8 @@ class BlockPool:
         if h is not None:
             del self._block_of[h]
             del self._tokens_of[b]
-            self._events.append(KVEvent("offloaded" if kept else "removed", [h]))
+            if _announced(h):
+                self._events.append(KVEvent("offloaded" if kept else "removed", [h]))
 
     def holds(self, h: bytes) -> bool:
         """Whether a device block is named `h`."""
@@ -201,10 +219,10 @@ class BlockPool:
 
     def cached_hashes(self) -> list[bytes]:
         """Every block hash this worker holds, on the device or below it."""
-        return [*self._block_of, *self.offloaded_hashes()]
+        return [*self.device_hashes(), *self.offloaded_hashes()]
 
     def device_hashes(self) -> list[bytes]:
-        return list(self._block_of)
+        return [h for h in self._block_of if _announced(h)]
 
     def offloaded_hashes(self) -> list[bytes]:
         """The hashes held only below the device (engine/kv_tiers.py)."""

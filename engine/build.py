@@ -12,6 +12,7 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.config import ConfigError, EngineConfig, SchedulerConfig
+from engine.kv_groups import KVGroups
 from engine.memory import MemorySnapshot
 from engine.runner import ModelRunner
 from engine.structured import StructuredOutputs
@@ -27,6 +28,18 @@ class EngineParts:
     scheduler_config: SchedulerConfig
     eos_ids: frozenset[int]
     structured: object | None = None  # engine.structured.StructuredOutputs, None without tokenizer.json
+
+
+def hybrid_kv_refused(config: EngineConfig) -> str | None:
+    """Why a model whose windowed and global layers are interleaved keeps one block table
+    (None: it takes a table per KV group, engine/kv_groups.py)."""
+    if not config.cache.hybrid_kv:
+        return "--disable-hybrid-kv-cache-manager"
+    if config.speculative.method == "draft":
+        return "a draft model reads the whole context through the first table"
+    if config.cache.has_tiers:
+        return "the KV tiers keep blocks by one table's names"
+    return None
 
 
 def build_parts(config: EngineConfig, checkpoint=None, launcher=None) -> EngineParts:
@@ -55,6 +68,15 @@ def build_parts(config: EngineConfig, checkpoint=None, launcher=None) -> EngineP
     if (window is not None and len(ckpt.config.sliding_layers) == ckpt.config.num_layers
             and config.speculative.method != "draft"):  # a draft model's layers read the whole context
         sched = dataclasses.replace(sched, free_outside_window=window)
+    if KVGroups.plan(ckpt.config.num_layers, ckpt.config.window_of).hybrid and window is not None and window < max_len:
+        why_not = hybrid_kv_refused(config)
+        if why_not is None:
+            ckpt = dataclasses.replace(ckpt, config=dataclasses.replace(ckpt.config, kv_hybrid=True))
+            groups = ckpt.config.kv_groups
+            sched = dataclasses.replace(sched, kv_group_windows=groups.windows[1:])
+            log.info("%s: the windowed layers' blocks outside the window go back to the pool", groups.describe())
+        else:
+            log.info("windowed and global layers keep one block table: every block is kept (%s)", why_not)
     if ckpt.config.long_rope_from is not None and ckpt.config.long_rope_from < max_len:
         sched = dataclasses.replace(sched, long_rope_from=ckpt.config.long_rope_from)
         log.info("LongRoPE: prompts longer than %d tokens rotate with the long factors", ckpt.config.long_rope_from)

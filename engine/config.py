@@ -6,10 +6,12 @@ raised here name the field and say what to change.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.kv_groups import KVGroups
 from engine.quantization.scheme import WeightQuant
 
 SUPPORTED_ARCHITECTURES = {
@@ -200,6 +202,9 @@ class ModelConfig:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     local_rope_theta: float | None = None  # the windowed layers' rope theta (default rope), where it differs
+    # windowed and global layers keep their KV in groups of their own, each with its own
+    # block tables (engine/kv_groups.py; engine/build.py decides); False: one group
+    kv_hybrid: bool = False
 
     def __post_init__(self) -> None:
         _require(
@@ -254,6 +259,11 @@ class ModelConfig:
         if start is not None and (long_prompt or position >= start):
             return position + self.max_position_embeddings
         return position
+
+    @functools.cached_property
+    def kv_groups(self) -> KVGroups:
+        """How the layers share the paged KV cache (engine/kv_groups.py)."""
+        return KVGroups.plan(self.num_layers, self.window_of, self.kv_hybrid)
 
     def window_of(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: it sees the whole context)."""
@@ -437,6 +447,10 @@ class CacheConfig:
     offload_disk_path: str | None = None
     offload_disk_gb: float = 0.0
     swap_space_gb: float = 0.0
+    # where windowed and global layers are interleaved (Gemma 2 / 3), a table per group of
+    # layers so that the windowed layers give back blocks outside their window
+    # (engine/kv_groups.py); False (--disable-hybrid-kv-cache-manager, vLLM's flag): one table
+    hybrid_kv: bool = True
 
     @property
     def has_tiers(self) -> bool:
@@ -507,6 +521,9 @@ class SchedulerConfig:
     # decoding sequence's blocks wholly before its window go back to the pool (into the
     # prefix cache, where they were named) as it grows. None: every block is kept.
     free_outside_window: int | None = None
+    # KV groups (engine/kv_groups.py) after the first: their layers' windows (engine/build.py
+    # sets them where windowed and global layers are interleaved); empty: one group
+    kv_group_windows: tuple[int | None, ...] = ()
     # LongRoPE (engine/build.py sets it): prompts longer than this rotate with the long
     # factors throughout (ModelConfig.rope_row), so their blocks' content hashes differ
     # from a shorter prompt's blocks of the same tokens (KVCacheManager salts them)

@@ -2,11 +2,13 @@
 
 Layout: one contiguous tensor per worker
 
-    kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-                     ^ 0 = K, 1 = V
+    kv: [slots, 2, num_blocks, block_size, num_kv_heads, head_dim]
+                ^ 0 = K, 1 = V
 
-so that
-  * attention for layer l reads kv[l, 0] / kv[l, 1], each a contiguous
+where `slots` is the number of layers (or, where windowed and global layers keep their KV
+in groups with tables of their own, the layers of a group: engine/kv_groups.py; layer l
+then uses slot ModelConfig.kv_groups.place(l)[1]), so that
+  * attention for layer l reads kv[l, 0] / kv[l, 1] (kv[slot of l]), each a contiguous
     [num_blocks, block_size, Hkv, D] tensor (the layout the kernels take);
   * one (layer, K|V, block) region is a contiguous run of
     block_size * Hkv * D * itemsize bytes at a computable offset, so a transport
@@ -46,7 +48,8 @@ def sized_for(cache: CacheConfig, device: torch.device) -> CacheConfig:
 
 
 def layout_for(model: ModelConfig, block_size: int, num_blocks: int = 1) -> KVLayout:
-    return KVLayout(model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim, model.cache_dtype)
+    return KVLayout(model.kv_groups.slots, num_blocks, block_size, model.num_kv_heads, model.head_dim,
+                    model.cache_dtype)
 
 
 class KVCache:
@@ -54,12 +57,14 @@ class KVCache:
         cache = sized_for(cache, device)
         num_blocks = cache.resolve_num_blocks(layout_for(model, cache.block_size).block_bytes)
         self.layout = layout_for(model, cache.block_size, num_blocks)
+        groups = model.kv_groups
         self.kv = torch.zeros(
-            (model.num_layers, 2, num_blocks, cache.block_size, model.num_kv_heads, model.head_dim),
+            (groups.slots, 2, num_blocks, cache.block_size, model.num_kv_heads, model.head_dim),
             dtype=TORCH_DTYPES[model.cache_dtype],
             device=device,
         )
-        self.layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(model.num_layers)]
+        slots = [groups.place(i)[1] for i in range(model.num_layers)]
+        self.layers = [(self.kv[s, 0], self.kv[s, 1]) for s in slots]
 
     @property
     def num_blocks(self) -> int:

@@ -40,6 +40,8 @@ class SeqWork:
     # LongRoPE: the sequence's prompt is longer than the short factors' length, so all of
     # its tokens rotate with the long ones (ModelConfig.rope_row)
     long_rope: bool = False
+    # KV groups (engine/kv_groups.py): the other groups' tables, as `block_table` is the first's
+    group_tables: tuple[Sequence[int], ...] = ()
 
 
 @dataclass

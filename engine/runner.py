@@ -134,6 +134,7 @@ class ModelRunner:
         # LongRoPE: a token's position becomes its row of the rotary tables (short or long)
         self._rope_row = model_config.rope_row if model_config.long_rope_from is not None else None
         self.block_size = cache_config.block_size
+        self.num_kv_groups = len(model_config.kv_groups)  # engine/kv_groups.py: a table per group
         self.backend: AttentionBackend = get_backend(device_config.attention_backend, self.device)
         self.sampler = Sampler(self.device, sampler_seed)
         cpu = self.device.type == "cpu"
@@ -173,6 +174,10 @@ class ModelRunner:
         if graphs and comm is not None and comm.size > 1:
             # a capture would have to run on every rank at once, collectives inside it
             log.info("tensor parallel: decode steps run eagerly (no CUDA graphs across ranks yet)")
+            graphs = False
+        if graphs and self.num_kv_groups > 1:
+            # the captured graphs hold one set of block tables
+            log.info("KV groups: decode steps run eagerly (no CUDA graphs with a table per group yet)")
             graphs = False
         if memory is not None and cache_config.num_blocks is None and cache_config.kv_cache_memory_gb is None:
             blocks = self._blocks_from_device(memory, cache_config.gpu_memory_utilization, step_limits, snapshot,
@@ -718,6 +723,8 @@ class ModelRunner:
                 max_seq_len=max(kept_lens, default=0),
             ),
         )
+        if self.num_kv_groups > 1:
+            meta.groups = self._group_metas(plan, meta, kept_tables is not None)
         return _Batch(
             input_ids=input_ids,
             positions=pos_t,
@@ -726,6 +733,38 @@ class ModelRunner:
             sample_ids=sample_ids,
             sample_rows=rows,
         )
+
+    def _group_metas(self, plan: StepPlan, meta: AttentionMetadata, kept: bool) -> tuple[AttentionMetadata, ...]:
+        """`meta` for each KV group (engine/kv_groups.py): the same rows, each group's own
+        slots and block tables (SeqWork.group_tables; a work without them, such as the
+        memory profile's, uses its first table)."""
+        bs = self.block_size
+        out = [meta]
+        for g in range(self.num_kv_groups - 1):
+            slots: list[int] = []
+            dec: list[Sequence[int]] = []
+            pre: list[Sequence[int]] = []
+            for w in plan.decodes:
+                table = w.group_tables[g] if w.group_tables else w.block_table
+                draft = w.sample.draft if w.sample is not None else ()
+                for q in range(w.start_pos, w.start_pos + 1 + len(draft)):
+                    slots.append(table[q // bs] * bs + q % bs)
+                    dec.append(table)
+            for w in plan.prefills:
+                table = w.group_tables[g] if w.group_tables else w.block_table
+                slots.extend(table[p // bs] * bs + p % bs for p in range(w.start_pos, w.start_pos + len(w.token_ids)))
+                pre.append(table)
+            kept_tables = [*dec, *(t for w, t in zip(plan.prefills, pre) if w.sample is not None)] if kept else None
+            dec_flat, dec_width = _table_rows(dec)
+            pre_flat, pre_width = _table_rows(pre)
+            kept_flat, kept_width = _table_rows(kept_tables) if kept else (None, 0)
+            (slot_t,), (dec_t, pre_t, kept_t) = self._to_device([slots], [dec_flat, pre_flat, kept_flat])
+            out.append(dataclasses.replace(
+                meta, slot_mapping=slot_t, decode_block_tables=dec_t.view(len(dec), dec_width),
+                prefill_block_tables=pre_t.view(len(pre), pre_width), groups=None,
+                kept=None if meta.kept is None else dataclasses.replace(
+                    meta.kept, block_tables=kept_t.view(len(kept_tables), kept_width))))
+        return tuple(out)
 
     def _kept_rows(self, plan: StepPlan, dec_tables: list, decode_lens: list[int], p_lens: list[int]):
         """(rows, block tables, lengths) of the rows the last layer must compute in full

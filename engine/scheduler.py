@@ -84,10 +84,13 @@ class Scheduler:
         # what a sampled token does to its sequence: chosen once, not tested per token
         self._on_token = self._to_handoff if hand_off else self._append_token
         self.watermark_blocks = math.ceil(config.watermark * pool.num_blocks)
-        self.cache = KVCacheManager(pool, self.watermark_blocks, config.long_rope_from)
+        self.cache = KVCacheManager(pool, self.watermark_blocks, config.long_rope_from, config.kv_group_windows,
+                                    whole_hits=hand_off)
         self.num_preemptions = 0
         # decode only: blocks a sliding window has passed go back as the sequence grows
         self.window = None if hand_off else config.free_outside_window
+        # KV groups (engine/kv_groups.py): the windowed groups give back what their windows passed
+        self.release_groups = not hand_off and bool(config.kv_group_windows)
 
     # ---- queries -------------------------------------------------------------
     @property
@@ -115,7 +118,8 @@ class Scheduler:
             raise AdmissionError("the prompt is empty")
         if num_prompt_tokens >= limit:
             raise AdmissionError(f"prompt has {num_prompt_tokens} tokens; this model allows fewer than {limit}")
-        need = math.ceil((num_prompt_tokens + 1) / self.bs)
+        chunk = self.config.max_num_batched_tokens if self.config.enable_chunked_prefill else num_prompt_tokens
+        need = self.cache.most_blocks(num_prompt_tokens + 1, chunk, released=self.release_groups)
         if need > self.pool.num_blocks - self.watermark_blocks:
             raise AdmissionError(f"prompt needs {need} KV blocks; the cache has {self.pool.num_blocks}")
 
@@ -179,7 +183,9 @@ class Scheduler:
         self._take(seq, hit, need)
         seq.status = Status.AWAITING_KV
         self.awaiting_kv[seq.seq_id] = seq
-        return Reservation(seq.seq_id, list(self.cache.block_table(seq.seq_id)), seq.num_cached_tokens)
+        # with KV groups, every group's table, one after another (each as long as the first)
+        return Reservation(seq.seq_id, [b for t in self.cache.block_tables(seq.seq_id) for b in t],
+                           seq.num_cached_tokens)
 
     def mark_landed(self, seq_id: str, first_token: int) -> Sequence:
         """The prompt's KV is in the reserved blocks and the first token was sampled
@@ -286,7 +292,7 @@ class Scheduler:
         running = {id(s) for s in self.running}
         if len(running) != sum(1 for s, _ in out.scheduled if id(s) in running):
             return None
-        bs, max_len = self.bs, self.config.max_model_len
+        bs, max_len, groups = self.bs, self.config.max_model_len, self.cache.num_groups
         block_table = self.cache.block_table
         nxt: list[tuple[Sequence, int, object, int]] = []
         need = 0
@@ -300,7 +306,7 @@ class Scheduler:
             if self._crosses_long_rope(seq, computed):
                 return None  # the ordinary step recomputes it
             table = block_table(seq.seq_id)
-            short = -(-(computed + 1) // bs) - len(table)  # blocks to add for position `computed`
+            short = (-(-(computed + 1) // bs) - len(table)) * groups  # blocks to add for position `computed`
             if short > 0:
                 need += short
             nxt.append((seq, computed, table, short))
@@ -319,7 +325,8 @@ class Scheduler:
             banned = () if len(seq.output_ids) + 1 >= params.min_tokens else seq.banned_ids()
             decodes.append(SeqWork(seq.seq_id, _PENDING_INPUT, computed, table,
                                    SampleRow(params, _OutputAhead(seq.output_ids), seq.prompt_ids, banned, None, ()),
-                                   long_rope=self.cache.long_rope(seq)))
+                                   long_rope=self.cache.long_rope(seq),
+                                   group_tables=self.cache.other_tables(seq.seq_id)))
             scheduled.append((seq, 1))
         return ahead
 
@@ -335,7 +342,7 @@ class Scheduler:
         if not n:
             return None
         need = math.ceil((hit.num_blocks * self.bs + n) / self.bs) - hit.num_blocks
-        if not self.cache.can_fit(hit, need + held):
+        if not self.cache.can_fit(hit, need, held):
             return None
         return hit, n, need
 
@@ -369,7 +376,7 @@ class Scheduler:
             sample = SampleRow(params, seq.output_ids, seq.prompt_ids, seq.banned_ids(), seq.grammar,
                                tuple(draft) if draft else ())
         work = SeqWork(seq.seq_id, seq.token_slice(start, start + n), start, self.cache.block_table(seq.seq_id), sample,
-                       long_rope=self.cache.long_rope(seq))
+                       long_rope=self.cache.long_rope(seq), group_tables=self.cache.other_tables(seq.seq_id))
         if params.prompt_logprobs is not None and seq.prompt_logprobs_left and start == len(seq.prompt_logprobs):
             work.prompt_targets = seq.prompt_ids[start + 1: min(start + n + 1, len(seq.prompt_ids))]
             work.prompt_topk = seq.params.prompt_logprobs
@@ -454,6 +461,8 @@ class Scheduler:
             tok = sampled.get(sid)
             if tok is None:
                 commit(seq)
+                if self.release_groups:  # a prompt chunk: the next one's first query sees less far back
+                    self.cache.release_outside_windows(seq)
                 continue
             if accepted:
                 for t in accepted.get(sid, ()):
@@ -467,6 +476,8 @@ class Scheduler:
                     self.cache.trim(seq, seq.num_computed + 1)
                 if self.window is not None:  # the next query (at num_computed) sees positions > it - window
                     self.cache.release_before(seq, seq.num_computed - self.window)
+                elif self.release_groups:
+                    self.cache.release_outside_windows(seq)
                 append(seq, tok)
             got.append(seq)
         return got

@@ -93,7 +93,10 @@ class PrefillEngine:
         self.scheduler = scheduler
         self.transport = transport
         self.eos_ids = eos_ids
-        self.layerwise = layerwise
+        # KV groups (engine/kv_groups.py): a block table per group, written whole at the end
+        # (a layer's KV is one slot of its group's blocks: no per-layer push yet)
+        self.num_groups = len(runner.model_config.kv_groups)
+        self.layerwise = layerwise and self.num_groups == 1
         self.num_layers = runner.model_config.num_layers
         self.block_bytes = runner.kv_cache.layout.block_bytes
         self.jobs: dict[str, PrefillJob] = {}
@@ -120,7 +123,7 @@ class PrefillEngine:
         if request_id in self.jobs:
             raise ValueError(f"request id {request_id!r} is already in use")
         bs = self.scheduler.bs
-        n_blocks = math.ceil(len(prompt_ids) / bs)
+        n_blocks = math.ceil(len(prompt_ids) / bs) * self.num_groups  # with KV groups, each group's table in turn
         if len(target_blocks) != n_blocks:
             raise ValueError(
                 f"target has {len(target_blocks)} blocks; a {len(prompt_ids)}-token prompt needs {n_blocks}"
@@ -243,9 +246,16 @@ class PrefillEngine:
         return on_layer_done
 
     def _block_pairs(self, job: PrefillJob) -> tuple[list[int], list[int]]:
-        n = len(job.target_blocks)
-        table = self.scheduler.cache.block_table(job.seq.seq_id)
-        return table[job.skip_blocks : n].tolist(), job.target_blocks[job.skip_blocks :]
+        """(our blocks, the decode worker's) past the blocks it has cached; with KV groups,
+        group after group (the target holds each group's table in turn, all as long)."""
+        n = len(job.target_blocks) // self.num_groups
+        skip = job.skip_blocks
+        local: list[int] = []
+        remote: list[int] = []
+        for g, table in enumerate(self.scheduler.cache.block_tables(job.seq.seq_id)):
+            local.extend(table[skip:n].tolist())
+            remote.extend(job.target_blocks[g * n + skip:(g + 1) * n])
+        return local, remote
 
     def _start_final_write(self, job: PrefillJob) -> None:
         seq = job.seq
@@ -316,7 +326,7 @@ class PrefillEngine:
 
     def _result(self, job: PrefillJob) -> PrefillResult:
         now = time.monotonic()
-        n_blocks = len(job.target_blocks) - job.skip_blocks
+        n_blocks = len(job.target_blocks) - job.skip_blocks * self.num_groups
         scheduled = job.scheduled_at or job.arrival
         computed = job.computed_at or now
         return PrefillResult(

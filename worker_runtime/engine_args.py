@@ -103,6 +103,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="host memory per worker for preempted requests' KV blocks (vLLM's option): a preempted "
                    "request gets them back instead of recomputing them, where the measured copy is cheaper")
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="one block table for every layer of a model whose windowed and global layers are "
+                   "interleaved (Gemma 2/3): no block outside a window goes back (vLLM's option)")
     # vLLM's spellings of the same switches (on is the default in both)
     g.add_argument("--enable-prefix-caching", dest="no_prefix_caching", action="store_const", const=False,
                    help=argparse.SUPPRESS)
@@ -238,7 +241,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                           gpu_memory_utilization=a.gpu_memory_utilization, cpu_kv_fraction=a.cpu_kv_fraction,
                           enable_prefix_caching=not a.no_prefix_caching, kv_cache_dtype=a.kv_cache_dtype,
                           offload_host_gb=a.kv_offload_host_gb, offload_disk_path=a.kv_offload_disk_path,
-                          offload_disk_gb=a.kv_offload_disk_gb, swap_space_gb=a.swap_space),
+                          offload_disk_gb=a.kv_offload_disk_gb, swap_space_gb=a.swap_space,
+                          hybrid_kv=not a.disable_hybrid_kv_cache_manager),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                   max_model_len=a.max_model_len, enable_chunked_prefill=not a.no_chunked_prefill,
                                   policy=a.scheduler, expected_context_len=a.expected_context_len,

@@ -70,6 +70,8 @@ def hold_for_push(engine, pull_id: str, prefix: list[int], first_block: int,
     sched = engine.scheduler
     if sched.find(pull_id) is not None:
         raise ValueError(f"pull {pull_id!r} is already being served")
+    if sched.cache.num_groups > 1:
+        return []  # KV groups (engine/kv_groups.py): a push moves one table's blocks; not offered
     seq = Sequence(pull_id, list(prefix), _PARAMS, frozenset(), long_rope=long_rope)
     hit = sched.cache.match(seq, max_tokens=len(prefix))
     if hit.pending:
@@ -102,6 +104,8 @@ def reserve_pull(engine, pull_id: str, prefix: list[int], long_rope: bool = Fals
     table), held as a reservation; None where fewer than MIN_PULL_BLOCKS are missing or
     there is no room now."""
     sched = engine.scheduler
+    if sched.cache.num_groups > 1:
+        return None  # KV groups: a pull would move one table's blocks (see hold_for_push)
     seq = Sequence(pull_id, list(prefix), _PARAMS, frozenset(), long_rope=long_rope)
     n = len(prefix) // sched.bs
     hit = sched.cache.match(seq, max_tokens=len(prefix), fetch=False)

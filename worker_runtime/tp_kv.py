@@ -222,7 +222,8 @@ class RankKV:
             ready = self.runner.compute_marker()  # the layer's kernels may still be queued (CUDA)
             for rid, group, pairs, local, remote, handles in todo:
                 final = layer == last
-                layers = range(layer, layer + 1) if writes.layerwise and handles else range(0, layer + 1)
+                # layer by layer; else (KV groups, or no per-layer push) every slot at the end
+                layers = (range(layer, layer + 1) if handles else range(0, layer + 1)) if writes.layerwise else None
                 done = []
                 for p in pairs:
                     try:

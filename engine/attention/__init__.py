@@ -63,6 +63,9 @@ class AttentionMetadata:
     prefill_seq_lens_tensor: torch.Tensor | None = None  # [Bp] int32
     # the rows the last layer computes in full (None: all of them; see KeptRows)
     kept: KeptRows | None = None
+    # KV groups (engine/kv_groups.py): this metadata for each group, the first being this
+    # one; the others differ in their slots and block tables. None: one group
+    groups: tuple[AttentionMetadata, ...] | None = None
 
 
 def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:

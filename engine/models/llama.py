@@ -356,7 +356,7 @@ class LlamaForCausalLM(nn.Module):
             residual = residual * torch.tensor(self.cfg.hidden_size**0.5, dtype=residual.dtype)
         ops = self.cpu_ops if residual.is_cpu else None
         if (ops is not None and on_layer_done is None and meta.num_decode_tokens == residual.shape[0]
-                and backend.name == "cpu"):
+                and backend.name == "cpu" and meta.groups is None):
             stack = self._decode_stack(ops, kv_caches, residual.dtype)
             if stack is not None:
                 # the layers in one C++ call, the same kernels and rounding (cpu_kernels/decode_layers.cpp)
@@ -373,16 +373,23 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary.rotation(positions, residual.dtype, ops)
         local = rope if self.rotary_local is None else self.rotary_local.rotation(positions, residual.dtype, ops)
         local_layers = self._local_layers  # empty but for Gemma 3
+        # KV groups (engine/kv_groups.py): each layer reads its group's slots and tables
+        metas = [meta.groups[g] for g in self._layer_group] if meta.groups is not None else None
         delta = None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            residual, delta = layer(residual, delta, local if i in local_layers else rope, kv_caches[i], meta,
-                                    backend, ops, i == last)
+            residual, delta = layer(residual, delta, local if i in local_layers else rope, kv_caches[i],
+                                    meta if metas is None else metas[i], backend, ops, i == last)
             if on_layer_done is not None:
                 on_layer_done(i)
         if residual.shape[0] == 0:  # no row kept
             return residual
         return self.norm(residual, ops) if delta is None else self.norm.add_forward(residual, delta, ops)
+
+    @functools.cached_property
+    def _layer_group(self) -> list[int]:
+        """Each layer's KV group (engine/kv_groups.py)."""
+        return [self.cfg.kv_groups.place(i)[0] for i in range(len(self.layers))]
 
     @functools.cached_property
     def _windows(self) -> list[int]:

@@ -91,7 +91,7 @@ def plan_for_ranks(plan: StepPlan) -> StepPlan:
         s = w.sample
         row = None if s is None else SampleRow(params=None, output_ids=(), draft=tuple(s.draft))
         return SeqWork(w.seq_id, w.token_ids, w.start_pos, w.block_table, row,
-                       tuple(w.prompt_targets), w.prompt_topk, w.long_rope)
+                       tuple(w.prompt_targets), w.prompt_topk, w.long_rope, w.group_tables)
     return StepPlan([strip(w) for w in plan.decodes], [strip(w) for w in plan.prefills])
 
 

@@ -157,6 +157,8 @@ def run_rank(spec: RankSpec, rank: int) -> int:
     try:
         ckpt = load_checkpoint(cfg.model or builtin_model_path(), dtype=cfg.dtype, quantization=cfg.quantization,
                                kv_cache_dtype=cfg.cache.kv_cache_dtype)
+        # KV groups as rank 0 decided them (engine/parallel/start.py): the same tables, the same cache layout
+        ckpt = dataclasses.replace(ckpt, config=dataclasses.replace(ckpt.config, kv_hybrid=cfg.cache.hybrid_kv))
         shard = Shard(rank, spec.size, cfg.parallel.enable_expert_parallel)
         model = build_model(ckpt, device.device, shard)
         model.set_tensor_parallel(comm, cfg.parallel.vocab_parallel_head)

@@ -93,6 +93,8 @@ def start_ranks(config: EngineConfig, ckpt, step_limits: tuple[int, int, int], l
         store = tempfile.mkdtemp(prefix="tandem-tp-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         comm_spec = ("torch", f"file://{store}/store")
     rendezvous = Rendezvous()
+    # the other ranks take rank 0's decision on KV groups (engine/build.py) with its cache
+    cache = dataclasses.replace(cache, hybrid_kv=ckpt.config.kv_hybrid)
     resolved = dataclasses.replace(config, dtype=ckpt.config.dtype, cache=cache, model=str(ckpt.path))
     spec = RankSpec(resolved, size, rendezvous.address, rendezvous.secret, comm_spec, step_limits, devices,
                     par.rank_timeout_s, name)

@@ -289,16 +289,18 @@ def test_colocated_ranks_through_http_and_a_rank_killed_mid_stream(serve, checkp
     ("qwen3_moe", 2, 1, ()),
     ("llama-kv2", 1, 2, ()),
     ("llama-kv1", 2, 2, ("--speculative-method", "ngram", "--no-adaptive-speculation")),
-    ("gemma2", 1, 1, ()),
+    ("gemma2", 2, 2, ()),
     ("phi3", 1, 2, ()),
 ])
 def test_disaggregated_ranks_through_http(serve, checkpoints, name, p_tp, d_tp, extra):
     """Prefill and decode workers of 2 and 1 (Qwen3-MoE: q/k norms, experts split by
     their intermediate size), 1 and 2, 2 and 2 ranks (the last verifying n-gram drafts
-    on both decode ranks), Gemma 2 on one rank each (soft caps; a 48-token window its
-    90-token prompt passes), and Phi-3 on 1 and 2 (LongRoPE from 64 positions: the
-    90-token prompt long throughout, the 60-token one computed again by the decode worker
-    as it grows past 64): HTTP answers equal transformers'."""
+    on both decode ranks), Gemma 2 on 2 and 2 (soft caps; a 48-token window its 90-token
+    prompt passes; its windowed and global layers in KV groups of their own, each with its
+    tables, engine/kv_groups.py: the handoff writes every group's blocks), and Phi-3 on 1
+    and 2 (LongRoPE from 64 positions: the 90-token prompt long throughout, the 60-token
+    one computed again by the decode worker as it grows past 64): HTTP answers equal
+    transformers'."""
     model = str(checkpoints[name])
     srv = serve("--prefill", "1", "--decode", "1", "--prefill-tensor-parallel-size", str(p_tp),
                 "--decode-tensor-parallel-size", str(d_tp), "--model", model, "--block-size", "16",

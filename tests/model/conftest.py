@@ -37,10 +37,10 @@ def random_dir() -> Path:
 
 
 def _write_hf(kind: str, path: Path, tokenizer_src: Path, window: int | None = None, kv_heads: int = 2,
-              rope: dict | None = None) -> Path:
+              rope: dict | None = None, layers: int = 2) -> Path:
     import transformers
 
-    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=1024,
                   initializer_range=0.15, bos_token_id=0, eos_token_id=[1, 4])
     if kind == "llama":
@@ -73,8 +73,11 @@ def _write_hf(kind: str, path: Path, tokenizer_src: Path, window: int | None = N
                                         tie_word_embeddings=False, **common)
         cls = transformers.Gemma2ForCausalLM
     elif kind == "gemma3":  # a windowed layer (its own rope theta) then a global one; q/k norms
+        # (with more layers, Gemma 3's own pattern: five windowed, then a global one)
+        types = ["full_attention" if i % 6 == 5 or (layers == 2 and i == 1) else "sliding_attention"
+                 for i in range(layers)]
         cfg = transformers.Gemma3TextConfig(head_dim=32, sliding_window=48, tie_word_embeddings=False,
-                                            layer_types=["sliding_attention", "full_attention"], **common)
+                                            layer_types=types, **common)
         cls = transformers.Gemma3ForCausalLM
     elif kind == "qwen2_moe":  # every layer sparse, with a shared expert; q/k/v biases
         cfg = transformers.Qwen2MoeConfig(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
@@ -151,6 +154,12 @@ def gemma2_dir(tmp_path_factory, builtin_dir) -> Path:
 @pytest.fixture(scope="session")
 def gemma3_dir(tmp_path_factory, builtin_dir) -> Path:
     return _write_hf("gemma3", tmp_path_factory.mktemp("hf-gemma3"), builtin_dir)
+
+
+@pytest.fixture(scope="session")
+def gemma3_six_dir(tmp_path_factory, builtin_dir) -> Path:
+    """Gemma 3 of six layers: five windowed, then a global one (six KV groups of one layer)."""
+    return _write_hf("gemma3", tmp_path_factory.mktemp("hf-gemma3-six"), builtin_dir, layers=6)
 
 
 @pytest.fixture(scope="session")

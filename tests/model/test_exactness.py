@@ -149,15 +149,30 @@ def test_sliding_window_past_the_window(which, fused, request, monkeypatch, tmp_
     assert [hf_greedy(full, p, n, ignore_eos=True) for p in prompts[1:3]] != want[1:3]
 
 
-def test_a_long_generation_holds_the_blocks_of_its_window_only(mistral_window_dir, qwen2_window_dir):
-    """Mistral (every layer a 64-token window, 16-token blocks): a 300-token answer holds
-    at most the window's blocks and two more at any step, where full attention would hold
-    21; its blocks go back as it grows and the answer equals transformers'. Qwen2 (a
-    global layer beside the windowed one) keeps every block."""
+def test_a_long_generation_holds_the_blocks_of_its_window_only(mistral_window_dir, qwen2_window_dir, gemma2_dir,
+                                                               gemma3_six_dir):
+    """A 300-token answer (16-token blocks). Mistral (every layer a 64-token window, one
+    table): at most the window's blocks and two more at any step, where full attention
+    would hold 21. Qwen2 and Gemma 2 (a global layer beside one with a 48-token window):
+    the global layer's table keeps every block, the windowed layer's own table
+    (engine/kv_groups.py) the window's and two more; Gemma 3 of six layers (five windowed,
+    then one global: six groups of one layer) likewise, each windowed group; with the
+    hybrid manager off, one table keeps every block for both. Blocks go back as the answer grows, none leaks, and
+    the answer equals transformers'."""
     [prompt] = random_prompts([30], seed=8)
     n = 300
-    for path, bound in ((mistral_window_dir, 64 // 16 + 2), (qwen2_window_dir, None)):
-        engine = make_engine(path)
+    every = -(-(30 + n - 1) // 16)  # every block of the context
+    window48 = (48 // 16, 48 // 16 + 2)  # the most blocks a table holds at once: (at least, at most)
+    cases = ((mistral_window_dir, True, [(64 // 16, 64 // 16 + 2)]),
+             (qwen2_window_dir, True, [(every, every), window48]),
+             (gemma2_dir, True, [(every, every), window48]),
+             (gemma3_six_dir, True, [(every, every), *[window48] * 5]),
+             (qwen2_window_dir, False, [(every, every)]))
+    for path, hybrid, bounds in cases:
+        engine = LLMEngine.from_config(EngineConfig(
+            model=str(path), cache=CacheConfig(num_blocks=256, hybrid_kv=hybrid),
+            scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_model_len=1024)))
+        assert len(engine.runner.model.cfg.kv_groups) == len(bounds)
         engine.add_request("long", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
         out, held = [], []
         for _ in range(2 * n):
@@ -165,14 +180,12 @@ def test_a_long_generation_holds_the_blocks_of_its_window_only(mistral_window_di
                 break
             out += [ev.token_id for ev in engine.step() if ev.token_id is not None]
             if engine.has_work():
-                held.append(engine.scheduler.cache.num_held("long"))
+                held.append(engine.scheduler.cache.num_held_by_group("long"))
         engine.check_integrity()
-        assert out == hf_greedy(path, prompt, n, ignore_eos=True)
-        if bound is None:
-            assert max(held) == -(-(30 + n - 1) // 16)  # every block of the context
-        else:
-            assert max(held) <= bound, max(held)
-            assert engine.pool.num_free_blocks == engine.pool.num_blocks  # every block back, none leaked
+        assert out == hf_greedy(path, prompt, n, ignore_eos=True), path
+        most = [max(h[g] for h in held) for g in range(len(bounds))]
+        assert all(lo <= m <= hi for m, (lo, hi) in zip(most, bounds)), (path, hybrid, most)
+        assert engine.pool.num_free_blocks == engine.pool.num_blocks  # every block back, none leaked
 
 
 def bf16_engine(path, max_num_batched_tokens: int = 4096) -> LLMEngine:
