@@ -5,7 +5,7 @@ answers grow and one with `--disable-hybrid-kv-cache-manager` (every block kept)
 
     python -m bench.lab.hybrid [--hidden 512 --layers 8 --window 256] [--kv-gb 0.06]
                            [--input-len 512 --output-len 512 --num-requests 32]
-                           [--dtype bfloat16] [--json PATH]
+                           [--dtype bfloat16] [--rounds 2] [--json PATH]
 
 The checkpoint is written by transformers (Gemma2Config, seeded random weights, the
 built-in model's tokenizer) into a temporary directory. The load is `tandem bench`'s
@@ -81,14 +81,14 @@ class RunningPeak(threading.Thread):
 def run_variant(name: str, extra: list[str], model: Path, a: argparse.Namespace, tmp: Path) -> dict:
     args = ["--colocated", "--decode", "1", "--model", str(model), "--dtype", a.dtype, "--block-size", "16",
             "--kv-cache-memory-gb", str(a.kv_gb), "--max-model-len", "4096", *shlex.split(a.serve_args), *extra]
-    server = TandemServer.launch([*args, "--admin-key", ADMIN], Path(f"{a.log_prefix}-{name}.log"))
+    server = TandemServer.launch([*args, "--admin-key", ADMIN], Path(f"{a.log_prefix}-{name.replace(' ', '-')}.log"))
     try:
         pools = httpx.get(server.url + "/admin/pools", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10)
         pools.raise_for_status()
         [worker] = pools.json()["pools"]["decode"]["workers"]
         peak = RunningPeak(f"http://{worker['metrics']}/metrics")
         peak.start()
-        out = tmp / f"{name}.json"
+        out = tmp / f"{name.replace(' ', '-')}.json"
         t0 = time.monotonic()
         subprocess.run([sys.executable, "-m", "cli", "bench", "--base-url", server.url + "/v1",
                         "--input-len", str(a.input_len), "--output-len", str(a.output_len),
@@ -97,7 +97,7 @@ def run_variant(name: str, extra: list[str], model: Path, a: argparse.Namespace,
         wall = time.monotonic() - t0
         peak.done.set()
         peak.join(5)
-        run = json.loads(out.read_text())["runs"][0]
+        run = json.loads(out.read_text())["runs"][0]["summary"]
     finally:
         server.stop()
     log = Path(server.log_path).read_text(errors="replace")  # the worker's lines, forwarded by Ray
@@ -122,23 +122,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--serve-args", default="--num-threads 2", help="more `tandem serve` options, quoted")
+    p.add_argument("--rounds", type=int, default=1, help="runs of each server, in alternating order")
     p.add_argument("--timeout-s", type=float, default=1200.0, help="bound on each load run")
     p.add_argument("--log-prefix", default="/tmp/tandem-hybrid", help="server logs: PREFIX-VARIANT.log")
     p.add_argument("--json", default=None, help="write the results here too")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model = write_gemma2(Path(tmp) / "gemma2", a)
-        rows = [run_variant(name, extra, model, a, Path(tmp))
-                for name, extra in (("kv groups", []), ("one table", ["--disable-hybrid-kv-cache-manager"]))]
+        variants = [("kv groups", []), ("one table", ["--disable-hybrid-kv-cache-manager"])]
+        rows = []
+        for i in range(a.rounds):  # A B, then B A, ...: neither always runs first
+            for name, extra in (variants if i % 2 == 0 else variants[::-1]):
+                rows.append({"round": i + 1, **run_variant(name, extra, model, a, Path(tmp))})
     print(f"KV groups against one table: a random Gemma 2 (hidden {a.hidden}, {a.layers} layers alternating a "
           f"{a.window}-token window and global, {a.dtype}), KV cache {a.kv_gb:g} GiB, {a.num_requests} requests of "
           f"{a.input_len} + {a.output_len} tokens at rate inf")
-    print("| cache | KV blocks (groups) | most running at once | done (failed) | output tok/s | TTFT p50 ms | "
+    print("| round | cache | KV blocks (groups) | most running at once | done (failed) | output tok/s | TTFT p50 ms | "
           "TPOT p50 ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['variant']} | {r['kv_blocks']} ({r['kv_groups']}) | {r['peak_running']:g} | {r['done']} "
-              f"({r['failed']}) | {r['output_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['tpot_p50_ms']:.1f} |")
+        print(f"| {r['round']} | {r['variant']} | {r['kv_blocks']} ({r['kv_groups']}) | {r['peak_running']:g} | "
+              f"{r['done']} ({r['failed']}) | {r['output_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | "
+              f"{r['tpot_p50_ms']:.1f} |")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=2))
     return 0
