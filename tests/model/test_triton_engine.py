@@ -70,9 +70,17 @@ def test_triton_sliding_window_with_released_blocks(mistral_window_dir):
 
 def test_triton_gemma2_soft_caps_and_a_window(gemma2_dir):
     """Gemma 2 on the Triton kernels: scores soft-capped in both kernels, a 48-token window
-    on its first layer, contexts past it."""
+    on its first layer, contexts past it; the windowed layer in a KV group of its own
+    (engine/kv_groups.py) whose blocks before the window go back between prompt chunks
+    (released entries in its tables, which the kernels never read)."""
     prompts = random_prompts([70, 9], seed=15)
     engine = make_engine(gemma2_dir, max_num_batched_tokens=32)
+    assert len(engine.runner.model.cfg.kv_groups) == 2
+    released = []
+    cache = engine.scheduler.cache
+    release = cache.release_outside_windows
+    cache.release_outside_windows = lambda seq: released.append(release(seq)) or released[-1]
     got = run(engine, prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for p, g in zip(prompts, got):
         assert g == hf_greedy(gemma2_dir, p, 12, ignore_eos=True)
+    assert sum(released) > 0 and engine.pool.num_free_blocks == engine.pool.num_blocks
