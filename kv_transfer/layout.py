@@ -7,6 +7,10 @@ A worker owns ONE contiguous KV tensor (engine/kv_cache.py)::
 so the bytes of one (layer, k|v, block) "region" are contiguous and sit at
 
     offset(layer, kv, block) = ((layer * 2 + kv) * num_blocks + block) * region_bytes
+
+Where a model's layers keep their KV in groups (engine/kv_groups.py), `num_layers` is a
+group's slots and a block holds those of its group's layers; the transports move
+regions the same way, given each group's blocks.
 """
 
 from __future__ import annotations
@@ -124,7 +128,8 @@ class KVLayout:
         if diffs:
             raise LayoutMismatch(
                 f"peer {peer_name} has an incompatible KV layout ({'; '.join(diffs)}): "
-                "prefill and decode workers must serve the same model, dtype and block_size"
+                "prefill and decode workers must serve the same model, dtype and block_size, with the same KV "
+                "groups (num_layers counts a group's layers: --disable-hybrid-kv-cache-manager on both or neither)"
             )
 
 
