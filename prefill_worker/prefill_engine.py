@@ -33,7 +33,7 @@ from kv_transfer.ledger import Entry, Ledger
 from protos.handoff import gave_up_message, landed_message, shard_message
 from worker_runtime import envs
 from worker_runtime.stats import RateMeter
-from worker_runtime.tp_kv import Pair, WorkerKV
+from worker_runtime.tp_kv import Pair, WorkerKV, layer_writes
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +93,13 @@ class PrefillEngine:
         self.scheduler = scheduler
         self.transport = transport
         self.eos_ids = eos_ids
-        # KV groups (engine/kv_groups.py): a block table per group, written whole at the end
-        # (a layer's KV is one slot of its group's blocks: no per-layer push yet)
-        self.num_groups = len(runner.model_config.kv_groups)
-        self.layerwise = layerwise and self.num_groups == 1
+        # KV groups (engine/kv_groups.py): a block table per group; a layer's KV is one slot
+        # of its group's blocks (`places`: each layer's group and slot; None: one group)
+        groups = runner.model_config.kv_groups
+        self.num_groups = len(groups)
+        self.layerwise = layerwise
         self.num_layers = runner.model_config.num_layers
+        self.places = [groups.place(n) for n in range(self.num_layers)] if groups.hybrid else None
         self.block_bytes = runner.kv_cache.layout.block_bytes
         self.jobs: dict[str, PrefillJob] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()  # ids of the last ENDED_KEPT jobs that ended
@@ -235,14 +237,15 @@ class PrefillEngine:
                 local, remote = pairs[job.seq.seq_id]
                 if not local:
                     continue
+                [(ours, theirs, layers)] = layer_writes(local, remote, self.places, layer, caught_up=True)
                 for p in self.kv.group_of(job.peer).mine(0):
-                    handle = self._write(job, p, local, remote, layers=range(layer, layer + 1), ready=ready)
+                    handle = self._write(job, p, ours, theirs, layers=layers, ready=ready)
                     if handle is not None:
                         job.handles.setdefault(p.dst, []).append(handle)
 
         on_layer_done.rank_writes = self.kv.rank_writes(
             [(job.seq.seq_id, job.peer, *pairs[job.seq.seq_id]) for job in jobs if pairs[job.seq.seq_id][0]],
-            self.layerwise, self.num_layers)
+            self.layerwise, self.num_layers, self.places)
         return on_layer_done
 
     def _block_pairs(self, job: PrefillJob) -> tuple[list[int], list[int]]:
@@ -268,10 +271,12 @@ class PrefillEngine:
         ready = self.runner.compute_marker()
         for p in group.mine(0):
             earlier = job.handles.get(p.dst, [])
-            layers = range(self.num_layers - 1, self.num_layers) if self.layerwise and earlier else None
+            ours, theirs, layers = local, remote, None  # every layer, or the last alone after the others
+            if self.layerwise and earlier:
+                [(ours, theirs, layers)] = layer_writes(local, remote, self.places, self.num_layers - 1, True)
             note = (landed_message(seq.seq_id, first, job.logprobs, shards=group.shards) if p.dst == 0
                     else shard_message(seq.seq_id))
-            final = self._write(job, p, local, remote, layers=layers, after=earlier, notify=note, ready=ready)
+            final = self._write(job, p, ours, theirs, layers=layers, after=earlier, notify=note, ready=ready)
             if final is not None:
                 job.finals.append(final)
         if job.refused is not None:  # a bad target (the transport checks it): this request fails, not the engine

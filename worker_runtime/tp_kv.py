@@ -153,6 +153,23 @@ class Notes:
     notes: list  # [(peer name, peer epoch, message bytes)]
 
 
+def layer_writes(local: list[int], remote: list[int], places: list[tuple[int, int]] | None, layer: int,
+                 caught_up: bool) -> list[tuple[list[int], list[int], range]]:
+    """The writes that move layer `layer`'s KV, and every layer's before it too where
+    nothing was written yet (not `caught_up`): (our blocks, the peer's, slots of them).
+    `places`: each layer's (KV group, slot) where the layers keep their KV in groups
+    (engine/kv_groups.py; `local` and `remote` then hold each group's blocks in turn, as
+    many each); None: one group, a layer's slot its index."""
+    if places is None:
+        return [(local, remote, range(layer, layer + 1) if caught_up else range(0, layer + 1))]
+    each = len(local) // (1 + max(g for g, _ in places))
+    out = []
+    for n in ([layer] if caught_up else range(layer + 1)):
+        g, slot = places[n]
+        out.append((local[g * each:(g + 1) * each], remote[g * each:(g + 1) * each], range(slot, slot + 1)))
+    return out
+
+
 @dataclass
 class RankWrites:
     """The KV writes of one prefill step's finishing prompts, sent to the other ranks
@@ -161,6 +178,7 @@ class RankWrites:
     jobs: list  # [(request id, decode worker's PeerId, local block ids, remote block ids)]
     layerwise: bool
     num_layers: int
+    places: list | None = None  # each layer's (KV group, slot) with KV groups (`layer_writes`)
 
     def hook(self, runner):
         return runner.rank_parts["kv"].hook(self)
@@ -222,20 +240,22 @@ class RankKV:
             ready = self.runner.compute_marker()  # the layer's kernels may still be queued (CUDA)
             for rid, group, pairs, local, remote, handles in todo:
                 final = layer == last
-                # layer by layer; else (KV groups, or no per-layer push) every slot at the end
-                layers = (range(layer, layer + 1) if handles else range(0, layer + 1)) if writes.layerwise else None
+                # layer by layer (a first write catches up on the layers before it); else every layer at the end
+                moves = (layer_writes(local, remote, writes.places, layer, bool(handles)) if writes.layerwise
+                         else [(local, remote, None)])
                 done = []
-                for p in pairs:
-                    try:
-                        h = self.transport.write_blocks(
-                            group.rank_peers[p.dst], local, remote, layers=layers, heads=p.heads,
-                            notify=shard_message(rid) if final else None,
-                            after=handles.get(p.dst, ()) if final else (), ready=ready)
-                    except TransferError as e:
-                        self.group.send_up(ShardDone(rank, rid, f"rank {rank}: {e}"))
-                        break
-                    handles.setdefault(p.dst, []).append(h)
-                    done.append(h)
+                try:
+                    for p in pairs:
+                        for i, (ours, theirs, layers) in enumerate(moves):
+                            closing = final and i == len(moves) - 1  # the notification goes with the last
+                            h = self.transport.write_blocks(
+                                group.rank_peers[p.dst], ours, theirs, layers=layers, heads=p.heads,
+                                notify=shard_message(rid) if closing else None,
+                                after=handles.get(p.dst, ()) if closing else (), ready=ready)
+                            handles.setdefault(p.dst, []).append(h)
+                            done.append(h)
+                except TransferError as e:
+                    self.group.send_up(ShardDone(rank, rid, f"rank {rank}: {e}"))
                 if final:
                     with self.lock:
                         self.pending[rid] = done
@@ -331,13 +351,14 @@ class WorkerKV:
             group = PeerGroup(peer, 1, [Pair(0, 0, None)], {0: peer})
         return group
 
-    def rank_writes(self, jobs: list, layerwise: bool, num_layers: int) -> RankWrites | None:
+    def rank_writes(self, jobs: list, layerwise: bool, num_layers: int,
+                    places: list | None = None) -> RankWrites | None:
         """What the other ranks write in this step (None when they write nothing)."""
         if self.size == 1:
             return None
         mine = [(rid, peer, local, remote) for rid, peer, local, remote in jobs
                 if self.group_of(peer).writers()]
-        return RankWrites(mine, layerwise, num_layers) if mine else None
+        return RankWrites(mine, layerwise, num_layers, places) if mine else None
 
     def shards_done(self, request_id: str, peer: PeerId) -> tuple[bool, str | None]:
         """(whether every other rank's writes of this handoff finished, the first failure)."""

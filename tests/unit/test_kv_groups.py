@@ -137,3 +137,20 @@ def test_new_blocks_never_evict_the_hit_they_join():
     assert all(pool.ref_counts[x] == 1 for x in held)
     pool.release(filler)
     cache.check_integrity({"b"})
+
+
+def test_a_layers_kv_moves_as_one_slot_of_its_groups_blocks():
+    """The prefill side's per-layer push (worker_runtime/tp_kv.py `layer_writes`): with one
+    group a layer is its own slot of every block; with groups, layer l moves slot s of
+    group g's blocks only (the block lists hold each group's blocks in turn), and a first
+    write catches up on the layers before it, one write each."""
+    from worker_runtime.tp_kv import layer_writes
+
+    local, remote = [1, 2, 3, 4, 5, 6], [11, 12, 13, 14, 15, 16]
+    assert layer_writes(local, remote, None, 2, caught_up=True) == [(local, remote, range(2, 3))]
+    assert layer_writes(local, remote, None, 2, caught_up=False) == [(local, remote, range(0, 3))]
+    places = [KVGroups.plan(4, lambda i: None if i % 2 else 48).place(n) for n in range(4)]  # Gemma 2's
+    assert places == [(1, 0), (0, 0), (1, 1), (0, 1)]
+    assert layer_writes(local, remote, places, 2, caught_up=True) == [([4, 5, 6], [14, 15, 16], range(1, 2))]
+    assert layer_writes(local, remote, places, 1, caught_up=False) == [
+        ([4, 5, 6], [14, 15, 16], range(0, 1)), ([1, 2, 3], [11, 12, 13], range(0, 1))]
