@@ -97,7 +97,9 @@ def test_a_cpu_engine_reuses_freed_activation_memory_instead_of_faulting_it_in_a
     huge pages)."""
     applied, faults = _reuse_probe(THP_MEM_ALLOC_ENABLE="1")
     assert applied
-    assert max(faults[-4:]) < 100, faults
+    # three of the last four rounds: the kernel may still take a round's pages back now and
+    # then (a CI run once saw 0, 0, 0, 524, the allocator holding them all the while)
+    assert sorted(faults[-4:])[2] < 100, faults
     applied, faults = _reuse_probe(THP_MEM_ALLOC_ENABLE="1", TANDEM_CPU_MALLOC_REUSE="0")
     assert not applied
     assert min(faults[-4:]) > 400, faults
