@@ -35,12 +35,13 @@ class NoFreeBlocks(RuntimeError):
 # the extra key of the blocks of a sequence rotated with LongRoPE's long factors
 # (engine/kv_cache_manager.py; routers hash such prompts with it too)
 LONG_ROPE_KEY = b"long-rope"
+HASH_BYTES = 16  # a block's content hash; a KV group's name for a block is longer (group_key)
 
 
 def hash_block(prev: bytes | None, tokens: Sequence[int], extra_key: bytes = b"") -> bytes:
     """Chained content hash of one full block; stable across processes and machines."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(prev or b"\0" * 16)
+    h = hashlib.blake2b(digest_size=HASH_BYTES)
+    h.update(prev or b"\0" * HASH_BYTES)
     h.update(extra_key)
     h.update(array("q", tokens).tobytes())
     return h.digest()
@@ -54,7 +55,7 @@ def group_key(h: bytes, group: int) -> bytes:
 
 def _announced(h: bytes) -> bool:
     """Whether `h` is a content hash the routers and tiers know (not a group's name)."""
-    return len(h) == 16
+    return len(h) == HASH_BYTES
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, extra_key: bytes = b"") -> list[bytes]:
