@@ -15,6 +15,12 @@
 // through the dispatcher, and torch's own silu_ and mul_, so every value is rounded where
 // engine/models/llama.py rounds it and the outputs are bitwise the same. Layers without
 // biases only (the caller checks).
+//
+// A quantized model (--quantization int8 or fp8, one scale an output row) takes its linear
+// layers from quant_linear.cpp instead, as engine/quantization/linear.py's QuantLinear
+// calls them: int8 in the tile unit's order through quant_linear_tiles (bf16 models on
+// VNNI/AMX builds), else quant_linear on the row-major q (W8A8 with bf16 x where the
+// weight sums come, the widening kernel otherwise).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -43,6 +49,10 @@ using Rotary = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, con
 using Store = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using StoreFp8 = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                       double, double);
+using QuantTiles = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const std::optional<at::Tensor>&, const at::Tensor&);
+using QuantRows = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                       const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
 using Attend = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                     const at::Tensor&, double, bool, double, int64_t, double);
 
@@ -65,6 +75,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w) {
 // The linear layers' weights: `packed` for oneDNN; and either `tiles` (the tile kernel's
 // copies, for steps of up to `tile_rows` tokens) or `plain` (row-major copies for the
 // row-major kernel, up to `small_rows`), or neither: engine/models/packed.py's choice.
+// Or, for a quantized model, `packed`, `plain` and `tiles` empty and `quant` holding each
+// linear layer's (q, scale [N, 1] fp32, weight sums) in turn, 15 a layer: q in tile order
+// when `quant_tiles`, else row-major; the weight sums (int32, W8A8) all defined or none
+// (an empty tensor each).
 at::Tensor decode_layers(const at::Tensor& residual, at::TensorList norms,
                    at::TensorList packed, at::TensorList plain, at::TensorList tiles,
                    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& positions,
@@ -72,7 +86,7 @@ at::Tensor decode_layers(const at::Tensor& residual, at::TensorList norms,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim, double scale, double eps, bool bf16_pairs,
                    int64_t small_rows, int64_t tile_rows, at::ArrayRef<double> kv_scales,
-                   at::IntArrayRef windows) {
+                   at::IntArrayRef windows, at::TensorList quant, bool quant_tiles) {
   static const auto linear = sibling<Linear>("small_batch_linear");
   static const auto tile_linear = sibling<Linear>("tile_linear");
   static const auto norm = sibling<Norm>("rms_norm");
@@ -81,10 +95,13 @@ at::Tensor decode_layers(const at::Tensor& residual, at::TensorList norms,
   static const auto store = sibling<Store>("store_kv");
   static const auto store_fp8 = sibling<StoreFp8>("store_kv_fp8");
   static const auto attend = sibling<Attend>("paged_decode_attention");
+  const bool quantized = !quant.empty();
 
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(L > 0 && static_cast<int64_t>(norms.size()) == 2 * L &&
-                  static_cast<int64_t>(packed.size()) == kLinears * L &&
+                  (quantized ? packed.empty() && plain.empty() && tiles.empty() &&
+                                   static_cast<int64_t>(quant.size()) == 3 * kLinears * L
+                             : static_cast<int64_t>(packed.size()) == kLinears * L) &&
                   (plain.empty() || static_cast<int64_t>(plain.size()) == kLinears * L) &&
                   (tiles.empty() || static_cast<int64_t>(tiles.size()) == kLinears * L) &&
                   static_cast<int64_t>(v_caches.size()) == L,
@@ -105,7 +122,25 @@ at::Tensor decode_layers(const at::Tensor& residual, at::TensorList norms,
   // their rows; oneDNN on the packed weight otherwise
   const bool tiled = M <= tile_rows && !tiles.empty();
   const bool small = !tiled && M <= small_rows && !plain.empty();
+  static const auto quant_tiled = sibling<QuantTiles>("quant_linear_tiles");
+  static const auto quant_rows = sibling<QuantRows>("quant_linear");
+  // a layer's output features: its scale's rows (quantized), else its packed weight's
+  auto n_out_of = [&](int64_t layer, int64_t j) -> int64_t {
+    return quantized ? quant[3 * (kLinears * layer + j) + 1].size(0) : packed[kLinears * layer + j].size(0);
+  };
   auto project = [&](const at::Tensor& x, int64_t layer, int64_t j, int64_t n_out) -> at::Tensor {
+    if (quantized) {
+      const int64_t i = 3 * (kLinears * layer + j);
+      at::Tensor y = at::empty({M, n_out}, opts);
+      const at::Tensor& sums = quant[i + 2];
+      if (quant_tiles) {
+        quant_tiled.call(y, x, quant[i], quant[i + 1], std::nullopt, sums);
+      } else {
+        quant_rows.call(y, x, quant[i], quant[i + 1], quant[i].size(1), std::nullopt,
+                        sums.numel() ? std::optional<at::Tensor>(sums) : std::nullopt);
+      }
+      return y;
+    }
     if (tiled || small) {
       at::Tensor y = at::empty({M, n_out}, opts);
       if (tiled) tile_linear.call(y, x, tiles[kLinears * layer + j], std::nullopt);
@@ -138,7 +173,7 @@ at::Tensor decode_layers(const at::Tensor& residual, at::TensorList norms,
     at::Tensor attn = project(o.view({M, q_size}), l, 1, residual.size(1));
     h = at::empty_like(residual);
     add_norm.call(h, residual, attn, norms[2 * l + 1], eps);
-    const int64_t inter = packed[kLinears * l + 2].size(0);
+    const int64_t inter = n_out_of(l, 2);
     at::Tensor gate = project(h, l, 2, inter);
     at::Tensor up = project(h, l, 3, inter);
     at::silu_(gate);
@@ -154,6 +189,7 @@ TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers(Tensor(a!) residual, Tensor[] norms, Tensor[] packed, Tensor[] plain, Tensor[] tiles, "
         "Tensor[] k_caches, Tensor[] v_caches, Tensor positions, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, "
         "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float scale, float eps, bool bf16_pairs, "
-        "int small_rows, int tile_rows, float[] kv_scales=[], int[] windows=[]) -> Tensor",
+        "int small_rows, int tile_rows, float[] kv_scales, int[] windows, Tensor[] quant, "
+        "bool quant_tiles) -> Tensor",
         &decode_layers);
 }

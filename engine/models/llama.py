@@ -368,7 +368,8 @@ class LlamaForCausalLM(nn.Module):
                                           tables, lens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                           self.layers[0].self_attn.scale, self.layers[0].input_layernorm.eps,
                                           backend.bf16_pairs, self._small_rows, TILE_ROWS, self._kv_scales,
-                                          self._windows if self._windowed(meta.decode_max_seq_len) else [])
+                                          self._windows if self._windowed(meta.decode_max_seq_len) else [],
+                                          self._quant, self._quant_tiles)
                 return self.norm.add_forward(residual, delta, ops)
         rope = self.rotary.rotation(positions, residual.dtype, ops)
         local = rope if self.rotary_local is None else self.rotary_local.rotation(positions, residual.dtype, ops)
@@ -407,10 +408,12 @@ class LlamaForCausalLM(nn.Module):
         layer or none), or None where
         that operator cannot run this model: no such operator in the build, a linear
         layer not packed for oneDNN or with a bias, a head_dim the attention kernel does
-        not walk, a cache dtype other than the model's or fp8 e4m3. Decided once."""
+        not walk, a cache dtype other than the model's or fp8 e4m3. A quantized model's
+        linear layers go in `self._quant` instead (`_quant_stack`), the weight lists
+        empty. Decided once."""
         if getattr(self, "_stack_checked", False):
             return self._stack
-        self._stack_checked, self._stack = True, None
+        self._stack_checked, self._stack, self._quant, self._quant_tiles = True, None, [], False
         # the one-call stack has no place for the all-reduces tensor parallelism adds, nor
         # for q/k norms or experts
         if self.cfg.qk_norm or self.cfg.moe_layers or self.cfg.gemma:
@@ -422,6 +425,16 @@ class LlamaForCausalLM(nn.Module):
         # an fp8 cache: every layer's K and V scale, in order (decode_layers stores and reads with them)
         self._kv_scales = ([s for layer in self.layers for s in layer.self_attn.kv_scales]
                            if kv_caches[0][0].dtype == torch.float8_e4m3fn else [])
+        quant = self._quant_stack(dtype)
+        if quant is not None:
+            if not quant:
+                return None
+            self._stack = ([w for layer in self.layers
+                            for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)], [], [], [])
+            if any(w.dtype != dtype or not w.is_contiguous() for w in self._stack[0]):
+                self._stack = None
+            self._small_rows = SMALL_BATCH_ROWS  # not read: the quantized kernels take every batch size
+            return self._stack
         norms, packed, plain, tiles = [], [], [], []
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
@@ -445,6 +458,29 @@ class LlamaForCausalLM(nn.Module):
         self._small_rows = min(getattr(x, "max_rows", SMALL_BATCH_ROWS) for layer in self.layers
                                for x in (layer.self_attn.qkv_proj, layer.self_attn.o_proj))
         return self._stack
+
+    def _quant_stack(self, dtype: torch.dtype) -> list | None:
+        """A quantized model's linear layers for the one-call stack: None where they are not
+        quantized; an empty list where the stack cannot run them (a bias, group or block
+        scales, no compiled kernel, tile order in some layers only, an activation dtype the
+        kernel does not take); else (q, scale, weight sums) of every linear layer in
+        turn, 15 a layer, and `self._quant_tiles`. Each runs on the kernel its
+        QuantLinear runs on (engine/quantization/linear.py), so the bits are the same."""
+        linears = [x for layer in self.layers for x in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+        kinds = {isinstance(x, QuantLinear) for x in linears}
+        if kinds == {False}:
+            return None
+        self._quant_tiles = bool(linears[0].tiles) if kinds == {True} else False
+        if (kinds != {True} or dtype not in (torch.bfloat16, torch.float32)
+                or any(x._ops is None or x.bias is not None or x.weight_scale.shape[1] != 1
+                       or x.tiles != self._quant_tiles for x in linears)):
+            return []
+        empty = torch.empty(0, dtype=torch.int32)  # no weight sums: the layer keeps x in its dtype
+        w8a8 = dtype == torch.bfloat16
+        self._quant = [t for x in linears
+                       for t in (x.weight, x.weight_scale, x._sums if w8a8 and x._sums is not None else empty)]
+        return self._quant
 
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor | None:
         """[S, hidden] -> [S, V], float32 unless `fp32` is False (then the model's dtype).

@@ -5,7 +5,10 @@ for one stream, a pair, four and six at once: with the tile kernel (AMX) all of 
 it; with the row-major kernel (TANDEM_CPU_TILE_LINEAR=0, or no AMX) one to four tokens
 on it and six on oneDNN's packed linear layers; and fp32, or bf16 on the AVX2 build
 without oneDNN's packing, on the checkpoint's own weights (PlainLinear); and Mistral
-with a 64-token window, whose longer contexts pass each layer's window to the call."""
+with a 64-token window, whose longer contexts pass each layer's window to the call; and
+quantized weights (--quantization), each layer on the kernel its QuantLinear takes: int8
+in the tile unit's order (bf16 on a VNNI or AMX build), int8 row-major W8A8 (the AVX2
+build), int8 with fp32 activations and fp8 weights (the widening kernel)."""
 
 import pytest
 
@@ -29,9 +32,9 @@ class Counting:
         return getattr(self._ops, name)
 
 
-def run(builtin_dir, fused: bool, dtype: str = "bfloat16", kv_cache_dtype: str = "auto"):
+def run(builtin_dir, fused: bool, dtype: str = "bfloat16", kv_cache_dtype: str = "auto", quantization=None):
     engine = LLMEngine.from_config(EngineConfig(
-        model=str(builtin_dir), dtype=dtype, device=DeviceConfig(),
+        model=str(builtin_dir), dtype=dtype, device=DeviceConfig(), quantization=quantization,
         cache=CacheConfig(num_blocks=256, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_model_len=1024)))
     model = engine.runner.model
@@ -55,7 +58,11 @@ def run(builtin_dir, fused: bool, dtype: str = "bfloat16", kv_cache_dtype: str =
                     got[ev.seq_id].append((ev.token_id, ev.logprobs))
         out.append(got)
     engine.check_integrity()
-    return out, counting.calls, model._stack is not None
+    tiles = None
+    if quantization is not None and fused:  # the stack runs the quantized layers, in tile order where they are
+        tiles = model.layers[0].mlp.down_proj.tiles
+        assert model._quant and model._quant_tiles == tiles
+    return out, counting.calls, model._stack is not None, tiles
 
 
 @pytest.mark.parametrize("dtype,env", [
@@ -68,7 +75,12 @@ def run(builtin_dir, fused: bool, dtype: str = "bfloat16", kv_cache_dtype: str =
     ("float32", {}),
     ("bfloat16", {"TANDEM_CPU_PACKED_WEIGHTS": "0", "TANDEM_CPU_KERNELS": "avx2"}),
     ("bfloat16", {"model": "mistral_window_dir"}),
-], ids=["bf16", "bf16-fp8-kv", "bf16-row-major", "fp32", "bf16-plain-avx2", "bf16-window"])
+    ("bfloat16", {"quantization": "int8"}),
+    ("bfloat16", {"quantization": "int8", "TANDEM_CPU_KERNELS": "avx2"}),
+    ("float32", {"quantization": "int8"}),
+    ("bfloat16", {"quantization": "fp8"}),
+], ids=["bf16", "bf16-fp8-kv", "bf16-row-major", "fp32", "bf16-plain-avx2", "bf16-window", "int8", "int8-avx2",
+        "int8-fp32", "fp8"])
 def test_fused_decode_layers_equal_the_python_layers_bitwise(builtin_dir, dtype, env, monkeypatch, request):
     from engine.cpu_kernels import build
 
@@ -76,18 +88,21 @@ def test_fused_decode_layers_equal_the_python_layers_bitwise(builtin_dir, dtype,
         pytest.skip(f"this CPU does not run the {env['TANDEM_CPU_KERNELS']} build")
     env = dict(env)
     kv = env.pop("kv_cache_dtype", "auto")
+    quant = env.pop("quantization", None)
     model = request.getfixturevalue(env.pop("model")) if "model" in env else builtin_dir
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     build._load_once.cache_clear()
     try:
-        got, calls, available = run(model, fused=True, dtype=dtype, kv_cache_dtype=kv)
+        got, calls, available, tiles = run(model, fused=True, dtype=dtype, kv_cache_dtype=kv, quantization=quant)
         if not available:
             pytest.skip("no small-batch kernel here: the layers stay in Python")
-        want, python_calls, _ = run(model, fused=False, dtype=dtype, kv_cache_dtype=kv)
+        want, python_calls, *_ = run(model, fused=False, dtype=dtype, kv_cache_dtype=kv, quantization=quant)
     finally:
         monkeypatch.undo()
         build._load_once.cache_clear()
+    if quant == "int8" and dtype == "bfloat16":  # tile order where the build has it, row-major on AVX2
+        assert tiles == (env.get("TANDEM_CPU_KERNELS") != "avx2" and build.load().quant_tiles_supported())
     assert calls >= 5 * 19  # every decode step of the five groups took the one call
     assert python_calls == 0
     assert got == want
