@@ -50,6 +50,7 @@
 #endif
 #include "amx.h"
 #include "simd.h"
+#include "steal.h"
 #include "tile_layout.h"
 
 namespace {
@@ -160,12 +161,14 @@ inline void group16(const BFloat16* x, int64_t K, const BFloat16* W, const BFloa
 
 template <int MT>
 void rows(const BFloat16* x, const BFloat16* W, const BFloat16* b, BFloat16* y, int64_t N, int64_t K) {
-  // each thread one contiguous run of rows. (Rows handed out in chunks from a shared
-  // counter, so that a preempted thread's share goes to the others, measured no better
+  // each thread one contiguous run of rows, front to back, in chunks of about 64 KB; a
+  // thread done with its run takes chunks from the back of the others' (steal.h), so a
+  // preempted thread's rows go to the one still running. (Chunks handed out in turn from
+  // one shared counter, so that no thread read one contiguous run, measured no better
   // served and 5% slower offline.)
   static const __m512i order = row_order();
   const int64_t groups = K % kLanes == 0 ? N / 16 : 0;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+  tandem_steal::parallel_chunks(groups, std::max<int64_t>(1, 65536 / (32 * K)), [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       group16<MT>(x, K, W + g * 16 * K, b == nullptr ? nullptr : b + g * 16, y + g * 16, N, order);
   });

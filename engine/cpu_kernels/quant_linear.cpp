@@ -52,6 +52,7 @@
 #endif
 #include "amx.h"
 #include "simd.h"
+#include "steal.h"
 #include "tile_layout.h"
 
 namespace {
@@ -767,6 +768,18 @@ void quant_linear_tiles(const at::Tensor& out, const at::Tensor& x, const at::Te
   const float* S = scale.data_ptr<float>();
   const int32_t* wsum = weight_sums.data_ptr<int32_t>();
   BFloat16* yp = out.data_ptr<BFloat16>();
+  auto stream = [&](int64_t p0, int64_t p1) {
+    switch (M) {
+      case 1: tile_stream<1>(xq, tp, S, wsum, b, yp, N, K, p0, p1); break;
+      case 2: tile_stream<2>(xq, tp, S, wsum, b, yp, N, K, p0, p1); break;
+      case 3: tile_stream<3>(xq, tp, S, wsum, b, yp, N, K, p0, p1); break;
+      default: tile_stream<4>(xq, tp, S, wsum, b, yp, N, K, p0, p1); break;
+    }
+  };
+  if (M <= kStreamRows) {  // a weight stream: each thread its share, taking the others' when done (steal.h)
+    tandem_steal::parallel_chunks(N / kPanel, std::max<int64_t>(1, 65536 / (32 * K)), stream);
+    return;
+  }
   at::parallel_for(0, N / kPanel, 1, [&](int64_t p0, int64_t p1) {
     if (M > kStreamRows) {
 #if TANDEM_AMX

@@ -239,3 +239,53 @@ def test_the_scaled_matmul_path_is_w8a8_on_torchs_8_bit_gemms(method, bias):
     got = layer.scaled_matmul(x)
     assert got.shape == (2, 5, 48) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.reshape(-1, 48).float(), want, atol=3e-2, rtol=1e-2)
+
+
+def test_weight_streams_on_a_contended_core_give_every_output_once():
+    """One to four rows stream the weights in chunks that a thread done with its own share
+    takes from the other's (cpu_kernels/steal.h). With a busy process on the same two
+    cores (so that threads are preempted and chunks change hands), every output of the
+    int8 tile-order and the bf16 row-major kernels is written, once and with the bits of
+    a single thread's run (the outputs start as NaN: a chunk left out would show)."""
+    import subprocess
+    import sys
+    import time
+
+    ops = _ops(BUILDS[0])
+    n, k = 2048, 1024
+    q, s = _case(n, k, "int8", k, seed=5)
+    sums = q.sum(dim=1, dtype=torch.int32)
+    tiles = ops.quant_pack_int8(q) if ops.quant_tiles_supported() else None
+    w = (torch.randn(n, k) / 32).bfloat16()
+    x = torch.randn(4, k).bfloat16()
+
+    def run(m):
+        out = []
+        if tiles is not None:
+            y = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+            ops.quant_linear_tiles(y, x[:m], tiles, s, None, sums)
+            out.append(y)
+        y = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+        ops.small_batch_linear(y, x[:m], w, None)
+        return out + [y]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = {m: run(m) for m in (1, 4)}
+        torch.set_num_threads(2)
+        burner = subprocess.Popen([sys.executable, "-c", "import time\nprint(flush=True)\nt = time.time() + 20\n"
+                                   "while time.time() < t: pass"], stdout=subprocess.PIPE)
+        try:
+            burner.stdout.readline()  # it is running
+            end, i = time.monotonic() + 0.5, 0
+            while time.monotonic() < end:
+                m = 1 if i % 2 else 4
+                for got, ref in zip(run(m), want[m]):
+                    assert torch.equal(got, ref), (i, m)
+                i += 1
+        finally:
+            burner.kill()
+            burner.wait(10)
+    finally:
+        torch.set_num_threads(threads)
