@@ -40,6 +40,9 @@ worker_runtime/envs.py, the router's in router/envs.py; nothing else reads os.en
                        with huge pages on has it keep freed blocks of up to 32 MB for
                        reuse instead of returning them to the system
                        (engine/memory.py reuse_freed_memory)
+    TANDEM_CPU_STEAL   0 gives each thread of a decode step's weight stream (one to four
+                       rows) a fixed share; by default a thread done with its share takes
+                       chunks of the others' (engine/cpu_kernels/steal.h)
     TANDEM_CPU_IDLE_HELPERS  0 leaves a worker's OpenMP helper threads at normal priority
                        between the steps that use them; by default a bound team's helpers
                        that the next step does not use wait at SCHED_IDLE (engine/cores.py
@@ -100,6 +103,10 @@ def cpu_amx_attention() -> bool:
 
 def cpu_bind_threads() -> bool:
     return switch_on("TANDEM_CPU_BIND_THREADS")
+
+
+def cpu_work_stealing() -> bool:
+    return switch_on("TANDEM_CPU_STEAL")
 
 
 def cpu_idle_helpers() -> bool:

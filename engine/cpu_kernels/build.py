@@ -179,6 +179,7 @@ def _load_binary(binary: Path, name: str) -> Any:
     torch.ops.load_library(str(binary))
     ops = getattr(torch.ops, name)
     ops.simd_lanes()
+    ops.set_work_stealing(envs.cpu_work_stealing())
     return ops
 
 

@@ -365,7 +365,11 @@ void widen_linear(const T* x, const T* W, const T* b, T* y, int64_t M, int64_t N
   if (M <= 4) {
     for (int64_t r = 0; r < M; ++r) arrange(x + r * K, K, xa.data() + r * K);
     const float* xp = xa.data();
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { widen_span_rows<T, T>(M, xp, W, b, y, n0, n1, N, K); });
+    // a weight stream: shares a free thread takes over (steal.h), about 64 KB a chunk
+    const int64_t row_bytes = static_cast<int64_t>(sizeof(T)) * std::max<int64_t>(K, 1);
+    tandem_steal::parallel_chunks(N, std::max<int64_t>(16, 65536 / row_bytes / 16 * 16), [&](int64_t n0, int64_t n1) {
+      widen_span_rows<T, T>(M, xp, W, b, y, n0, n1, N, K);
+    });
     return;
   }
   float* xw = xa.data();

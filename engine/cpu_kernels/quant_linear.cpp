@@ -64,6 +64,8 @@ struct Fp8 {
 
 constexpr int64_t kAhead = 8192;  // bytes a weight stream asks for ahead of its reads
 constexpr int64_t kStreamRows = 4;  // up to this many rows of x share one pass over q
+// rows of row-major q (one byte a weight) in a weight stream's chunk: about 64 KB, 16 at least
+inline int64_t stream_chunk_rows(int64_t K) { return std::max<int64_t>(16, 65536 / std::max<int64_t>(K, 1) / 16 * 16); }
 
 // e4m3 byte -> the bits of the fp16 whose value is the e4m3 value / 256
 inline uint16_t fp8_as_half_bits(uint8_t b) { return static_cast<uint16_t>(((b & 0x80u) << 8) | ((b & 0x7fu) << 7)); }
@@ -509,8 +511,10 @@ template <typename T>
 void w8a8_linear(const T* x, const int8_t* W, const float* S, const int32_t* wsum, const T* b, T* y, int64_t M,
                  int64_t N, int64_t K) {
   const XQ xq = quantize_rows(x, M, K);
-  if (M <= kStreamRows) {
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { ispan_rows<T>(M, xq, K, W, S, wsum, b, y, N, n0, n1); });
+  if (M <= kStreamRows) {  // a weight stream: shares a free thread takes over (steal.h)
+    tandem_steal::parallel_chunks(N, stream_chunk_rows(K), [&](int64_t n0, int64_t n1) {
+      ispan_rows<T>(M, xq, K, W, S, wsum, b, y, N, n0, n1);
+    });
     return;
   }
   const int64_t tile = std::max<int64_t>(12, 16384 / std::max<int64_t>(K, 1) / 12 * 12);
@@ -545,8 +549,8 @@ void qlinear(const T* x, const Q* W, const float* S, int64_t G, int64_t group, c
     for (int64_t i = 0; i < M * K; ++i) xw[i] = static_cast<float>(x[i]);
     xa = xw;
   }
-  if (M <= kStreamRows) {
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  if (M <= kStreamRows) {  // a weight stream: shares a free thread takes over (steal.h)
+    tandem_steal::parallel_chunks(N, stream_chunk_rows(K), [&](int64_t n0, int64_t n1) {
       qspan_rows<Q, T>(M, xa, W, S, G, group, b, y, n0, n1, N, K);
     });
     return;

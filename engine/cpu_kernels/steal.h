@@ -19,18 +19,15 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <vector>
 
 namespace tandem_steal {
 
-// TANDEM_CPU_STEAL=0: fixed shares (at::parallel_for), for an A/B; read once
-inline bool enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("TANDEM_CPU_STEAL");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
+// on unless `set_work_stealing(false)` (TANDEM_CPU_STEAL=0, engine/envs.py): fixed
+// shares, at::parallel_for's, for an A/B. One flag for the whole extension (an inline
+// function's static is one object across the files that include this)
+inline std::atomic<bool>& enabled() {
+  static std::atomic<bool> on{true};
   return on;
 }
 
@@ -58,7 +55,7 @@ inline int64_t take(Share& s, bool front) {
 template <typename Fn>
 void parallel_chunks(int64_t n, int64_t chunk, const Fn& fn) {
   if (n <= 0) return;
-  if (!enabled()) {
+  if (!enabled().load(std::memory_order_relaxed)) {
     at::parallel_for(0, n, 1, fn);
     return;
   }

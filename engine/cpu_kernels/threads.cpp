@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "steal.h"
+
 #if defined(__linux__)
 #include <sched.h>
 #include <sys/syscall.h>
@@ -53,9 +55,14 @@ std::vector<int64_t> bind_threads(const std::vector<int64_t>& cores) {
 
 std::vector<int64_t> team_tids() { return g_team_tids; }
 
+// the decode steps' weight streams: shares a free thread takes over (steal.h), or fixed
+// ones; returns the previous setting
+bool set_work_stealing(bool on) { return tandem_steal::enabled().exchange(on); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
   m.def("bind_threads(int[] cores) -> int[]", &bind_threads);
   m.def("team_tids() -> int[]", &team_tids);
+  m.def("set_work_stealing(bool on) -> bool", &set_work_stealing);
 }

@@ -241,35 +241,44 @@ def test_the_scaled_matmul_path_is_w8a8_on_torchs_8_bit_gemms(method, bias):
     torch.testing.assert_close(got.reshape(-1, 48).float(), want, atol=3e-2, rtol=1e-2)
 
 
-def test_weight_streams_on_a_contended_core_give_every_output_once():
+@pytest.mark.parametrize("variant", BUILDS)
+def test_weight_streams_on_a_contended_core_give_every_output_once(variant):
     """One to four rows stream the weights in chunks that a thread done with its own share
     takes from the other's (cpu_kernels/steal.h). With a busy process on the same two
-    cores (so that threads are preempted and chunks change hands), every output of the
-    int8 tile-order and the bf16 row-major kernels is written, once and with the bits of
-    a single thread's run (the outputs start as NaN: a chunk left out would show)."""
+    cores (so that threads are preempted and chunks change hands), every output of each
+    stream is written once, with the bits of a single thread's run (the outputs start as
+    NaN: a chunk left out would show): int8 in tile order (where the build has it), int8
+    row-major W8A8, int8 widened for fp32 activations, and the bf16 linear layer's
+    row-major kernel (the widening one on the AVX2 build)."""
     import subprocess
     import sys
     import time
 
-    ops = _ops(BUILDS[0])
+    ops = _ops(variant)
     n, k = 2048, 1024
     q, s = _case(n, k, "int8", k, seed=5)
     sums = q.sum(dim=1, dtype=torch.int32)
     tiles = ops.quant_pack_int8(q) if ops.quant_tiles_supported() else None
     w = (torch.randn(n, k) / 32).bfloat16()
     x = torch.randn(4, k).bfloat16()
+    x32 = x.float()
 
     def run(m):
         out = []
+
+        def fresh(dtype=torch.bfloat16):
+            out.append(torch.full((m, n), float("nan"), dtype=dtype))
+            return out[-1]
+
         if tiles is not None:
-            y = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
-            ops.quant_linear_tiles(y, x[:m], tiles, s, None, sums)
-            out.append(y)
-        y = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
-        ops.small_batch_linear(y, x[:m], w, None)
-        return out + [y]
+            ops.quant_linear_tiles(fresh(), x[:m], tiles, s, None, sums)
+        ops.quant_linear(fresh(), x[:m], q, s, k, None, sums)
+        ops.quant_linear(fresh(torch.float32), x32[:m], q, s, k, None, None)
+        ops.small_batch_linear(fresh(), x[:m], w, None)
+        return out
 
     threads = torch.get_num_threads()
+    was = ops.set_work_stealing(True)
     try:
         torch.set_num_threads(1)
         want = {m: run(m) for m in (1, 4)}
@@ -281,11 +290,12 @@ def test_weight_streams_on_a_contended_core_give_every_output_once():
             end, i = time.monotonic() + 0.5, 0
             while time.monotonic() < end:
                 m = 1 if i % 2 else 4
-                for got, ref in zip(run(m), want[m]):
-                    assert torch.equal(got, ref), (i, m)
+                for j, (got, ref) in enumerate(zip(run(m), want[m])):
+                    assert torch.equal(got, ref), (i, m, j)
                 i += 1
         finally:
             burner.kill()
             burner.wait(10)
     finally:
         torch.set_num_threads(threads)
+        ops.set_work_stealing(was)
