@@ -168,7 +168,7 @@ void rows(const BFloat16* x, const BFloat16* W, const BFloat16* b, BFloat16* y, 
   // served and 5% slower offline.)
   static const __m512i order = row_order();
   const int64_t groups = K % kLanes == 0 ? N / 16 : 0;
-  tandem_steal::parallel_chunks(groups, std::max<int64_t>(1, 65536 / (32 * K)), [&](int64_t g0, int64_t g1) {
+  tandem_steal::parallel_chunks(groups, tandem_steal::chunk_items(16 * 2 * K), [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       group16<MT>(x, K, W + g * 16 * K, b == nullptr ? nullptr : b + g * 16, y + g * 16, N, order);
   });
@@ -365,9 +365,9 @@ void widen_linear(const T* x, const T* W, const T* b, T* y, int64_t M, int64_t N
   if (M <= 4) {
     for (int64_t r = 0; r < M; ++r) arrange(x + r * K, K, xa.data() + r * K);
     const float* xp = xa.data();
-    // a weight stream: shares a free thread takes over (steal.h), about 64 KB a chunk
-    const int64_t row_bytes = static_cast<int64_t>(sizeof(T)) * std::max<int64_t>(K, 1);
-    tandem_steal::parallel_chunks(N, std::max<int64_t>(16, 65536 / row_bytes / 16 * 16), [&](int64_t n0, int64_t n1) {
+    // a weight stream: shares a free thread takes over (steal.h)
+    const int64_t row_bytes = static_cast<int64_t>(sizeof(T)) * K;
+    tandem_steal::parallel_chunks(N, tandem_steal::chunk_items(row_bytes, 16), [&](int64_t n0, int64_t n1) {
       widen_span_rows<T, T>(M, xp, W, b, y, n0, n1, N, K);
     });
     return;

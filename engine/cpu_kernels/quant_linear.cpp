@@ -64,8 +64,6 @@ struct Fp8 {
 
 constexpr int64_t kAhead = 8192;  // bytes a weight stream asks for ahead of its reads
 constexpr int64_t kStreamRows = 4;  // up to this many rows of x share one pass over q
-// rows of row-major q (one byte a weight) in a weight stream's chunk: about 64 KB, 16 at least
-inline int64_t stream_chunk_rows(int64_t K) { return std::max<int64_t>(16, 65536 / std::max<int64_t>(K, 1) / 16 * 16); }
 
 // e4m3 byte -> the bits of the fp16 whose value is the e4m3 value / 256
 inline uint16_t fp8_as_half_bits(uint8_t b) { return static_cast<uint16_t>(((b & 0x80u) << 8) | ((b & 0x7fu) << 7)); }
@@ -512,7 +510,7 @@ void w8a8_linear(const T* x, const int8_t* W, const float* S, const int32_t* wsu
                  int64_t N, int64_t K) {
   const XQ xq = quantize_rows(x, M, K);
   if (M <= kStreamRows) {  // a weight stream: shares a free thread takes over (steal.h)
-    tandem_steal::parallel_chunks(N, stream_chunk_rows(K), [&](int64_t n0, int64_t n1) {
+    tandem_steal::parallel_chunks(N, tandem_steal::chunk_items(K, 16), [&](int64_t n0, int64_t n1) {
       ispan_rows<T>(M, xq, K, W, S, wsum, b, y, N, n0, n1);
     });
     return;
@@ -550,7 +548,7 @@ void qlinear(const T* x, const Q* W, const float* S, int64_t G, int64_t group, c
     xa = xw;
   }
   if (M <= kStreamRows) {  // a weight stream: shares a free thread takes over (steal.h)
-    tandem_steal::parallel_chunks(N, stream_chunk_rows(K), [&](int64_t n0, int64_t n1) {
+    tandem_steal::parallel_chunks(N, tandem_steal::chunk_items(K, 16), [&](int64_t n0, int64_t n1) {
       qspan_rows<Q, T>(M, xa, W, S, G, group, b, y, n0, n1, N, K);
     });
     return;
@@ -772,35 +770,25 @@ void quant_linear_tiles(const at::Tensor& out, const at::Tensor& x, const at::Te
   const float* S = scale.data_ptr<float>();
   const int32_t* wsum = weight_sums.data_ptr<int32_t>();
   BFloat16* yp = out.data_ptr<BFloat16>();
-  auto stream = [&](int64_t p0, int64_t p1) {
-    switch (M) {
-      case 1: tile_stream<1>(xq, tp, S, wsum, b, yp, N, K, p0, p1); break;
-      case 2: tile_stream<2>(xq, tp, S, wsum, b, yp, N, K, p0, p1); break;
-      case 3: tile_stream<3>(xq, tp, S, wsum, b, yp, N, K, p0, p1); break;
-      default: tile_stream<4>(xq, tp, S, wsum, b, yp, N, K, p0, p1); break;
-    }
-  };
   if (M <= kStreamRows) {  // a weight stream: each thread its share, taking the others' when done (steal.h)
-    tandem_steal::parallel_chunks(N / kPanel, std::max<int64_t>(1, 65536 / (32 * K)), stream);
+    tandem_steal::parallel_chunks(N / kPanel, tandem_steal::chunk_items(32 * K), [&](int64_t p0, int64_t p1) {
+      switch (M) {
+        case 1: tile_stream<1>(xq, tp, S, wsum, b, yp, N, K, p0, p1); break;
+        case 2: tile_stream<2>(xq, tp, S, wsum, b, yp, N, K, p0, p1); break;
+        case 3: tile_stream<3>(xq, tp, S, wsum, b, yp, N, K, p0, p1); break;
+        default: tile_stream<4>(xq, tp, S, wsum, b, yp, N, K, p0, p1); break;
+      }
+    });
     return;
   }
   at::parallel_for(0, N / kPanel, 1, [&](int64_t p0, int64_t p1) {
-    if (M > kStreamRows) {
 #if TANDEM_AMX
-      if (tandem_amx::usable()) {
-        tile_amx(xq, tp, S, b, yp, M, N, K, p0, p1);
-        return;
-      }
-#endif
-      tile_vnni(xq, tp, S, wsum, b, yp, M, N, K, p0, p1);
+    if (tandem_amx::usable()) {
+      tile_amx(xq, tp, S, b, yp, M, N, K, p0, p1);
       return;
     }
-    switch (M) {
-      case 1: tile_stream<1>(xq, tp, S, wsum, b, yp, N, K, p0, p1); break;
-      case 2: tile_stream<2>(xq, tp, S, wsum, b, yp, N, K, p0, p1); break;
-      case 3: tile_stream<3>(xq, tp, S, wsum, b, yp, N, K, p0, p1); break;
-      default: tile_stream<4>(xq, tp, S, wsum, b, yp, N, K, p0, p1); break;
-    }
+#endif
+    tile_vnni(xq, tp, S, wsum, b, yp, M, N, K, p0, p1);
   });
 #endif
 }

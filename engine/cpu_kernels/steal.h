@@ -31,6 +31,12 @@ inline std::atomic<bool>& enabled() {
   return on;
 }
 
+// items of `item_bytes` each in a chunk of about 64 KB of weights: at least `multiple`, and a
+// multiple of it
+inline int64_t chunk_items(int64_t item_bytes, int64_t multiple = 1) {
+  return std::max<int64_t>(multiple, 65536 / std::max<int64_t>(item_bytes, 1) / multiple * multiple);
+}
+
 // a share of chunks [lo, hi), both in one word so that the owner taking from the front
 // and a thief taking from the back never take the same chunk
 struct alignas(64) Share {

@@ -425,62 +425,51 @@ class LlamaForCausalLM(nn.Module):
         # an fp8 cache: every layer's K and V scale, in order (decode_layers stores and reads with them)
         self._kv_scales = ([s for layer in self.layers for s in layer.self_attn.kv_scales]
                            if kv_caches[0][0].dtype == torch.float8_e4m3fn else [])
-        quant = self._quant_stack(dtype)
-        if quant is not None:
-            if not quant:
-                return None
-            self._stack = ([w for layer in self.layers
-                            for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)], [], [], [])
-            if any(w.dtype != dtype or not w.is_contiguous() for w in self._stack[0]):
-                self._stack = None
-            self._small_rows = SMALL_BATCH_ROWS  # not read: the quantized kernels take every batch size
+        norms = [w for layer in self.layers
+                 for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+        linears = [x for layer in self.layers for x in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+        if (any(w.dtype != dtype or not w.is_contiguous() for w in norms)
+                or any(getattr(x, "bias", None) is not None for x in linears)):
+            return None
+        self._small_rows = SMALL_BATCH_ROWS  # the quantized kernels take every batch size
+        if any(isinstance(x, QuantLinear) for x in linears):
+            self._stack = (norms, [], [], []) if self._quant_stack(linears, dtype) else None
             return self._stack
-        norms, packed, plain, tiles = [], [], [], []
-        for layer in self.layers:
-            a, m = layer.self_attn, layer.mlp
-            linears = (a.qkv_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
-            if any(getattr(x, "packed", None) is None or x.bias is not None for x in linears):
-                return None
-            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            packed += [x.packed for x in linears]
-            plain += [x.plain for x in linears]
-            tiles += [x.tiles for x in linears]
+        if any(getattr(x, "packed", None) is None for x in linears):
+            return None
         copies = []
-        for ws in (plain, tiles):  # each kind of copy: every layer's or none (a layer keeps at most one kind)
+        for ws in ([x.plain for x in linears], [x.tiles for x in linears]):
+            # each kind of copy: every layer's or none (a layer keeps at most one kind)
             if any(w is None for w in ws) and any(w is not None for w in ws):
                 return None
             copies.append([] if ws[0] is None else ws)
         plain, tiles = copies
-        if any(w.dtype != dtype or not w.is_contiguous() for w in norms + plain + tiles):
+        if any(w.dtype != dtype or not w.is_contiguous() for w in plain + tiles):
             return None
-        self._stack = (norms, packed, plain, tiles)
+        self._stack = (norms, [x.packed for x in linears], plain, tiles)
         # PlainLinear's own bound (every size for bf16 without native bf16), else the row-major kernel's
         self._small_rows = min(getattr(x, "max_rows", SMALL_BATCH_ROWS) for layer in self.layers
                                for x in (layer.self_attn.qkv_proj, layer.self_attn.o_proj))
         return self._stack
 
-    def _quant_stack(self, dtype: torch.dtype) -> list | None:
-        """A quantized model's linear layers for the one-call stack: None where they are not
-        quantized; an empty list where the stack cannot run them (a bias, group or block
-        scales, no compiled kernel, tile order in some layers only, an activation dtype the
-        kernel does not take); else (q, scale, weight sums) of every linear layer in
-        turn, 15 a layer, and `self._quant_tiles`. Each runs on the kernel its
+    def _quant_stack(self, linears: list, dtype: torch.dtype) -> bool:
+        """Whether the one-call stack can run a quantized model's linear layers (every one
+        quantized, one scale a row, on the compiled kernel, all in tile order or none, bf16
+        or fp32 activations); if so `self._quant` holds each one's (q, scale, weight sums)
+        in turn, 15 a layer, and `self._quant_tiles` the order. Each runs on the kernel its
         QuantLinear runs on (engine/quantization/linear.py), so the bits are the same."""
-        linears = [x for layer in self.layers for x in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
-        kinds = {isinstance(x, QuantLinear) for x in linears}
-        if kinds == {False}:
-            return None
-        self._quant_tiles = bool(linears[0].tiles) if kinds == {True} else False
-        if (kinds != {True} or dtype not in (torch.bfloat16, torch.float32)
-                or any(x._ops is None or x.bias is not None or x.weight_scale.shape[1] != 1
-                       or x.tiles != self._quant_tiles for x in linears)):
-            return []
+        tiles = bool(getattr(linears[0], "tiles", False))
+        if dtype not in (torch.bfloat16, torch.float32) or any(
+                not isinstance(x, QuantLinear) or x._ops is None or x.weight_scale.shape[1] != 1 or x.tiles != tiles
+                for x in linears):
+            return False
         empty = torch.empty(0, dtype=torch.int32)  # no weight sums: the layer keeps x in its dtype
         w8a8 = dtype == torch.bfloat16
         self._quant = [t for x in linears
                        for t in (x.weight, x.weight_scale, x._sums if w8a8 and x._sums is not None else empty)]
-        return self._quant
+        self._quant_tiles = tiles
+        return True
 
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor | None:
         """[S, hidden] -> [S, V], float32 unless `fp32` is False (then the model's dtype).
