@@ -16,6 +16,7 @@ from decode_worker.llm_engine import LLMEngine, TokenEvent
 from engine.output import TextStream
 from engine.sampling_params import SamplingParams
 from engine.sequence import INTERACTIVE, FinishReason
+from worker_runtime import envs
 from worker_runtime.loop import EngineDead, EngineLoop  # noqa: F401 (re-exported)
 
 
@@ -46,6 +47,12 @@ class AsyncEngine:
         self._subs: dict[str, asyncio.Queue] = {}
         self.loop = EngineLoop(self._step, self._wait_s, self._fan_out, self._fail_all, name="decode-engine",
                                on_idle=engine.runner.mark_idle)
+        # on CPU a step's events go to the event loop as the next step enters its layers
+        # (EngineLoop.flush says why); a CUDA step's host time is mostly Python with the GIL
+        # held, so there they go as the step ends
+        if engine.runner.device.type == "cpu" and envs.events_in_layers():
+            self.loop.hold_results = True
+            engine.runner.before_layers = self.loop.flush
 
     # ---- lifecycle -------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:

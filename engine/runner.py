@@ -168,6 +168,10 @@ class ModelRunner:
         self.graph_bytes = 0  # device memory the captured graphs took (CUDA)
         self.graph_stream = None  # the CUDA stream every capture runs on, sizing's and the real one
         self._collected_at = 0.0  # when `collect` last returned
+        # called on the engine thread once a forward pass, just before its layers: the
+        # longest stretch of the step without the GIL (AsyncEngine hands the step before's
+        # events to its event loop there; worker_runtime/loop.py EngineLoop.hold_results)
+        self.before_layers: Callable[[], None] | None = None
         if memory is None and self.device.type == "cuda":
             memory = CudaMemory(self.device)
         graphs = self._wants_graphs(device_config.cuda_graphs)
@@ -336,7 +340,10 @@ class ModelRunner:
     def _forward(self, plan: StepPlan, b: _Batch, on_layer_done: Callable[[int], None] | None) -> torch.Tensor:
         if (self.graphs is not None and not plan.prefills and on_layer_done is None
                 and plan.num_decode_rows == len(plan.decodes) and self.graphs.bucket(len(plan.decodes)) is not None):
+            if self.before_layers is not None:
+                self.before_layers()
             return self.graphs.run(b.input_ids, b.positions, b.meta)
+        self.model.before_layers = self.before_layers  # the model calls it once, just before its layers
         return self.model(b.input_ids, b.positions, self.kv_cache.layers, b.meta, self.backend, on_layer_done)
 
     def rank_info(self) -> list[str]:

@@ -14,6 +14,10 @@ process and the `tandem` command read (the engine's own are engine/envs.py's).
                        collections once they are ready to serve (worker_runtime/gcheap.py)
     TANDEM_CPU_LEND_CORES  0 keeps each worker on its own cores; by default workers that
                        share one host's cores lend idle ones to each other (engine/cores.py)
+    TANDEM_CPU_EVENTS_IN_LAYERS  0 has a CPU decode worker hand each step's tokens to
+                       its event loop as the step ends; by default they go as the next
+                       step enters its layers, where the engine thread holds no GIL
+                       (worker_runtime/loop.py EngineLoop.flush)
     TANDEM_FAULTS      fault injection for failure tests, comma-separated key=value:
                          prefill_step_delay_s=F  sleep F s in every prefill step
                          transfer_delay_s=F      hold every KV write F s before it completes
@@ -42,6 +46,10 @@ def log_level() -> str:
 
 def use_uvloop() -> bool:
     return switch_on("TANDEM_UVLOOP")
+
+
+def events_in_layers() -> bool:
+    return switch_on("TANDEM_CPU_EVENTS_IN_LAYERS")
 
 
 def gc_freeze() -> bool:

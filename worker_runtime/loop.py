@@ -56,6 +56,10 @@ class EngineLoop:
         self.error: str | None = None
         self.lost_rank = False  # the failure was a tensor-parallel rank gone (WORKER_LOST)
         self.idle_tick_s = 0.05
+        # hold a step's results until `flush()`, which the next step calls just before its
+        # layers (ModelRunner.before_layers), instead of handing them over as the step ends
+        self.hold_results = False
+        self._held: list = []
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
@@ -92,6 +96,20 @@ class EngineLoop:
             except RuntimeError:  # loop closed between the check and the call
                 pass
 
+    def flush(self) -> None:
+        """Hand the held results to the event loop (engine thread).
+
+        Handed over as a step ends, they wake the event loop's thread while the engine
+        thread still runs the Python between two steps; that thread takes the GIL at the
+        engine's first operator call, and the engine thread then waits for it at the next
+        Python line, once a step, for as long as the event loop's handling of the events
+        takes (a tenth to a few tenths of a millisecond on a 2-core host, its caches cold
+        after the weight stream). Handed over just before the layers, the event loop runs
+        while the engine thread is inside them, without the GIL, for milliseconds."""
+        if self._held:
+            held, self._held = self._held, []
+            self.deliver(held)
+
     def _run(self) -> None:
         import torch  # here, not at the top: routers import this package and need no torch
 
@@ -100,12 +118,20 @@ class EngineLoop:
             with torch.inference_mode():
                 while not self._stop.is_set():
                     wait = self._wait_s()
-                    if wait != 0 and self._on_idle is not None:
-                        self._on_idle()
+                    if wait != 0:
+                        self.flush()  # no step follows at once to hand them over in
+                        if self._on_idle is not None:
+                            self._on_idle()
                     if not self._drain(self.idle_tick_s if wait is None else wait):
                         break
-                    self.deliver(self._step())
+                    results = self._step()
+                    self.flush()  # the step had no layers to hand them over before
+                    if self.hold_results:
+                        self._held = results
+                    else:
+                        self.deliver(results)
         except Exception as e:
+            self.flush()  # what the steps before gave goes ahead of the failure's events
             log.exception("%s step failed", self._name)
             self.lost_rank = type(e).__name__ == "RankLost"
             self.error = f"{WORKER_LOST if self.lost_rank else ''}{self._name} failure: {type(e).__name__}: {e}"

@@ -363,14 +363,17 @@ class LlamaForCausalLM(nn.Module):
                 cfg = self.cfg
                 tables = meta.decode_block_tables.to(torch.int32).contiguous()  # no copy when they already are
                 lens = meta.decode_seq_lens.to(torch.int32).contiguous()
-                delta = ops.decode_layers(residual, *stack, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],
-                                          positions, self.rotary.cos, self.rotary.sin, meta.slot_mapping.contiguous(),
-                                          tables, lens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                          self.layers[0].self_attn.scale, self.layers[0].input_layernorm.eps,
-                                          backend.bf16_pairs, self._small_rows, TILE_ROWS, self._kv_scales,
-                                          self._windows if self._windowed(meta.decode_max_seq_len) else [],
-                                          self._quant, self._quant_tiles)
+                args = (residual, *stack, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],
+                        positions, self.rotary.cos, self.rotary.sin, meta.slot_mapping.contiguous(),
+                        tables, lens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                        self.layers[0].self_attn.scale, self.layers[0].input_layernorm.eps,
+                        backend.bf16_pairs, self._small_rows, TILE_ROWS, self._kv_scales,
+                        self._windows if self._windowed(meta.decode_max_seq_len) else [],
+                        self._quant, self._quant_tiles)
+                self._before_layers()
+                delta = ops.decode_layers(*args)
                 return self.norm.add_forward(residual, delta, ops)
+        self._before_layers()
         rope = self.rotary.rotation(positions, residual.dtype, ops)
         local = rope if self.rotary_local is None else self.rotary_local.rotation(positions, residual.dtype, ops)
         local_layers = self._local_layers  # empty but for Gemma 3
@@ -386,6 +389,13 @@ class LlamaForCausalLM(nn.Module):
         if residual.shape[0] == 0:  # no row kept
             return residual
         return self.norm(residual, ops) if delta is None else self.norm.add_forward(residual, delta, ops)
+
+    before_layers = None  # set by the runner before each forward (ModelRunner.before_layers)
+
+    def _before_layers(self) -> None:
+        hook, self.before_layers = self.before_layers, None  # once a forward
+        if hook is not None:
+            hook()
 
     @functools.cached_property
     def _layer_group(self) -> list[int]:

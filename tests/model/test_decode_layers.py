@@ -25,10 +25,12 @@ class Counting:
 
     def __init__(self, ops) -> None:
         self._ops, self.calls = ops, 0
+        self.order: list[str] = []  # "hook" (ModelRunner.before_layers) and "layers" in turn
 
     def __getattr__(self, name):
         if name == "decode_layers":
             self.calls += 1
+            self.order.append("layers")
         return getattr(self._ops, name)
 
 
@@ -43,6 +45,9 @@ def run(builtin_dir, fused: bool, dtype: str = "bfloat16", kv_cache_dtype: str =
     model.cpu_ops = counting = Counting(model.cpu_ops)
     if not fused:
         model._stack_checked, model._stack = True, None
+    # a decode worker's event loop takes the step before's tokens here (worker_runtime/loop.py)
+    engine.runner.before_layers = lambda: counting.order.append("hook")
+    forwards = 0
     params = SamplingParams(max_tokens=20, temperature=0, logprobs=2)
     out = []
     prompts = random_prompts([9, 23, 17, 40, 5, 33, 64], seed=11)
@@ -56,8 +61,12 @@ def run(builtin_dir, fused: bool, dtype: str = "bfloat16", kv_cache_dtype: str =
             for ev in engine.step():
                 if ev.token_id is not None:
                     got[ev.seq_id].append((ev.token_id, ev.logprobs))
+            forwards += bool(engine._last_plan)
         out.append(got)
     engine.check_integrity()
+    # the hook ran once a forward pass, and on the one-call path just before the call
+    assert counting.order.count("hook") == forwards
+    assert all(counting.order[i - 1] == "hook" for i, o in enumerate(counting.order) if o == "layers")
     tiles = None
     if quantization is not None and fused:  # the stack runs the quantized layers, in tile order where they are
         tiles = model.layers[0].mlp.down_proj.tiles

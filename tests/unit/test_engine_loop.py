@@ -4,6 +4,7 @@ result of a cancelled future raised InvalidStateError on the engine thread)."""
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -76,3 +77,50 @@ async def test_steps_and_commands_run_in_inference_mode_and_a_failing_step_still
         assert not torch.is_inference_mode_enabled()  # this thread's mode is untouched
     finally:
         loop.stop()
+
+
+async def test_held_results_go_at_the_next_steps_flush_in_order_and_none_stay_behind():
+    """hold_results (a CPU decode worker's): a step's results reach the event loop when the
+    next step calls flush() (as the runner does before its layers), before that step's own;
+    a step that never flushes hands the held ones over as it ends, ahead of its own; and when
+    no step follows (idle), they go at once: nothing waits for a step that may not come."""
+    got: list[tuple[str, list]] = []
+    loop = EngineLoop(step=None, wait_s=None, on_results=None, on_fatal=lambda m: None)
+    marks: list[str] = []
+    plan = iter([("s1", False), ("s2", True), ("s3", False), ("s4", False)])
+    more = threading.Event()
+    more.set()
+
+    def step():
+        name, flushes = next(plan, (None, False))
+        if name is None:
+            more.clear()
+            return []
+        if flushes:
+            time.sleep(0.2)  # time enough for the event loop to take anything handed over
+            marks.append(f"{name} ran with {[n for n, _ in got]} delivered")
+            loop.flush()
+            time.sleep(0.2)
+            marks.append(f"{name} flushed: {[n for n, _ in got]} delivered")
+        return [name]
+
+    def wait_s():
+        return 0.0 if more.is_set() else None
+
+    delivered = asyncio.Event()
+
+    def on_results(results):
+        got.append((results[0], list(results)))
+        if results == ["s4"]:
+            delivered.set()
+
+    loop._step, loop._wait_s, loop._on_results = step, wait_s, on_results
+    loop.hold_results = True
+    loop.start()
+    try:
+        await asyncio.wait_for(delivered.wait(), 5)  # s4 goes once the loop finds no more work
+    finally:
+        loop.stop()
+    assert [r for _, r in got] == [["s1"], ["s2"], ["s3"], ["s4"]]  # each once, in order
+    # s1 held while s2 ran, handed over at its flush
+    assert marks == ["s2 ran with [] delivered", "s2 flushed: ['s1'] delivered"]
