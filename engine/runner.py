@@ -168,10 +168,6 @@ class ModelRunner:
         self.graph_bytes = 0  # device memory the captured graphs took (CUDA)
         self.graph_stream = None  # the CUDA stream every capture runs on, sizing's and the real one
         self._collected_at = 0.0  # when `collect` last returned
-        # called on the engine thread once a forward pass, just before its layers: the
-        # longest stretch of the step without the GIL (AsyncEngine hands the step before's
-        # events to its event loop there; worker_runtime/loop.py EngineLoop.hold_results)
-        self.before_layers: Callable[[], None] | None = None
         if memory is None and self.device.type == "cuda":
             memory = CudaMemory(self.device)
         graphs = self._wants_graphs(device_config.cuda_graphs)
@@ -343,8 +339,20 @@ class ModelRunner:
             if self.before_layers is not None:
                 self.before_layers()
             return self.graphs.run(b.input_ids, b.positions, b.meta)
-        self.model.before_layers = self.before_layers  # the model calls it once, just before its layers
         return self.model(b.input_ids, b.positions, self.kv_cache.layers, b.meta, self.backend, on_layer_done)
+
+    @property
+    def before_layers(self) -> Callable[[], None] | None:
+        """Called on the engine thread once a forward pass, just before its layers (by the
+        model; by the runner before a CUDA graph): the longest stretch of the step without
+        the GIL. AsyncEngine hands the step before's events to its event loop there
+        (worker_runtime/loop.py EngineLoop.hold_results). Kept on the model, so that a
+        step sets nothing."""
+        return self.model.before_layers
+
+    @before_layers.setter
+    def before_layers(self, hook: Callable[[], None] | None) -> None:
+        self.model.before_layers = hook
 
     def rank_info(self) -> list[str]:
         """Rank 0: each rank's place, "rank R: DEVICE (pid P)", for operators (`tandem status`)."""

@@ -390,12 +390,11 @@ class LlamaForCausalLM(nn.Module):
             return residual
         return self.norm(residual, ops) if delta is None else self.norm.add_forward(residual, delta, ops)
 
-    before_layers = None  # set by the runner before each forward (ModelRunner.before_layers)
+    before_layers = None  # ModelRunner.before_layers: each path of forward calls it once
 
     def _before_layers(self) -> None:
-        hook, self.before_layers = self.before_layers, None  # once a forward
-        if hook is not None:
-            hook()
+        if self.before_layers is not None:
+            self.before_layers()
 
     @functools.cached_property
     def _layer_group(self) -> list[int]:
