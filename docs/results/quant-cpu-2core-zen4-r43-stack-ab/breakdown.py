@@ -3,6 +3,9 @@ forward (the one-call decode stack, the embedding and the final norm) and the LM
 (`compute_logits`), in ms; three 128-token answers to 256-token prompts, 2 threads.
 
     PYTHONPATH=. python docs/results/quant-cpu-2core-zen4-r43-stack-ab/breakdown.py int8   # or bf16
+
+A second argument names the activations' dtype (bfloat16 unless given; float32 on a CPU
+without native bf16, as in ../peers-small-cpu-2core-zen3-avx2-r45/).
 """
 
 import functools
@@ -32,9 +35,9 @@ def timed(obj, name: str, into: list[float]) -> None:
     setattr(obj, name, g)
 
 
-def main(quant: str) -> None:
+def main(quant: str, dtype: str = "bfloat16") -> None:
     engine = LLMEngine.from_config(EngineConfig(
-        model=MODEL, dtype="bfloat16", quantization=None if quant == "bf16" else quant,
+        model=MODEL, dtype=dtype, quantization=None if quant == "bf16" else quant,
         device=DeviceConfig(num_threads=2), cache=CacheConfig(num_blocks=64),
         scheduler=SchedulerConfig(max_num_batched_tokens=512, max_model_len=1024)))
     model = engine.runner.model
@@ -57,4 +60,4 @@ def main(quant: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "int8")
+    main(*(sys.argv[1:3] or ["int8"]))
