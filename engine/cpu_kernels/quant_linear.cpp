@@ -320,7 +320,16 @@ void amx_panels(const BFloat16* x, const Q* W, const float* S, const BFloat16* b
 //   AMX: tdpbssd, signed by signed bytes, 64 inputs a step, on q kept in the tile order
 //     (quant_pack_int8, below).
 
-struct XQ {  // x quantized: rows of K int8 (and + 128 as u8 for VNNI), a scale a row
+// the unsigned byte operand of this build's integer products, made once with x_q:
+// x_q + 128 for VNNI's vpdpbusd (its sums carry 128 * sum(q), taken off after), |x_q|
+// otherwise (pmaddubsw, x_q's sign moved onto q)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kUnsignedX = true;
+#else
+constexpr bool kUnsignedX = false;
+#endif
+
+struct XQ {  // x quantized: rows of K int8, the same as u8 (kUnsignedX), a scale a row
   const int8_t* q;
   const uint8_t* u;
   const float* s;
@@ -353,14 +362,15 @@ void quantize_row(const T* row, int64_t K, int8_t* q, uint8_t* u, float* scale) 
     const __m512 v = _mm512_roundscale_ps(_mm512_div_ps(load16(k), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512i i = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, v)));
     _mm_storeu_si128((__m128i*)(q + k), _mm512_cvtepi32_epi8(i));
-    _mm_storeu_si128((__m128i*)(u + k), _mm512_cvtepi32_epi8(_mm512_add_epi32(i, _mm512_set1_epi32(128))));
+    const __m512i ui = kUnsignedX ? _mm512_add_epi32(i, _mm512_set1_epi32(128)) : _mm512_abs_epi32(i);
+    _mm_storeu_si128((__m128i*)(u + k), _mm512_cvtepi32_epi8(ui));
   }
 #endif
   for (; k < K; ++k) {
     const float v = std::nearbyint(static_cast<float>(row[k]) / s);
     const int8_t qk = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
     q[k] = qk;
-    u[k] = static_cast<uint8_t>(qk + 128);
+    u[k] = static_cast<uint8_t>(kUnsignedX ? qk + 128 : std::abs(qk));
   }
 }
 
@@ -388,7 +398,6 @@ inline IVec idot(IVec acc, const int8_t*, const uint8_t* xu, const int8_t* w) {
   return _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(xu), _mm512_loadu_si512(w));
 }
 inline int32_t isum(IVec v) { return _mm512_reduce_add_epi32(v); }
-constexpr bool kUnsignedX = true;  // the sums carry 128 * sum(q), taken off after
 #elif defined(__AVX512BW__)
 constexpr int64_t kIL = 64;
 using IVec = __m512i;
@@ -400,7 +409,6 @@ inline IVec idot(IVec acc, const int8_t* xq, const uint8_t*, const int8_t* w) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
 }
 inline int32_t isum(IVec v) { return _mm512_reduce_add_epi32(v); }
-constexpr bool kUnsignedX = false;
 #elif defined(__AVX2__)
 constexpr int64_t kIL = 32;
 using IVec = __m256i;
@@ -416,10 +424,8 @@ inline int32_t isum(IVec v) {
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
 }
-constexpr bool kUnsignedX = false;
 #else
 constexpr int64_t kIL = 0;
-constexpr bool kUnsignedX = false;
 #endif
 
 // y = (x_q . q) * (s_x * s_w) + b, the bits every path gives
@@ -463,30 +469,23 @@ inline void iblock(const XQ& xq, int64_t K, const int8_t* W, const float* S, con
 // four streams a row's length apart, which the prefetchers of a 2-core AVX2 EPYC (Zen 3)
 // follow worse: the step's 168 MB of small's int8 layers went at 10-14 GB/s that way
 // against 12.6-16.5 GB/s one row at a time (docs/results/peers-small-cpu-2core-zen3-avx2-r45/).
-// |x_q| is taken once a call, not once a row. The sums are the same int32s, so the bits
-// are the same as every other path's.
+// |x_q| comes with x_q (xq.u). The sums are the same int32s, so the bits are the same as
+// every other path's.
 template <typename T>
 void ispan_one_row(const XQ& xq, int64_t K, const int8_t* W, const float* S, const T* b, T* y, int64_t n0,
                    int64_t n1) {
-  thread_local std::vector<int8_t> abs_buf;
-  if (static_cast<int64_t>(abs_buf.size()) < K) abs_buf.resize(K);
-  int8_t* ax = abs_buf.data();
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ax + k),
-                        _mm256_abs_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q + k))));
-  for (; k < K; ++k) ax[k] = static_cast<int8_t>(std::abs(xq.q[k]));  // x_q is in [-127, 127]
   const __m256i ones = _mm256_set1_epi16(1);
   auto part = [&](__m256i acc, const int8_t* w, int64_t at) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q + at));
     const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + at));
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ax + at));
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.u + at));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(wv, x)), ones));
   };
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* w = W + n * K;
     __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
-    for (k = 0; k + 64 <= K; k += 64) {
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(w + k) + kAhead, _MM_HINT_T2);
       a0 = part(a0, w, k);
       a1 = part(a1, w, k + 32);
