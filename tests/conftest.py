@@ -34,8 +34,32 @@ import pytest  # noqa: E402
 
 SPEEDS = ("unit", "model", "cluster", "gpu")  # a test's folder is its speed, and its marker
 
+# The suite runs on two xdist workers (pyproject.toml's addopts: `-n 2 --dist loadgroup`):
+# a cluster test spends much of its time waiting on other processes (Ray's start, a
+# worker's health, a drain), and the other worker's tests fill that time. A test file
+# is one unit of work (its module and class fixtures are made once), except the files
+# below, whose tests are independent servers and go one by one. Tests that touch what is
+# global to the machine (network namespaces, fixed addresses, `ray start`'s record in
+# /tmp/ray/ray_current_cluster) share one unit, so they never overlap one another.
+ONE_BY_ONE = {"tests/cluster/test_serve.py", "tests/cluster/test_disagg.py"}
+MACHINE_WIDE = ("tests/cluster/test_multihost.py",
+                "tests/cluster/test_serve.py::test_a_local_serve_from_a_vllm_command_line_ignores_the_ray_cluster")
 
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks into the units' names
 def pytest_collection_modifyitems(config, items):
+    _check_speed_markers(config, items)
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        path = item.path.relative_to(config.rootpath).as_posix()
+        if item.nodeid.startswith(MACHINE_WIDE):
+            item.add_marker(pytest.mark.xdist_group("machine-wide"))
+        elif path not in ONE_BY_ONE:
+            item.add_marker(pytest.mark.xdist_group(path))
+
+
+def _check_speed_markers(config, items):
     import torch
 
     wrong = sorted({f"{item.path.relative_to(config.rootpath)} (folder {folder}, marked {marks or 'nothing'})"
