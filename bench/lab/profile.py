@@ -1,6 +1,7 @@
 """Where one decode step's time goes: torch.profiler over steady-state decode steps.
 
-    python -m bench.lab.profile [--batch 200] [--prompt-len 256] [--steps 20] [--dtype float32]
+    python -m bench.lab.profile [--batch 200] [--prompt-len 256] [--steps 20] [--dtype float32] [--quantization int8]
+        [--kv-cache-dtype fp8]
 
 Fills the engine with `batch` requests of random prompts (greedy, ignore_eos), runs
 steps until every prompt is prefilled, then profiles `steps` pure decode steps and
@@ -39,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: the built-in model)")
     p.add_argument("--dtype", choices=sorted(DTYPE_ALIASES), default="float32")
+    p.add_argument("--quantization", choices=("int8", "fp8"), default=None,
+                   help="the linear weights quantized as they load (`tandem serve --quantization`)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="`tandem serve --kv-cache-dtype`")
     p.add_argument("--batch", type=int, default=200)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
@@ -54,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     threads = set_threads(a.threads or default_threads())
     warn_if_busy()
     llm = LLM(a.model, dtype=DTYPE_ALIASES[a.dtype], max_num_seqs=a.batch, num_threads=threads,
-              max_model_len=a.prompt_len + 2 * a.steps + 64, seed=0)
+              max_model_len=a.prompt_len + 2 * a.steps + 64, seed=0, quantization=a.quantization,
+              kv_cache_dtype=a.kv_cache_dtype)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=2 * a.steps + 32, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(a.batch, a.prompt_len, _vocab(a.model), seed=0)):
@@ -84,9 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     groups: dict[str, float] = {}
     for e in ops:
         groups[group_of(e.key)] = groups.get(group_of(e.key), 0.0) + e.self_cpu_time_total
-    print(f"decode step at batch {a.batch}, context ~{a.prompt_len}, {DTYPE_ALIASES[a.dtype]}, {threads} threads, "
-          f"attention {engine.runner.backend.name}: {plain_ms:.2f} ms/step ({a.batch / plain_ms * 1e3:.0f} tok/s); "
-          f"{step_ms:.2f} ms/step under the profiler, {a.steps} steps each")
+    weights = (f", weights {a.quantization}" if a.quantization else "") + (
+        f", KV {a.kv_cache_dtype}" if a.kv_cache_dtype != "auto" else "")
+    print(f"decode step at batch {a.batch}, context ~{a.prompt_len}, {DTYPE_ALIASES[a.dtype]}{weights}, "
+          f"{threads} threads, attention {engine.runner.backend.name}: {plain_ms:.2f} ms/step "
+          f"({a.batch / plain_ms * 1e3:.0f} tok/s); {step_ms:.2f} ms/step under the profiler, {a.steps} steps each")
     print("\nby group (self CPU time per step; the rest of the step is Python outside torch ops):")
     print(format_table(["group", "ms/step", "share of step"],
                        [[g, us / 1e3 / a.steps, f"{us / 1e3 / a.steps / step_ms:.0%}"]

@@ -187,21 +187,22 @@ def test_w8a8_is_exact_integer_arithmetic_on_every_path(variant, k):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_w8a8_on_weights_in_tile_order_gives_the_same_bits(bias):
+@pytest.mark.parametrize("k", [192, 640])  # 640: ten steps of 64 inputs a block
+def test_w8a8_on_weights_in_tile_order_gives_the_same_bits(bias, k):
     """AMX CPUs keep a bf16 model's int8 weights in the tile unit's order: one to four rows
-    on VNNI with the rows in the lanes, more on the int8 tiles; the bits of the row-major
-    kernel at every batch size."""
+    on VNNI with the rows in the lanes, more on the int8 tiles in blocks of 32 rows (the
+    last one partial or not); the bits of the row-major kernel at every batch size."""
     ops = _ops(BUILDS[0])
     if not ops.quant_tiles_supported():
         pytest.skip("no AMX tiles here")
-    n, k = 96, 192
+    n = 96
     q, s = _case(n, k, "int8", k, seed=4)
     sums = q.sum(dim=1, dtype=torch.int32)
     tiles = ops.quant_pack_int8(q)
-    assert tiles.shape == (3, 3, 2, 16, 64) and tiles.nbytes == q.nbytes
-    x = torch.randn(70, k).bfloat16()
+    assert tiles.shape == (3, k // 64, 2, 16, 64) and tiles.nbytes == q.nbytes
+    x = torch.randn(164, k).bfloat16()
     b = torch.randn(n).bfloat16() if bias else None
-    for m in (1, 2, 3, 4, 5, 17, 32, 70):
+    for m in (1, 2, 3, 4, 5, 17, 32, 64, 70, 100, 128, 160, 164):
         y = torch.empty(m, n, dtype=torch.bfloat16)
         ops.quant_linear_tiles(y, x[:m].contiguous(), tiles, s, b, sums)
         assert torch.equal(y, w8a8_reference(x[:m], q, s, b)), m
