@@ -21,7 +21,7 @@ from bench.lab.engine import DTYPE_ALIASES, default_threads, format_table, set_t
 
 GROUPS = (  # first match wins; names as torch.profiler reports them
     ("matmul", ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm",
-                "mkldnn::_linear_pointwise", "small_batch_linear", "tile_linear")),
+                "mkldnn::_linear_pointwise", "small_batch_linear", "tile_linear", "quant_linear")),
     # index_copy_ (torch) and store_kv (the cpu kernels): the KV write
     ("attention", ("paged_decode_attention", "index_copy_", "store_kv", "scaled_dot_product")),
     ("sampling", ("aten::argmax", "aten::topk", "aten::sort", "aten::softmax", "aten::exponential")),
