@@ -413,11 +413,12 @@ inline int32_t isum(IVec v) { return _mm512_reduce_add_epi32(v); }
 constexpr int64_t kIL = 32;
 using IVec = __m256i;
 inline IVec izero() { return _mm256_setzero_si256(); }
-inline IVec idot(IVec acc, const int8_t* xq, const uint8_t*, const int8_t* w) {
+inline IVec idot(IVec acc, const int8_t* xq, const uint8_t* xu, const int8_t* w) {  // xu: |x_q|
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
   const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-  const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(wv, x));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xu));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(wv, x)),
+                                                 _mm256_set1_epi16(1)));
 }
 inline int32_t isum(IVec v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -469,18 +470,12 @@ inline void iblock(const XQ& xq, int64_t K, const int8_t* W, const float* S, con
 // four streams a row's length apart, which the prefetchers of a 2-core AVX2 EPYC (Zen 3)
 // follow worse: the step's 168 MB of small's int8 layers went at 10-14 GB/s that way
 // against 12.6-16.5 GB/s one row at a time (docs/results/peers-small-cpu-2core-zen3-avx2-r45/).
-// |x_q| comes with x_q (xq.u). The sums are the same int32s, so the bits are the same as
-// every other path's.
+// The products are idot's (|x_q| made with x_q, xq.u): the same int32 sums, so the same
+// bits as every other path's.
 template <typename T>
 void ispan_one_row(const XQ& xq, int64_t K, const int8_t* W, const float* S, const T* b, T* y, int64_t n0,
                    int64_t n1) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  auto part = [&](__m256i acc, const int8_t* w, int64_t at) {
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q + at));
-    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + at));
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.u + at));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(wv, x)), ones));
-  };
+  auto part = [&](__m256i acc, const int8_t* w, int64_t at) { return idot(acc, xq.q + at, xq.u + at, w + at); };
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* w = W + n * K;
     __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
