@@ -186,6 +186,49 @@ def test_w8a8_is_exact_integer_arithmetic_on_every_path(variant, k):
         assert torch.equal(y2, w8a8_reference(x[:m], q, s, None)), (variant, m)
 
 
+def _quotient_rows(k):
+    """Rows of bf16 x whose quantization is hard to get right: for each of the 128 bf16
+    largest magnitudes in [1, 2) (column 0), every bf16 value whose quotient by the row's
+    scale rounds to 1..127, both signs, k - 1 to a row; then the same rows scaled by
+    2^-64 and 2^-70 (the kernels divide below a largest magnitude of 2^-60)."""
+    rows = []
+    for top in (1 + torch.arange(128, dtype=torch.float32) / 128).tolist():
+        bits = torch.arange(0x3B80, 0x4000, dtype=torch.int32)  # bf16 from 2^-8 to 2
+        vals = (bits << 16).view(torch.float32)
+        vals = vals[vals <= top]
+        vals = torch.cat([vals, -vals])
+        for i in range(0, len(vals), k - 1):
+            row = torch.zeros(k)
+            row[0] = top
+            row[1:1 + len(vals[i:i + k - 1])] = vals[i:i + k - 1]
+            rows.append(row)
+    x = torch.stack(rows)
+    return torch.cat([x, x[::40] * 2.0**-64, x[::40] * 2.0**-70]).bfloat16()
+
+
+@pytest.mark.parametrize("variant", BUILDS)
+def test_w8a8_quantizes_x_as_torch_divides(variant):
+    """Each row of x becomes round(x / scale) as torch computes it, at every value whose
+    quotient could round the other way: the AVX-512 paths multiply by the scale's inverse
+    and correct the product with its residual (quantize_row). The weights are the identity,
+    so y is x_q times the row's scale, and one step of x_q changes y's bits."""
+    ops = _ops(variant)
+    for k in (128, 144, 150):  # the 64-wide loop; 16 values; one at a time
+        x = _quotient_rows(k)
+        q, s = torch.eye(k, dtype=torch.int8), torch.ones(k, 1)
+        sums = q.sum(dim=1, dtype=torch.int32)
+        y = torch.empty(len(x), k, dtype=torch.bfloat16)
+        ops.quant_linear(y, x, q, s, k, None, sums)
+        assert torch.equal(y, w8a8_reference(x, q, s, None)), (variant, k)
+    if ops.quant_tiles_supported():  # one to four rows on VNNI, more on the AMX tiles
+        x = _quotient_rows(128)
+        tiles = ops.quant_pack_int8(q[:128, :128].contiguous())
+        for m in (3, len(x)):
+            y = torch.empty(m, 128, dtype=torch.bfloat16)
+            ops.quant_linear_tiles(y, x[:m].contiguous(), tiles, s[:128], None, sums[:128])
+            assert torch.equal(y, w8a8_reference(x[:m], q[:128, :128], s[:128], None)), (variant, m)
+
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("k", [192, 640])  # 640: ten steps of 64 inputs a block
 def test_w8a8_on_weights_in_tile_order_gives_the_same_bits(bias, k):
@@ -200,9 +243,9 @@ def test_w8a8_on_weights_in_tile_order_gives_the_same_bits(bias, k):
     sums = q.sum(dim=1, dtype=torch.int32)
     tiles = ops.quant_pack_int8(q)
     assert tiles.shape == (3, k // 64, 2, 16, 64) and tiles.nbytes == q.nbytes
-    x = torch.randn(164, k).bfloat16()
+    x = torch.randn(300, k).bfloat16()
     b = torch.randn(n).bfloat16() if bias else None
-    for m in (1, 2, 3, 4, 5, 17, 32, 64, 70, 100, 128, 160, 164):
+    for m in (1, 2, 3, 4, 5, 17, 32, 64, 70, 100, 128, 160, 164, 300):  # 300: passes of 256 rows and 44
         y = torch.empty(m, n, dtype=torch.bfloat16)
         ops.quant_linear_tiles(y, x[:m].contiguous(), tiles, s, b, sums)
         assert torch.equal(y, w8a8_reference(x[:m], q, s, b)), m
