@@ -23,6 +23,10 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <type_traits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cstdint>
 #include <cstring>
 
@@ -175,20 +179,61 @@ void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 fp32 values, already clamped to [-448, 448], to e4m3 bytes: c10's conversion in
+// 32-bit lanes, the same bits. At or above 2^-6 (normal e4m3) the mantissa is rounded to
+// 3 bits, to nearest even, and the exponent rebiased; below, adding 2^14 rounds the value
+// to a multiple of 2^-9 (the subnormals' step), whose count is then the low bits.
+inline __m128i fp8_from_fp32x16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int32_t>(0x80000000u)));
+  const __m512i a = _mm512_xor_si512(bits, sign);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
+  const __m512i normal = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(static_cast<int32_t>((7u - 127u) << 23) + 0x7FFFF)), odd),
+      20);
+  const __m512i sub = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(_mm512_set1_epi32(141 << 23)))),
+      _mm512_set1_epi32(141 << 23));
+  const __m512i r = _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(121 << 23)), normal, sub);
+  return _mm512_cvtepi32_epi8(_mm512_or_si512(r, _mm512_srli_epi32(sign, 24)));
+}
+#endif
+
 template <typename T>
 void quantize_rows(uint8_t* cache, const T* src, const int64_t* sp, int64_t T_, int64_t row, int64_t stride,
                    float scale) {
-  for (int64_t t = 0; t < T_; ++t) {
-    if (sp[t] < 0) continue;
-    uint8_t* dst = cache + sp[t] * row;
-    const T* x = src + t * stride;
-    for (int64_t i = 0; i < row; ++i) {
-      float v = static_cast<float>(x[i]);
-      if (scale != 1.f) v = v / scale;  // as engine/attention quantize_kv: a division, then the clamp
-      v = std::fmin(std::fmax(v, -448.f), 448.f);
-      dst[i] = c10::detail::fp8e4m3fn_from_fp32_value(v);
+  // a prefill step stores thousands of tokens: threads take runs of them
+  at::parallel_for(0, T_, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      if (sp[t] < 0) continue;
+      uint8_t* dst = cache + sp[t] * row;
+      const T* x = src + t * stride;
+      int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+        const __m512 vs = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-448.f), hi = _mm512_set1_ps(448.f);
+        for (; i + 16 <= row; i += 16) {
+          __m512 v;
+          if constexpr (std::is_same_v<T, float>)
+            v = _mm512_loadu_ps(x + i);
+          else
+            v = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + i))), 16));
+          if (scale != 1.f) v = _mm512_div_ps(v, vs);
+          // max first, as std::fmax: a NaN becomes -448 on both paths
+          _mm_storeu_si128((__m128i*)(dst + i), fp8_from_fp32x16(_mm512_min_ps(_mm512_max_ps(v, lo), hi)));
+        }
+      }
+#endif
+      for (; i < row; ++i) {
+        float v = static_cast<float>(x[i]);
+        if (scale != 1.f) v = v / scale;  // as engine/attention quantize_kv: a division, then the clamp
+        v = std::fmin(std::fmax(v, -448.f), 448.f);
+        dst[i] = c10::detail::fp8e4m3fn_from_fp32_value(v);
+      }
     }
-  }
+  });
 }
 
 // K/V rows of the model's dtype into an fp8 e4m3 cache, quantized as they go (the same

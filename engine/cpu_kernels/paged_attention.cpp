@@ -17,7 +17,8 @@
 // the sums stay fp32 (in attend, below).
 // Where the CPU has AMX (blocks hold a multiple of 32 tokens, D is 64 or 128, 4 to 16
 // query heads share a kv head), a bf16 item runs both passes on tiles instead (attend's
-// kAmx branches): the scores of a kv head's G query heads against 16 tokens are one tile
+// kAmx branches; over an fp8 cache too, its rows widened to bf16 as they are loaded):
+// the scores of a kv head's G query heads against 16 tokens are one tile
 // product per 32 dims, with no horizontal sums, and p.v takes 32 tokens an instruction.
 // On the 2-core Xeon of docs/performance.md (fifteenth round) a layer of small's shape
 // (B=100, L=320) went from 1.95 to 1.32 ms with the cache in L3 and 2.46 to 1.75-1.96 ms
@@ -337,6 +338,31 @@ struct Prefetcher {
   }
 };
 
+#if TANDEM_AMX
+// 32 of the cache's values as bf16 (one 512-bit vector), the tiles' operand: a bf16 cache
+// as stored; an fp8 cache widened, exactly (every e4m3 value is a bf16 value), in 16-bit
+// lanes by integer instructions: a normal e4m3 byte's exponent and mantissa shifted into
+// bf16's places with its exponent bias raised by 120; the eight magnitudes whose exponent
+// field is zero (zero and the subnormals m * 2^-9) from a table; the sign moved to bit 15.
+// Eight instructions for 32 values, where widening through fp16 and fp32 took about twice
+// as many, and the scores' tiles could not pay for it.
+inline __m512i load32_bf16(const BFloat16* p) { return _mm512_loadu_si512(p); }
+inline __m512i load32_bf16(const Float8_e4m3fn* p) {
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  // bf16 bits of m * 2^-9 for m = 0..7, repeated: vpermw reads the low 5 bits of the byte
+  const __m512i sub = _mm512_set_epi16(0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0,
+                                       0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0,
+                                       0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0,
+                                       0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0);
+  __m512i mag = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(w, 4), _mm512_set1_epi16(0x7F0)),
+                                 _mm512_set1_epi16(0x3C00));
+  mag = _mm512_mask_permutexvar_epi16(mag, _mm512_testn_epi16_mask(w, _mm512_set1_epi16(0x78)), w, sub);
+  // (w << 8) & 0x8000 | mag: the sign bit from the first, the rest from the third
+  return _mm512_ternarylogic_epi32(_mm512_slli_epi16(w, 8), _mm512_set1_epi16(static_cast<int16_t>(0x8000)), mag,
+                                   0xEA);
+}
+#endif
+
 // One work item: sequence b, kv heads [g0, g0 + ng) and their ng * G query heads.
 // Blocks are walked in order and, inside a block, a token's ng head slices are
 // adjacent, so a block is read as one contiguous run. C = D / 16 when known at
@@ -347,7 +373,9 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
   const int64_t D = P.head_dim, G = P.num_heads / P.num_kv_heads, GT = ng * G, bs = P.block_size;
   const int nc = C ? C : static_cast<int>(D / 16);
 #if defined(__AVX512BF16__)
-  constexpr bool kPairPass = kPairs && std::is_same_v<KV, BFloat16> && std::is_same_v<Q, BFloat16> && C > 0 && C % 2 == 0;
+  // pass 2 on bf16 pairs: a bf16 cache, or on tiles an fp8 one (widened to bf16 as loaded)
+  constexpr bool kPairPass = kPairs && (std::is_same_v<KV, BFloat16> || kAmx) && std::is_same_v<Q, BFloat16> &&
+                             C > 0 && C % 2 == 0;
 #else
   constexpr bool kPairPass = false;
 #endif
@@ -492,7 +520,10 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
             std::memcpy(qt + (gg * CB + c) * 256 + r * 16 + j, qb + (gg * G + j) * P.q_head + 32 * c + 2 * r,
                         sizeof(uint32_t));
     configure_score_tiles(G);
-    const int64_t kstride = P.kv_token * static_cast<int64_t>(sizeof(KV));
+    constexpr bool kWiden = !std::is_same_v<KV, BFloat16>;  // an fp8 cache: 16 K rows widened to bf16 first
+    alignas(64) BFloat16 kw[kWiden ? 16 * 128 : 1];
+    const int64_t kstride = kWiden ? D * static_cast<int64_t>(sizeof(BFloat16))
+                                   : P.kv_token * static_cast<int64_t>(sizeof(KV));
     for (int64_t i0 = 0; i0 < nblk; i0 += kSegBlocks) {
       const int64_t i1 = std::min(nblk, i0 + kSegBlocks);
       for (int64_t gg = 0; gg < ng; ++gg) {
@@ -510,7 +541,15 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
           // the block (blocks hold a multiple of 32 tokens), so the tile reads them
           // whatever they hold, and their scores, never read below, are discarded.
           for (int64_t t0 = 0; t0 < n; t0 += 16) {
-            const KV* rows = kb + t0 * P.kv_token;
+            const BFloat16* rows;
+            if constexpr (kWiden) {
+              for (int r = 0; r < 16; ++r)
+                for (int c = 0; c < CB; ++c)
+                  _mm512_store_si512(kw + r * D + 32 * c, load32_bf16(kb + (t0 + r) * P.kv_token + 32 * c));
+              rows = kw;
+            } else {
+              rows = kb + t0 * P.kv_token;
+            }
             _tile_zero(0);
             _tile_loadd(1, rows, kstride);
             _tile_dpbf16ps(0, 1, 2);
@@ -546,7 +585,7 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
       const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e1));
       _mm512_storeu_si512(pp + (t / 2) * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
-    _mm512_storeu_ps(inv_sum, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
+    _mm512_storeu_ps(inv_sum, _mm512_div_ps(_mm512_set1_ps(P.v_scale), sum));  // 1 but for an fp8 cache
   } else
 #endif
 #if defined(__AVX512BF16__)
@@ -667,9 +706,9 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
                 const int64_t t = t0 + 2 * r;
                 const KV* ra = v0 + 2 * r * P.kv_token;
                 const __m512i z = _mm512_setzero_si512();
-                const __m512i a0 = t < L ? _mm512_loadu_si512(ra) : z, a1 = t < L ? _mm512_loadu_si512(ra + 32) : z;
-                const __m512i b0 = t + 1 < L ? _mm512_loadu_si512(ra + P.kv_token) : z;
-                const __m512i b1 = t + 1 < L ? _mm512_loadu_si512(ra + P.kv_token + 32) : z;
+                const __m512i a0 = t < L ? load32_bf16(ra) : z, a1 = t < L ? load32_bf16(ra + 32) : z;
+                const __m512i b0 = t + 1 < L ? load32_bf16(ra + P.kv_token) : z;
+                const __m512i b1 = t + 1 < L ? load32_bf16(ra + P.kv_token + 32) : z;
                 _mm512_storeu_si512(vt + r * 16, _mm512_unpacklo_epi16(a0, b0));
                 _mm512_storeu_si512(vt + 256 + r * 16, _mm512_unpackhi_epi16(a0, b0));
                 _mm512_storeu_si512(vt + 512 + r * 16, _mm512_unpacklo_epi16(a1, b1));
@@ -826,14 +865,15 @@ void run_all(const Problem& P, const at::Tensor& k_cache, const at::Tensor& v_ca
   int64_t ng = hkv;
   while (ng > 1 && num_seqs * (hkv / ng) < 4 * threads) ng = ng % 2 == 0 ? ng / 2 : 1;
   const bool pairs = P.bf16_pairs && P.block_size % 2 == 0;
-  // Tiles where they apply: bf16, head_dim 64 or 128, blocks of a multiple of 32 tokens,
+  // Tiles where they apply: a bf16 query over a bf16 or fp8 cache (an fp8 one widened to
+  // bf16 as the tiles load it), head_dim 64 or 128, blocks of a multiple of 32 tokens,
   // at least 4 and at most 16 query heads per kv head (one vector lane each in the
   // softmax). Below 4 the tiles' fixed costs per token (a softmax vector, the V
   // interleave) outweigh what they save: at G = 2 (H=4, Hkv=2, D=64, B=200, L=320) the
   // tile path took 3.2-3.7 ms against 2.75 with blocks scattered; at G = 4 and 8 it is
   // the faster one (docs/performance.md, fifteenth round).
-  constexpr bool kAmxShape = TANDEM_AMX && std::is_same_v<KV, BFloat16> && std::is_same_v<Q, BFloat16> &&
-                             (C == 4 || C == 8);
+  constexpr bool kAmxShape = TANDEM_AMX && (std::is_same_v<KV, BFloat16> || std::is_same_v<KV, Float8_e4m3fn>) &&
+                             std::is_same_v<Q, BFloat16> && (C == 4 || C == 8);
   // A window or a soft cap takes the AVX512-BF16 loops (the tile path has neither)
   const bool amx = kAmxShape && pairs && P.block_size % 32 == 0 && G >= 4 && G <= 16 && P.window == 0 &&
                    P.softcap == 0.f && g_decode_amx.load(std::memory_order_relaxed) && tandem_amx::usable();

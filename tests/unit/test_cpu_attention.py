@@ -141,6 +141,16 @@ def test_store_kv_fp8_gives_the_bytes_of_quantize_kv_then_store(dtype):
     ops.store_kv(*want, quantize_kv(key, 0.5), quantize_kv(value, 0.25), slots)
     for a, b in zip(got, want):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    # every finite bf16 value, at scale 1 (no division) and 0.5; 16 at a time on AVX-512
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    every = every[every.isfinite()]
+    every = torch.cat([every, every[: (-len(every)) % 128]]).reshape(-1, 2, 64).to(dtype)
+    slots = torch.arange(len(every))
+    for scale in (1.0, 0.5):
+        got = [torch.zeros(len(every), 1, 2, 64, dtype=torch.float8_e4m3fn) for _ in range(2)]
+        ops.store_kv_fp8(*got, every, every, slots, scale, scale)
+        want = quantize_kv(every, scale).view(torch.uint8).reshape(got[0].shape)
+        assert torch.equal(got[0].view(torch.uint8), want) and torch.equal(got[1].view(torch.uint8), want)
 
 
 @pytest.mark.usefixtures("kernel_build")
@@ -633,6 +643,34 @@ def test_decode_amx_matches_reference_and_the_avx512_path(amx_switch, group, hea
     amx_switch(False)
     vectors = kernels.paged_decode_attention(*case, scale=scale)
     _, want = run_both(*case)
+    torch.testing.assert_close(tiles.float(), want, **TOL[torch.bfloat16])
+    torch.testing.assert_close(tiles.float(), vectors.float(), **TOL[torch.bfloat16])
+    assert not torch.equal(tiles, vectors)  # the switch does change the path
+
+
+@needs_amx
+@pytest.mark.parametrize("block_size", [32, 64])
+@pytest.mark.parametrize("head_dim,group", [(64, 4), (128, 8), (64, 16)])
+def test_decode_amx_over_an_fp8_cache(amx_switch, head_dim, group, block_size):
+    """An fp8 cache on AMX tiles: its rows widened to bf16 as the tiles load them (exact),
+    the K scale in the softmax scale and the V scale on the output; within bf16
+    tolerance of the reference on the rounded values and of the vector path's fp32
+    arithmetic, at lengths that end mid-tile, mid-pair and on block boundaries."""
+    g = torch.Generator().manual_seed(head_dim + group + block_size)
+    lens = ragged_lens(block_size, 16, g) + [1, 2, 15, 16, 17, 31, 33]
+    query, k, v, tables, lens_t = make_case(group, head_dim, block_size, torch.float32, lens, seed=9,
+                                            num_kv_heads=4)
+    k[0, :3] = torch.tensor([1e-3, -2.5e-3, 1e4])[:, None, None]  # subnormal in e4m3, and saturating
+    kv_scales = (0.5, 0.25)
+    k8, v8 = quantize_kv(k * 4, kv_scales[0]), quantize_kv(v, kv_scales[1])
+    scale = head_dim**-0.5
+    args = (query.bfloat16(), k8, v8, tables, lens_t, scale * kv_scales[0])
+    amx_switch(True)
+    tiles = kernels.paged_decode_attention(*args, v_scale=kv_scales[1])
+    amx_switch(False)
+    vectors = kernels.paged_decode_attention(*args, v_scale=kv_scales[1])
+    want = reference.paged_decode_attention(query.bfloat16().float(), k8, v8, tables.clamp(min=0), lens_t, scale,
+                                            None, kv_scales)
     torch.testing.assert_close(tiles.float(), want, **TOL[torch.bfloat16])
     torch.testing.assert_close(tiles.float(), vectors.float(), **TOL[torch.bfloat16])
     assert not torch.equal(tiles, vectors)  # the switch does change the path
