@@ -29,6 +29,7 @@
 #endif
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -180,11 +181,11 @@ void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// 16 fp32 values, already clamped to [-448, 448], to e4m3 bytes: c10's conversion in
-// 32-bit lanes, the same bits. At or above 2^-6 (normal e4m3) the mantissa is rounded to
+// 16 fp32 values, already clamped to [-448, 448], to e4m3 codes, one a 32-bit lane (the
+// byte in its low 8 bits): c10's conversion in vector lanes, the same bits. At or above 2^-6 (normal e4m3) the mantissa is rounded to
 // 3 bits, to nearest even, and the exponent rebiased; below, adding 2^14 rounds the value
 // to a multiple of 2^-9 (the subnormals' step), whose count is then the low bits.
-inline __m128i fp8_from_fp32x16(__m512 v) {
+inline __m512i fp8_codes16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int32_t>(0x80000000u)));
   const __m512i a = _mm512_xor_si512(bits, sign);
@@ -196,18 +197,41 @@ inline __m128i fp8_from_fp32x16(__m512 v) {
       _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(_mm512_set1_epi32(141 << 23)))),
       _mm512_set1_epi32(141 << 23));
   const __m512i r = _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(121 << 23)), normal, sub);
-  return _mm512_cvtepi32_epi8(_mm512_or_si512(r, _mm512_srli_epi32(sign, 24)));
+  return _mm512_or_si512(r, _mm512_srli_epi32(sign, 24));
+}
+
+// e4m3 codes (one a 32-bit lane, as fp8_codes16 gives them) -> their values in fp32,
+// exactly: a normal code's exponent and mantissa moved into fp32's places and the
+// exponent rebiased by 120; a code whose exponent field is zero is m * 2^-9
+inline __m512 fp32_from_fp8_codes16(__m512i c) {
+  const __m512i mag = _mm512_and_si512(c, _mm512_set1_epi32(0x7F));
+  const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23));
+  const __m512i sub = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(0x1p-9f)));
+  const __m512i v = _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(8)), normal, sub);
+  return _mm512_castsi512_ps(_mm512_or_si512(v, _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24)));
+}
+
+// 16 fp32 values to bf16, rounded to nearest even (c10::BFloat16's rounding; no NaN here)
+inline __m256i bf16_from_fp32x16(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
 }
 #endif
 
+// `rounded` (or null): each row as the cache now holds it, back in T: the e4m3 value
+// times the scale in fp32, then rounded to T (engine/attention dequantize_kv's bits), for
+// every row, stored or not; a prefill step attends over these. Rows whose slot is
+// negative are not stored.
 template <typename T>
 void quantize_rows(uint8_t* cache, const T* src, const int64_t* sp, int64_t T_, int64_t row, int64_t stride,
-                   float scale) {
+                   float scale, T* rounded) {
   // a prefill step stores thousands of tokens: threads take runs of them
   at::parallel_for(0, T_, 64, [&](int64_t t0, int64_t t1) {
+    std::vector<uint8_t> scratch(rounded != nullptr && row > 0 ? row : 0);
     for (int64_t t = t0; t < t1; ++t) {
-      if (sp[t] < 0) continue;
-      uint8_t* dst = cache + sp[t] * row;
+      if (sp[t] < 0 && rounded == nullptr) continue;
+      uint8_t* dst = sp[t] >= 0 ? cache + sp[t] * row : scratch.data();
       const T* x = src + t * stride;
       int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -222,15 +246,33 @@ void quantize_rows(uint8_t* cache, const T* src, const int64_t* sp, int64_t T_, 
                 _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + i))), 16));
           if (scale != 1.f) v = _mm512_div_ps(v, vs);
           // max first, as std::fmax: a NaN becomes -448 on both paths
-          _mm_storeu_si128((__m128i*)(dst + i), fp8_from_fp32x16(_mm512_min_ps(_mm512_max_ps(v, lo), hi)));
+          const __m512i codes = fp8_codes16(_mm512_min_ps(_mm512_max_ps(v, lo), hi));
+          _mm_storeu_si128((__m128i*)(dst + i), _mm512_cvtepi32_epi8(codes));
+          if (rounded != nullptr) {
+            __m512 back = fp32_from_fp8_codes16(codes);
+            if (scale != 1.f) back = _mm512_mul_ps(back, vs);
+            if constexpr (std::is_same_v<T, float>)
+              _mm512_storeu_ps(rounded + t * row + i, back);
+            else
+              _mm256_storeu_si256((__m256i*)(rounded + t * row + i), bf16_from_fp32x16(back));
+          }
         }
       }
 #endif
+      const int64_t i0 = i;  // the rest one value at a time
       for (; i < row; ++i) {
         float v = static_cast<float>(x[i]);
         if (scale != 1.f) v = v / scale;  // as engine/attention quantize_kv: a division, then the clamp
         v = std::fmin(std::fmax(v, -448.f), 448.f);
         dst[i] = c10::detail::fp8e4m3fn_from_fp32_value(v);
+      }
+      if (rounded != nullptr) {
+        T* r = rounded + t * row;
+        for (int64_t j = i0; j < row; ++j) {
+          float v = c10::detail::fp8e4m3fn_to_fp32_value(dst[j]);
+          if (scale != 1.f) v = v * scale;
+          r[j] = static_cast<T>(v);
+        }
       }
     }
   });
@@ -238,8 +280,9 @@ void quantize_rows(uint8_t* cache, const T* src, const int64_t* sp, int64_t T_, 
 
 // K/V rows of the model's dtype into an fp8 e4m3 cache, quantized as they go (the same
 // bits as engine/attention quantize_kv's torch operators, then store_kv).
-void store_kv_fp8(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& key,
-                  const at::Tensor& value, const at::Tensor& slots, double k_scale, double v_scale) {
+void store_kv_fp8_into(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& key,
+                       const at::Tensor& value, const at::Tensor& slots, double k_scale, double v_scale,
+                       const at::Tensor* key_out, const at::Tensor* value_out) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat8_e4m3fn &&
                   v_cache.scalar_type() == at::kFloat8_e4m3fn,
@@ -256,10 +299,28 @@ void store_kv_fp8(const at::Tensor& k_cache, const at::Tensor& v_cache, const at
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] < nslots, "store_kv_fp8: slot ", sp[t], " outside the cache");
   uint8_t* kc = static_cast<uint8_t*>(k_cache.data_ptr());
   uint8_t* vc = static_cast<uint8_t*>(v_cache.data_ptr());
+  for (const at::Tensor* t : {key_out, value_out})
+    TORCH_CHECK(t == nullptr || (t->is_contiguous() && t->scalar_type() == key.scalar_type() && t->numel() == T * row),
+                "store_kv_fp8_rounded: key_out and value_out must be contiguous, of key's dtype and shape");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "store_kv_fp8", [&] {
-    quantize_rows(kc, key.data_ptr<scalar_t>(), sp, T, row, key.stride(0), static_cast<float>(k_scale));
-    quantize_rows(vc, value.data_ptr<scalar_t>(), sp, T, row, value.stride(0), static_cast<float>(v_scale));
+    quantize_rows(kc, key.data_ptr<scalar_t>(), sp, T, row, key.stride(0), static_cast<float>(k_scale),
+                  key_out == nullptr ? nullptr : key_out->data_ptr<scalar_t>());
+    quantize_rows(vc, value.data_ptr<scalar_t>(), sp, T, row, value.stride(0), static_cast<float>(v_scale),
+                  value_out == nullptr ? nullptr : value_out->data_ptr<scalar_t>());
   });
+}
+
+void store_kv_fp8(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& key,
+                  const at::Tensor& value, const at::Tensor& slots, double k_scale, double v_scale) {
+  store_kv_fp8_into(k_cache, v_cache, key, value, slots, k_scale, v_scale, nullptr, nullptr);
+}
+
+// the same, and the rows as stored, back in key's dtype, into key_out and value_out
+// (a prefill step attends over them: engine/attention write_kv)
+void store_kv_fp8_rounded(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& key,
+                          const at::Tensor& value, const at::Tensor& slots, double k_scale, double v_scale,
+                          const at::Tensor& key_out, const at::Tensor& value_out) {
+  store_kv_fp8_into(k_cache, v_cache, key, value, slots, k_scale, v_scale, &key_out, &value_out);
 }
 
 }  // namespace
@@ -272,4 +333,6 @@ TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slots) -> ()", &store_kv);
   m.def("store_kv_fp8(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slots, "
         "float k_scale, float v_scale) -> ()", &store_kv_fp8);
+  m.def("store_kv_fp8_rounded(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slots, "
+        "float k_scale, float v_scale, Tensor(c!) key_out, Tensor(d!) value_out) -> ()", &store_kv_fp8_rounded);
 }

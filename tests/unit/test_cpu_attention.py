@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, TorchAttention, get_backend, quantize_kv, reference
+from engine.attention import AttentionMetadata, TorchAttention, dequantize_kv, get_backend, quantize_kv, reference
 from engine.attention.cpu import kernels
 from engine.attention.cpu.backend import CpuAttention
 from engine.cpu_kernels import build
@@ -128,7 +128,8 @@ def test_decode_over_an_fp8_cache_matches_the_reference_on_its_rounded_values(dt
 def test_store_kv_fp8_gives_the_bytes_of_quantize_kv_then_store(dtype):
     """The compiled store into an fp8 cache (decode steps and the one-call decoder layers)
     quantizes as engine/attention quantize_kv's torch operators do, to the bit: scales,
-    saturation beyond 448, subnormals, skipped slots."""
+    saturation beyond 448, subnormals, skipped slots, every finite bf16 value; and the
+    prefill's store (store_kv_fp8_rounded) gives the rows back as dequantize_kv does."""
     ops = build.load()
     g = torch.Generator().manual_seed(3)
     key = (torch.randn(6, 2, 64, generator=g) * 40).to(dtype)
@@ -141,6 +142,14 @@ def test_store_kv_fp8_gives_the_bytes_of_quantize_kv_then_store(dtype):
     ops.store_kv(*want, quantize_kv(key, 0.5), quantize_kv(value, 0.25), slots)
     for a, b in zip(got, want):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    # a prefill's store also gives the rows back as stored, every row (a skipped slot's too)
+    got2 = [torch.zeros(4, 8, 2, 64, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    rows = [torch.full_like(key, 7.0), torch.full_like(value, 7.0)]
+    ops.store_kv_fp8_rounded(*got2, key, value, slots, 0.5, 0.25, *rows)
+    for a, b in zip(got2, want):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert torch.equal(rows[0], dequantize_kv(quantize_kv(key, 0.5), 0.5, dtype))
+    assert torch.equal(rows[1], dequantize_kv(quantize_kv(value, 0.25), 0.25, dtype))
     # every finite bf16 value, at scale 1 (no division) and 0.5; 16 at a time on AVX-512
     every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
     every = every[every.isfinite()]
@@ -151,6 +160,10 @@ def test_store_kv_fp8_gives_the_bytes_of_quantize_kv_then_store(dtype):
         ops.store_kv_fp8(*got, every, every, slots, scale, scale)
         want = quantize_kv(every, scale).view(torch.uint8).reshape(got[0].shape)
         assert torch.equal(got[0].view(torch.uint8), want) and torch.equal(got[1].view(torch.uint8), want)
+        rows = [torch.empty_like(every) for _ in range(2)]
+        ops.store_kv_fp8_rounded(*got, every, every, slots, scale, scale, *rows)
+        back = dequantize_kv(quantize_kv(every, scale), scale, dtype)
+        assert torch.equal(rows[0], back) and torch.equal(rows[1], back)
 
 
 @pytest.mark.usefixtures("kernel_build")

@@ -59,15 +59,30 @@ class CpuAttention(AttentionBackend):
             return
         self.ops.store_kv(k_cache, v_cache, key, value, slot_mapping)
 
-    def store_for_decode(self, key, value, k_cache, v_cache, slot_mapping, kv_scales=(1.0, 1.0)) -> None:
-        if (k_cache.dtype == FP8 and hasattr(self.ops, "store_kv_fp8") and key.dtype == value.dtype
+    def _fp8_store_fits(self, key, value, k_cache, v_cache, slot_mapping, op: str) -> bool:
+        """The compiled fp8 store takes these: [T, Hkv, D] rows with contiguous heads, one
+        dtype, contiguous caches and int64 slots."""
+        return (k_cache.dtype == FP8 and hasattr(self.ops, op) and key.dtype == value.dtype
                 and k_cache.is_contiguous() and v_cache.is_contiguous() and key.stride(-1) == 1
                 and value.stride(-1) == 1 and key.stride(-2) == key.shape[-1] and value.stride(-2) == value.shape[-1]
-                and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
+                and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous())
+
+    def store_for_decode(self, key, value, k_cache, v_cache, slot_mapping, kv_scales=(1.0, 1.0)) -> None:
+        if self._fp8_store_fits(key, value, k_cache, v_cache, slot_mapping, "store_kv_fp8"):
             # quantized as they are stored, one pass (the bits of quantize_kv's torch operators)
             self.ops.store_kv_fp8(k_cache, v_cache, key, value, slot_mapping, *kv_scales)
             return
         super().store_for_decode(key, value, k_cache, v_cache, slot_mapping, kv_scales)
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping, kv_scales=(1.0, 1.0)):
+        if self._fp8_store_fits(key, value, k_cache, v_cache, slot_mapping, "store_kv_fp8_rounded"):
+            # a prefill's rows quantized as stored and given back as stored, in one pass
+            # (quantize_kv, store_kv and dequantize_kv's bits, without their six passes)
+            k_out = torch.empty(key.shape, dtype=key.dtype)
+            v_out = torch.empty(value.shape, dtype=value.dtype)
+            self.ops.store_kv_fp8_rounded(k_cache, v_cache, key, value, slot_mapping, *kv_scales, k_out, v_out)
+            return k_out, v_out
+        return super().write_kv(key, value, k_cache, v_cache, slot_mapping, kv_scales)
 
     def decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
                kv_scales=(1.0, 1.0), window=None, softcap=None) -> torch.Tensor:
