@@ -338,17 +338,19 @@ struct XQ {  // x quantized: rows of K int8, the same as u8 (kUnsignedX), a scal
 // one row: its scale, and x / scale rounded to nearest even, in [-127, 127]; `u` (the
 // unsigned operand, above) written only where a path reads it (null: not)
 //
-// The quotient: a vector division costs about as much as the rest of the row together
-// (at a 2,048-token prefill step the quantization took 0.6 ms of a 1,024-wide layer's
-// call). With AVX-512 each value is instead q = x * r, r = 1 / scale (one division a row),
+// The quotient: a vector division a value cost more than the rest of the row's work.
+// With AVX-512 each value is instead q = x * r, r = 1 / scale (one division a row),
 // corrected once with the exact residual: e = fma(-q, scale, x), q' = fma(e, r, q), which
 // is the correctly rounded x / scale (Markstein's correction; r correctly rounded). Checked
 // over every bf16 x against every bf16 largest magnitude in [1, 2) (4.18 M pairs: scaling
 // both by a power of two changes neither quotient, so that covers every row whose largest
 // magnitude is a normal number above 2^-60): q' equals the division in all of them, where
-// x * r alone rounds 48 of them to the other integer. Rows whose largest magnitude is
-// below 2^-60 (so that the residual could underflow) divide. tests/unit/test_quant_linear.py
-// compares the kernel's x_q with torch's x / scale on such values.
+// x * r alone rounds 48 of them to the other integer (docs/results/
+// peers-small-cpu-2core-amx-r47/quotient_check.cpp). Rows whose largest magnitude is below
+// 2^-60 (so that the residual could underflow) divide. tests/unit/test_quant_linear.py
+// compares the kernel's x_q with torch's x / scale on such values. On the AMX Xeon of round
+// 47 a 2,048 x 1,024 x took 0.50 -> 0.42 ms to quantize, 2,048 x 2,816 1.38 -> 1.12 ms
+// (with the unsigned copy left out where the AMX tiles do not read it).
 template <typename T>
 void quantize_row(const T* row, int64_t K, int8_t* q, uint8_t* u, float* scale) {
   int64_t k = 0;
@@ -787,10 +789,10 @@ void tile_vnni(const XQ& xq, const int8_t* tiles, const float* S, const int32_t*
 // whole of its rows of x again (tile_amx: 2 KB of A tiles a step, for 2 KB of B), so those
 // rows must stay in L2: 256 rows of int8 x are 256 KB at K = 1,024 and 704 KB at 2,816,
 // of a 2 MB L2. At a 2,048-token prefill step, in one pass the 2 MB to 5.8 MB of x came
-// from L3 for every panel: small's five int8 layers took 23.5 ms a step that way, 18.7 ms
-// in passes of 256 rows (20.5 of 128, 18.9 of 512) on the AMX Xeon of round 47. The
-// weights, read once a pass, cost more passes at decode batches (at most 256 rows: one
-// pass, as before).
+// from L3 for every panel. With this and the quotient above, small's five int8 layers at
+// 2,048 rows went from 28.5 to 23.9 ms on the AMX Xeon of round 47 (docs/results/
+// peers-small-cpu-2core-amx-r47/int8_layers_ab.py); passes of 128 rows measured slower
+// than 256, of 512 no faster. Decode batches (at most 256 rows) take one pass, as before.
 constexpr int64_t kChunkRows = 256;
 
 #if TANDEM_AMX
