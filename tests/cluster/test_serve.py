@@ -394,13 +394,21 @@ def test_an_overloaded_prefill_worker_spills_prompts_to_the_decode_worker(serve,
     async def all_at_once():
         return await asyncio.gather(*(asyncio.to_thread(complete, p) for p in burst))
 
-    outs = asyncio.run(all_at_once())
-    for i, (prompt, out) in enumerate(zip(burst, outs)):
-        assert out == tok.decode(hf_greedy(model_path, prompt, 8)), f"request {i}"
-    decisions = labelled(httpx.get(srv.url + "/metrics", timeout=10).text, "tandem:prefill_decisions_total")
-    spilled = decisions[(("reason", "spill"), ("where", "local"))]
-    remote = decisions[(("reason", "remote"), ("where", "remote"))]
-    assert spilled >= 1 and remote >= 1 and spilled + remote == len(burst), decisions
+    # Up to three bursts until prompts have gone both ways: on a busy host (another test
+    # beside this one) the replies can come back as fast as one burst's prompts arrive
+    # (one CI run with two test workers sent all 8 one way); every output checked
+    expect = [tok.decode(hf_greedy(model_path, prompt, 8)) for prompt in burst]
+    for sent in range(len(burst), 4 * len(burst), len(burst)):
+        outs = asyncio.run(all_at_once())
+        for i, (out, want) in enumerate(zip(outs, expect)):
+            assert out == want, f"request {i}"
+        decisions = labelled(httpx.get(srv.url + "/metrics", timeout=10).text, "tandem:prefill_decisions_total")
+        spilled = decisions[(("reason", "spill"), ("where", "local"))]
+        remote = decisions[(("reason", "remote"), ("where", "remote"))]
+        assert spilled + remote == sent, decisions
+        if spilled >= 1 and remote >= 1:
+            break
+    assert spilled >= 1 and remote >= 1, decisions
 
 
 def test_a_decode_worker_refusing_for_room_makes_the_request_wait_not_fail(serve, model_path, monkeypatch):
