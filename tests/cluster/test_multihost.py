@@ -582,7 +582,10 @@ def test_the_ray_head_is_lost_and_restarts_under_a_stream_with_redis_behind_its_
         started = subprocess.run(["ip", "netns", "exec", hosts.ns["a"], *controller], capture_output=True,
                                  text=True, timeout=400, env=ray_cluster)
         assert started.returncode == 0, started.stderr[-3000:]
-        routers.append(hosts.run("b", [*tandem, "router", "--address", "auto", "--host", HOSTS["b"], "--port",
+        # the head's address, not "auto": with two test workers, another test's local Ray on
+        # this machine can be the latest cluster that "auto" finds (one CI run's second
+        # router joined it and never got ready)
+        routers.append(hosts.run("b", [*tandem, "router", "--address", address, "--host", HOSTS["b"], "--port",
                                        str(HTTP_PORT + 20), "--admin-key", ADMIN], router_log, ray_cluster))
         _wait_http(url + "/ready", 180)
         before = httpx.get(url + "/admin/pools", headers=headers, timeout=30).json()
@@ -610,8 +613,16 @@ def test_the_ray_head_is_lost_and_restarts_under_a_stream_with_redis_behind_its_
                                                       "ignore_eos": True}, timeout=120)
         assert r.status_code == 200, r.text
         # a router started now finds the controller Ray restarted (on host B: A's node is
-        # new) and the worker it adopted, same epoch; and a new worker actor can start
-        router2 = hosts.run("b", [*tandem, "router", "--address", "auto", "--host", HOSTS["b"], "--port",
+        # new) and the worker it adopted, same epoch; and a new worker actor can start.
+        # First the restarted head's GCS port must answer (a router given an address that
+        # refuses ends its start)
+        deadline = time.monotonic() + 120
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection((HOSTS["a"], RAY_PORT), timeout=2):
+                break
+            assert time.monotonic() < deadline, "the restarted head's GCS never answered"
+            time.sleep(0.5)
+        router2 = hosts.run("b", [*tandem, "router", "--address", address, "--host", HOSTS["b"], "--port",
                                   str(HTTP_PORT + 21), "--admin-key", ADMIN], router_log, ray_cluster)
         routers.append(router2)
         url2 = f"http://{HOSTS['b']}:{HTTP_PORT + 21}"
