@@ -182,9 +182,10 @@ void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // 16 fp32 values, already clamped to [-448, 448], to e4m3 codes, one a 32-bit lane (the
-// byte in its low 8 bits): c10's conversion in vector lanes, the same bits. At or above 2^-6 (normal e4m3) the mantissa is rounded to
-// 3 bits, to nearest even, and the exponent rebiased; below, adding 2^14 rounds the value
-// to a multiple of 2^-9 (the subnormals' step), whose count is then the low bits.
+// byte in its low 8 bits): c10's conversion in vector lanes, the same bits. At or above
+// 2^-6 (normal e4m3) the mantissa is rounded to 3 bits, to nearest even, and the exponent
+// rebiased; below, adding 2^14 rounds the value to a multiple of 2^-9 (the subnormals'
+// step), whose count is then the low bits.
 inline __m512i fp8_codes16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int32_t>(0x80000000u)));
