@@ -64,6 +64,7 @@ struct Fp8 {
 
 constexpr int64_t kAhead = 8192;  // bytes a weight stream asks for ahead of its reads
 constexpr int64_t kStreamRows = 4;  // up to this many rows of x share one pass over q
+constexpr int64_t kMaxTileK = 65536;  // inputs a row the AMX int8 path takes (x_q's row on the stack)
 
 // e4m3 byte -> the bits of the fp16 whose value is the e4m3 value / 256
 inline uint16_t fp8_as_half_bits(uint8_t b) { return static_cast<uint16_t>(((b & 0x80u) << 8) | ((b & 0x7fu) << 7)); }
@@ -411,13 +412,32 @@ void quantize_row(const T* row, int64_t K, int8_t* q, uint8_t* u, float* scale) 
   }
 }
 
+// std::vector storage that starts on a 64-byte cache line
+template <typename T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <typename U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const Aligned64<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const Aligned64<U>&) const { return false; }
+};
+
 // every row of x quantized, in buffers of the calling thread; `with_u`: the unsigned
 // operand too (the VNNI and AVX2 products read it, AMX's tdpbssd does not)
+//
+// The buffers start on a 64-byte line (Aligned64): the AMX tiles load x_q's rows 64 bytes at
+// a time, and a row that straddles two lines costs two (std::vector's allocation is 16-byte
+// aligned; measured below kChunkRows)
 template <typename T>
 XQ quantize_rows(const T* x, int64_t M, int64_t K, bool with_u = true) {
-  thread_local std::vector<int8_t> qbuf;
-  thread_local std::vector<uint8_t> ubuf;
-  thread_local std::vector<float> sbuf;
+  thread_local std::vector<int8_t, Aligned64<int8_t>> qbuf;
+  thread_local std::vector<uint8_t, Aligned64<uint8_t>> ubuf;
+  thread_local std::vector<float, Aligned64<float>> sbuf;
   if (static_cast<int64_t>(qbuf.size()) < M * K) qbuf.resize(M * K);
   if (with_u && static_cast<int64_t>(ubuf.size()) < M * K) ubuf.resize(M * K);
   if (static_cast<int64_t>(sbuf.size()) < M) sbuf.resize(M);
@@ -428,6 +448,31 @@ XQ quantize_rows(const T* x, int64_t M, int64_t K, bool with_u = true) {
     for (int64_t m = m0; m < m1; ++m) quantize_row(x + m * K, K, q + m * K, u == nullptr ? nullptr : u + m * K, s + m);
   });
   return {q, u, s};
+}
+
+// every row of x quantized into the AMX tiles' A order, for the tile path (K a multiple of
+// 64): blocks of 16 rows, then steps of 64 inputs, each step one 1 KB tile of the block's
+// 16 rows x 64 bytes ([ceil(M / 16)][K / 64][16][64]; a last block of fewer rows leaves its
+// other rows unwritten, and its tiles load only the rows it has). A tile load then reads
+// 1 KB in a run, where rows K bytes apart fell on the same few L1 sets
+template <typename T>
+XQ quantize_rows_tiles(const T* x, int64_t M, int64_t K) {
+  thread_local std::vector<int8_t, Aligned64<int8_t>> qbuf;
+  thread_local std::vector<float, Aligned64<float>> sbuf;
+  const int64_t padded = (M + 15) / 16 * 16, steps = K / 64;
+  if (static_cast<int64_t>(qbuf.size()) < padded * K) qbuf.resize(padded * K);
+  if (static_cast<int64_t>(sbuf.size()) < M) sbuf.resize(M);
+  int8_t* q = qbuf.data();
+  float* s = sbuf.data();
+  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+    alignas(64) int8_t row[kMaxTileK];
+    for (int64_t m = m0; m < m1; ++m) {
+      quantize_row(x + m * K, K, row, nullptr, s + m);
+      int8_t* dst = q + (m / 16) * 16 * K + (m % 16) * 64;
+      for (int64_t t = 0; t < steps; ++t) std::memcpy(dst + t * 1024, row + t * 64, 64);
+    }
+  });
+  return {q, nullptr, s};
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -796,32 +841,83 @@ void tile_vnni(const XQ& xq, const int8_t* tiles, const float* S, const int32_t*
 constexpr int64_t kChunkRows = 256;
 
 #if TANDEM_AMX
+// Steps of 64 inputs a block's sums stay in tiles before they go to memory (and come back
+// for the next steps): 8 steps are 16 KB of the panel's B tiles, which stay in L1 while
+// the chunk's blocks of x pass under them (the panel's whole K did not fit beside x's
+// tiles at K = 1,024 and above)
+constexpr int64_t kTileSteps = 8;
+
+// x's rows (a chunk of at most kChunkRows, in tile order: quantize_rows_tiles) against
+// panels [p0, p1) on the int8 tiles: for each panel, kTileSteps steps at a time, each
+// block of 32 rows' four 16 x 16 sums in tiles 0-3 (configure_2x2), A tiles 4 and 5, the
+// panel's B tiles 6 and 7; the sums of a block wait in `acc` between passes
 void tile_amx(const XQ& xq, const int8_t* tiles, const float* S, const BFloat16* b, BFloat16* y, int64_t M,
               int64_t N, int64_t K, int64_t p0, int64_t p1) {
   const int64_t steps = K / 64, blocks = (M + 31) / 32;
-  alignas(64) int32_t c[4][256];
+  alignas(64) int32_t acc[kChunkRows / 32][4][256];
   int configured = -1;
   for (int64_t p = p0; p < p1; ++p) {
     const int8_t* wp = tiles + p * steps * 2048;
+    // the next panel's lines, asked for into L2 a few at a time over this panel's steps
     const char* next = reinterpret_cast<const char*>(wp + steps * 2048);
     const char* next_end = p + 1 < p1 ? next + steps * 2048 : next;
-    const int64_t ahead = (32 * 2 + blocks - 1) / blocks;  // lines of the next panel to ask for a step
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      const int rows = static_cast<int>(std::min<int64_t>(32, M - 32 * blk));
-      int r0, r1;
-      tandem_amx::configure_2x2_for(rows, r0, r1, configured);
-      tandem_amx::block_2x2<true>(reinterpret_cast<const char*>(xq.q + 32 * blk * K), K,
-                                  reinterpret_cast<const char*>(wp), steps, r1, c, next, next_end, ahead);
-      BFloat16* yo = y + 32 * blk * N + p * kPanel;
-      const float* sx = xq.s + 32 * blk;
-      const float* sw = S + p * kPanel;
-      const BFloat16* bo = b == nullptr ? nullptr : b + p * kPanel;
-      const BFloat16* bo16 = b == nullptr ? nullptr : bo + 16;
-      store_w8a8(c[0], sx, sw, bo, yo, N, r0);
-      store_w8a8(c[1], sx, sw + 16, bo16, yo + 16, N, r0);
-      if (r1) {
-        store_w8a8(c[2], sx + 16, sw, bo, yo + 16 * N, N, r1);
-        store_w8a8(c[3], sx + 16, sw + 16, bo16, yo + 16 * N + 16, N, r1);
+    const int64_t ahead = (32 * 2 + blocks - 1) / blocks;
+    for (int64_t k0 = 0; k0 < steps; k0 += kTileSteps) {
+      const int64_t k1 = std::min(steps, k0 + kTileSteps);
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        const int rows = static_cast<int>(std::min<int64_t>(32, M - 32 * blk));
+        int r0, r1;
+        tandem_amx::configure_2x2_for(rows, r0, r1, configured);
+        int32_t(*c)[256] = acc[blk];
+        if (k0 == 0) {
+          _tile_zero(0);
+          _tile_zero(1);
+          if (r1) {
+            _tile_zero(2);
+            _tile_zero(3);
+          }
+        } else {
+          _tile_loadd(0, c[0], 64);
+          _tile_loadd(1, c[1], 64);
+          if (r1) {
+            _tile_loadd(2, c[2], 64);
+            _tile_loadd(3, c[3], 64);
+          }
+        }
+        const int8_t* a0 = xq.q + 2 * blk * steps * 1024;
+        const int8_t* a1 = a0 + steps * 1024;
+        for (int64_t s = k0; s < k1; ++s) {
+          const int8_t* bt = wp + s * 2048;
+          for (int64_t l = 0; l < ahead && next < next_end; ++l, next += 64) _mm_prefetch(next, _MM_HINT_T2);
+          _tile_loadd(4, a0 + s * 1024, 64);
+          _tile_loadd(6, bt, 64);
+          _tile_dpbssd(0, 4, 6);
+          _tile_loadd(7, bt + 1024, 64);
+          _tile_dpbssd(1, 4, 7);
+          if (r1) {
+            _tile_loadd(5, a1 + s * 1024, 64);
+            _tile_dpbssd(2, 5, 6);
+            _tile_dpbssd(3, 5, 7);
+          }
+        }
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        if (r1) {
+          _tile_stored(2, c[2], 64);
+          _tile_stored(3, c[3], 64);
+        }
+        if (k1 < steps) continue;
+        BFloat16* yo = y + 32 * blk * N + p * kPanel;
+        const float* sx = xq.s + 32 * blk;
+        const float* sw = S + p * kPanel;
+        const BFloat16* bo = b == nullptr ? nullptr : b + p * kPanel;
+        const BFloat16* bo16 = b == nullptr ? nullptr : bo + 16;
+        store_w8a8(c[0], sx, sw, bo, yo, N, r0);
+        store_w8a8(c[1], sx, sw + 16, bo16, yo + 16, N, r0);
+        if (r1) {
+          store_w8a8(c[2], sx + 16, sw, bo, yo + 16 * N, N, r1);
+          store_w8a8(c[3], sx + 16, sw + 16, bo16, yo + 16 * N + 16, N, r1);
+        }
       }
     }
   }
@@ -857,8 +953,8 @@ void quant_linear_tiles(const at::Tensor& out, const at::Tensor& x, const at::Te
   }
   if (M == 0) return;
 #if TANDEM_VNNI_TILES
-  const bool amx = M > kStreamRows && tandem_amx::usable();
-  const XQ xq = quantize_rows(x.data_ptr<BFloat16>(), M, K, /*with_u=*/!amx);
+  const bool amx = M > kStreamRows && K <= kMaxTileK && tandem_amx::usable();
+  const XQ xq = amx ? quantize_rows_tiles(x.data_ptr<BFloat16>(), M, K) : quantize_rows(x.data_ptr<BFloat16>(), M, K);
   const int8_t* tp = tiles.data_ptr<int8_t>();
   const float* S = scale.data_ptr<float>();
   const int32_t* wsum = weight_sums.data_ptr<int32_t>();
@@ -878,6 +974,7 @@ void quant_linear_tiles(const at::Tensor& out, const at::Tensor& x, const at::Te
   // (below)
   for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
     const int64_t rows = std::min(kChunkRows, M - m0);
+    // (row-major or tile order: a chunk starts on a block of 16 rows, m0 * K bytes in)
     const XQ part{xq.q + m0 * K, xq.u == nullptr ? nullptr : xq.u + m0 * K, xq.s + m0};
     at::parallel_for(0, N / kPanel, 1, [&](int64_t p0, int64_t p1) {
 #if TANDEM_AMX

@@ -230,7 +230,7 @@ def test_w8a8_quantizes_x_as_torch_divides(variant):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("k", [192, 640])  # 640: ten steps of 64 inputs a block
+@pytest.mark.parametrize("k", [192, 640])  # 640: ten steps of 64 inputs, two passes of kTileSteps on AMX
 def test_w8a8_on_weights_in_tile_order_gives_the_same_bits(bias, k):
     """AMX CPUs keep a bf16 model's int8 weights in the tile unit's order: one to four rows
     on VNNI with the rows in the lanes, more on the int8 tiles in blocks of 32 rows (the
