@@ -278,9 +278,10 @@ inline void softcap_scores(float* s, int64_t n, float cap) {
   }
 }
 
-// Per-thread scratch, grown on demand and reused across calls (no per-call malloc).
+// Per-thread scratch, grown on demand and reused across calls (no per-call malloc),
+// starting on a cache line (the AMX paths load and store their tiles in it)
 float* thread_scratch(size_t n) {
-  thread_local std::vector<float> buf;
+  thread_local std::vector<float, tandem_simd::Aligned64<float>> buf;
   if (buf.size() < n) buf.resize(n);
   return buf.data();
 }

@@ -412,32 +412,16 @@ void quantize_row(const T* row, int64_t K, int8_t* q, uint8_t* u, float* scale) 
   }
 }
 
-// std::vector storage that starts on a 64-byte cache line
-template <typename T>
-struct Aligned64 {
-  using value_type = T;
-  Aligned64() = default;
-  template <typename U>
-  Aligned64(const Aligned64<U>&) {}
-  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
-  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t(64)); }
-  template <typename U>
-  bool operator==(const Aligned64<U>&) const { return true; }
-  template <typename U>
-  bool operator!=(const Aligned64<U>&) const { return false; }
-};
-
 // every row of x quantized, in buffers of the calling thread; `with_u`: the unsigned
 // operand too (the VNNI and AVX2 products read it, AMX's tdpbssd does not)
 //
-// The buffers start on a 64-byte line (Aligned64): the AMX tiles load x_q's rows 64 bytes at
-// a time, and a row that straddles two lines costs two (std::vector's allocation is 16-byte
-// aligned; measured below kChunkRows)
+// The buffers start on a 64-byte line (tandem_simd::Aligned64): the AMX tiles load x_q's
+// rows 64 bytes at a time, and a row that straddles two lines costs two
 template <typename T>
 XQ quantize_rows(const T* x, int64_t M, int64_t K, bool with_u = true) {
-  thread_local std::vector<int8_t, Aligned64<int8_t>> qbuf;
-  thread_local std::vector<uint8_t, Aligned64<uint8_t>> ubuf;
-  thread_local std::vector<float, Aligned64<float>> sbuf;
+  thread_local std::vector<int8_t, tandem_simd::Aligned64<int8_t>> qbuf;
+  thread_local std::vector<uint8_t, tandem_simd::Aligned64<uint8_t>> ubuf;
+  thread_local std::vector<float, tandem_simd::Aligned64<float>> sbuf;
   if (static_cast<int64_t>(qbuf.size()) < M * K) qbuf.resize(M * K);
   if (with_u && static_cast<int64_t>(ubuf.size()) < M * K) ubuf.resize(M * K);
   if (static_cast<int64_t>(sbuf.size()) < M) sbuf.resize(M);
@@ -457,8 +441,8 @@ XQ quantize_rows(const T* x, int64_t M, int64_t K, bool with_u = true) {
 // 1 KB in a run, where rows K bytes apart fell on the same few L1 sets
 template <typename T>
 XQ quantize_rows_tiles(const T* x, int64_t M, int64_t K) {
-  thread_local std::vector<int8_t, Aligned64<int8_t>> qbuf;
-  thread_local std::vector<float, Aligned64<float>> sbuf;
+  thread_local std::vector<int8_t, tandem_simd::Aligned64<int8_t>> qbuf;
+  thread_local std::vector<float, tandem_simd::Aligned64<float>> sbuf;
   const int64_t padded = (M + 15) / 16 * 16, steps = K / 64;
   if (static_cast<int64_t>(qbuf.size()) < padded * K) qbuf.resize(padded * K);
   if (static_cast<int64_t>(sbuf.size()) < M) sbuf.resize(M);

@@ -1,13 +1,34 @@
 // Pieces the kernels' vector code shares across files: the exp polynomial's constants
-// (paged_attention.cpp's AVX-512 and AVX2 exp) and an 8-lane horizontal sum (the AVX2
-// attention vector and linear.cpp's widening kernel).
+// (paged_attention.cpp's AVX-512 and AVX2 exp), an 8-lane horizontal sum (the AVX2
+// attention vector and linear.cpp's widening kernel), and scratch vectors that start on a
+// cache line.
 #pragma once
+
+#include <cstddef>
+#include <new>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace tandem_simd {
+
+// std::vector storage that starts on a 64-byte cache line. The AMX tiles load and store
+// rows of 64 bytes: in a buffer that std::vector's allocator starts 16 bytes into a line,
+// every row touches two lines (quant_linear.cpp's x_q, paged_attention.cpp's scratch).
+template <typename T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <typename U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const Aligned64<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const Aligned64<U>&) const { return false; }
+};
 
 // exp(x) for x <= 0: x = n ln2 + r, |r| <= ln2/2, ln2 split in two for the reduction;
 // e^r = 1 + r + r^2 p(r), p of degree 5 (Cephes expf's coefficients, highest first, ~1 ulp)
