@@ -4,11 +4,10 @@
 // tile_amx does. A "span" of S steps cycles over S * 2 KB of A (or B): 8 steps (16 KB)
 // stay in L1, 64 steps (128 KB) come from L2.
 //
-//   g++ -O2 -march=sapphirerapids -o tile_loads tile_loads.cpp && taskset -c 1 ./tile_loads
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
+//   g++ -O2 -march=sapphirerapids -I engine/cpu_kernels -o tile_loads \
+//       docs/results/peers-small-cpu-2core-amx-r48/tile_loads.cpp && taskset -c 1 ./tile_loads
+//
+// (from the repository's root: amx.h's TileConfig and usable(), the kernels' own)
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -16,15 +15,13 @@
 #include <initializer_list>
 #include <tuple>
 
-namespace {
+#include "amx.h"
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+#if !TANDEM_AMX
+#error "compile with AMX-INT8, AMX-BF16 and AVX512-BF16 (-march=sapphirerapids)"
+#endif
+
+namespace {
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
@@ -75,11 +72,11 @@ __attribute__((noinline)) void multiplies_only(int64_t steps) {
 }  // namespace
 
 int main() {
-  if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) {
+  if (!tandem_amx::usable()) {
     std::puts("no AMX tiles for this process");
     return 1;
   }
-  TileConfig cfg;
+  tandem_amx::TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   _tile_loadconfig(&cfg);
   const int64_t bytes = 2048 * 64 + 64;
