@@ -275,9 +275,9 @@ inline void store_scaled(const float* c, const float* s, const BFloat16* b, BFlo
 template <typename Q>
 void amx_panels(const BFloat16* x, const Q* W, const float* S, const BFloat16* b, BFloat16* y, int64_t M, int64_t N,
                 int64_t K, int64_t p0, int64_t p1) {
-  thread_local std::vector<BFloat16> buf;
-  if (static_cast<int64_t>(buf.size()) < K * kPanel + 32) buf.resize(K * kPanel + 32);
-  BFloat16* panel = reinterpret_cast<BFloat16*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+  thread_local std::vector<BFloat16, tandem_simd::Aligned64<BFloat16>> buf;
+  if (static_cast<int64_t>(buf.size()) < K * kPanel) buf.resize(K * kPanel);
+  BFloat16* panel = buf.data();
   const int64_t blocks = (M + 31) / 32, lda = K * static_cast<int64_t>(sizeof(BFloat16));
   constexpr float fold = scale_fold<Q>();
   alignas(64) float c[4][256];
@@ -415,48 +415,44 @@ void quantize_row(const T* row, int64_t K, int8_t* q, uint8_t* u, float* scale) 
 // every row of x quantized, in buffers of the calling thread; `with_u`: the unsigned
 // operand too (the VNNI and AVX2 products read it, AMX's tdpbssd does not)
 //
+// `tiles` (the AMX int8 path, K a multiple of 64, at most kMaxTileK, no unsigned copy):
+// q in the tiles' A order instead of row-major, blocks of 16 rows, then steps of 64
+// inputs, each step one 1 KB tile of the block's 16 rows x 64 bytes ([ceil(M / 16)][K /
+// 64][16][64]; a last block of fewer rows leaves its other rows unwritten, and its tiles
+// load only the rows it has). A tile load then reads 1 KB in a run, where rows K bytes
+// apart fell on the same few L1 sets. Either way the chunk of rows m0.. starts m0 * K
+// bytes in (m0 a multiple of 16).
+//
 // The buffers start on a 64-byte line (tandem_simd::Aligned64): the AMX tiles load x_q's
 // rows 64 bytes at a time, and a row that straddles two lines costs two
 template <typename T>
-XQ quantize_rows(const T* x, int64_t M, int64_t K, bool with_u = true) {
+XQ quantize_rows(const T* x, int64_t M, int64_t K, bool with_u = true, bool tiles = false) {
   thread_local std::vector<int8_t, tandem_simd::Aligned64<int8_t>> qbuf;
   thread_local std::vector<uint8_t, tandem_simd::Aligned64<uint8_t>> ubuf;
   thread_local std::vector<float, tandem_simd::Aligned64<float>> sbuf;
-  if (static_cast<int64_t>(qbuf.size()) < M * K) qbuf.resize(M * K);
+  const int64_t q_bytes = (tiles ? (M + 15) / 16 * 16 : M) * K;
+  if (static_cast<int64_t>(qbuf.size()) < q_bytes) qbuf.resize(q_bytes);
   if (with_u && static_cast<int64_t>(ubuf.size()) < M * K) ubuf.resize(M * K);
   if (static_cast<int64_t>(sbuf.size()) < M) sbuf.resize(M);
   int8_t* q = qbuf.data();
   uint8_t* u = with_u ? ubuf.data() : nullptr;
   float* s = sbuf.data();
+  if (!tiles) {
+    at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        quantize_row(x + m * K, K, q + m * K, u == nullptr ? nullptr : u + m * K, s + m);
+    });
+    return {q, u, s};
+  }
   at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) quantize_row(x + m * K, K, q + m * K, u == nullptr ? nullptr : u + m * K, s + m);
-  });
-  return {q, u, s};
-}
-
-// every row of x quantized into the AMX tiles' A order, for the tile path (K a multiple of
-// 64): blocks of 16 rows, then steps of 64 inputs, each step one 1 KB tile of the block's
-// 16 rows x 64 bytes ([ceil(M / 16)][K / 64][16][64]; a last block of fewer rows leaves its
-// other rows unwritten, and its tiles load only the rows it has). A tile load then reads
-// 1 KB in a run, where rows K bytes apart fell on the same few L1 sets
-template <typename T>
-XQ quantize_rows_tiles(const T* x, int64_t M, int64_t K) {
-  thread_local std::vector<int8_t, tandem_simd::Aligned64<int8_t>> qbuf;
-  thread_local std::vector<float, tandem_simd::Aligned64<float>> sbuf;
-  const int64_t padded = (M + 15) / 16 * 16, steps = K / 64;
-  if (static_cast<int64_t>(qbuf.size()) < padded * K) qbuf.resize(padded * K);
-  if (static_cast<int64_t>(sbuf.size()) < M) sbuf.resize(M);
-  int8_t* q = qbuf.data();
-  float* s = sbuf.data();
-  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
-    alignas(64) int8_t row[kMaxTileK];
+    alignas(64) int8_t row[kMaxTileK];  // (a row on the stack, then its 64-byte steps to their tiles)
     for (int64_t m = m0; m < m1; ++m) {
       quantize_row(x + m * K, K, row, nullptr, s + m);
       int8_t* dst = q + (m / 16) * 16 * K + (m % 16) * 64;
-      for (int64_t t = 0; t < steps; ++t) std::memcpy(dst + t * 1024, row + t * 64, 64);
+      for (int64_t t = 0; t < K / 64; ++t) std::memcpy(dst + t * 1024, row + t * 64, 64);
     }
   });
-  return {q, nullptr, s};
+  return {q, u, s};
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -831,7 +827,7 @@ constexpr int64_t kChunkRows = 256;
 // tiles at K = 1,024 and above)
 constexpr int64_t kTileSteps = 8;
 
-// x's rows (a chunk of at most kChunkRows, in tile order: quantize_rows_tiles) against
+// x's rows (a chunk of at most kChunkRows, in tile order: quantize_rows) against
 // panels [p0, p1) on the int8 tiles: for each panel, kTileSteps steps at a time, each
 // block of 32 rows' four 16 x 16 sums in tiles 0-3 (configure_2x2), A tiles 4 and 5, the
 // panel's B tiles 6 and 7; the sums of a block wait in `acc` between passes
@@ -938,7 +934,7 @@ void quant_linear_tiles(const at::Tensor& out, const at::Tensor& x, const at::Te
   if (M == 0) return;
 #if TANDEM_VNNI_TILES
   const bool amx = M > kStreamRows && K <= kMaxTileK && tandem_amx::usable();
-  const XQ xq = amx ? quantize_rows_tiles(x.data_ptr<BFloat16>(), M, K) : quantize_rows(x.data_ptr<BFloat16>(), M, K);
+  const XQ xq = quantize_rows(x.data_ptr<BFloat16>(), M, K, /*with_u=*/!amx, /*tiles=*/amx);
   const int8_t* tp = tiles.data_ptr<int8_t>();
   const float* S = scale.data_ptr<float>();
   const int32_t* wsum = weight_sums.data_ptr<int32_t>();
@@ -958,7 +954,6 @@ void quant_linear_tiles(const at::Tensor& out, const at::Tensor& x, const at::Te
   // (below)
   for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
     const int64_t rows = std::min(kChunkRows, M - m0);
-    // (row-major or tile order: a chunk starts on a block of 16 rows, m0 * K bytes in)
     const XQ part{xq.q + m0 * K, xq.u == nullptr ? nullptr : xq.u + m0 * K, xq.s + m0};
     at::parallel_for(0, N / kPanel, 1, [&](int64_t p0, int64_t p1) {
 #if TANDEM_AMX
