@@ -8,7 +8,7 @@
 //   h = rms_norm(residual) (first layer) or add_rms_norm(residual += delta)
 //   qkv = h Wqkv^T; rotary_(q, k); store_kv(k, v); o = paged_decode_attention(q)
 //   h = add_rms_norm(residual += o Wo^T)
-//   delta = (silu_(h Wg^T) *= h Wu^T) Wd^T
+//   delta = (silu_(h Wg^T) *= h Wu^T) Wd^T   (or quant_linear_tiles_swiglu's one call)
 //
 // with the kernels this extension registers (tile_linear, small_batch_linear, rms_norm,
 // add_rms_norm, rotary_, store_kv, paged_decode_attention) and oneDNN's packed linear layer, reached
@@ -51,6 +51,8 @@ using StoreFp8 = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, c
                       double, double);
 using QuantTiles = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                         const std::optional<at::Tensor>&, const at::Tensor&);
+using QuantSwiglu = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&);
 using QuantRows = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                        const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
 using Attend = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -78,7 +80,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w) {
 // Or, for a quantized model, `packed`, `plain` and `tiles` empty and `quant` holding each
 // linear layer's (q, scale [N, 1] fp32, weight sums) in turn, 15 a layer: q in tile order
 // when `quant_tiles`, else row-major; the weight sums (int32, W8A8) all defined or none
-// (an empty tensor each).
+// (an empty tensor each). In tile order a layer's gate and up may come fused (QuantSwiGLU:
+// the interleaved tiles, scales and sums in the gate's place, three empty tensors in the
+// up's), which quant_linear_tiles_swiglu runs.
 at::Tensor decode_layers(const at::Tensor& residual, at::TensorList norms,
                    at::TensorList packed, at::TensorList plain, at::TensorList tiles,
                    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& positions,
@@ -124,6 +128,7 @@ at::Tensor decode_layers(const at::Tensor& residual, at::TensorList norms,
   const bool small = !tiled && M <= small_rows && !plain.empty();
   static const auto quant_tiled = sibling<QuantTiles>("quant_linear_tiles");
   static const auto quant_rows = sibling<QuantRows>("quant_linear");
+  static const auto quant_swiglu = sibling<QuantSwiglu>("quant_linear_tiles_swiglu");
   // a layer's output features: its scale's rows (quantized), else its packed weight's
   auto n_out_of = [&](int64_t layer, int64_t j) -> int64_t {
     return quantized ? quant[3 * (kLinears * layer + j) + 1].size(0) : packed[kLinears * layer + j].size(0);
@@ -173,6 +178,15 @@ at::Tensor decode_layers(const at::Tensor& residual, at::TensorList norms,
     at::Tensor attn = project(o.view({M, q_size}), l, 1, residual.size(1));
     h = at::empty_like(residual);
     add_norm.call(h, residual, attn, norms[2 * l + 1], eps);
+    if (quantized && quant_tiles && quant[3 * (kLinears * l + 3)].numel() == 0) {
+      // gate and up fused (QuantSwiGLU: their interleaved tiles in the gate's place, the
+      // up's empty): silu(gate) * up in one call, the bits of the three below
+      const int64_t i = 3 * (kLinears * l + 2);
+      at::Tensor act = at::empty({M, quant[i + 1].size(0) / 2}, opts);
+      quant_swiglu.call(act, h, quant[i], quant[i + 1], quant[i + 2]);
+      d = project(act, l, 4, residual.size(1));
+      continue;
+    }
     const int64_t inter = n_out_of(l, 2);
     at::Tensor gate = project(h, l, 2, inter);
     at::Tensor up = project(h, l, 3, inter);

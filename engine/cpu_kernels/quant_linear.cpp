@@ -607,6 +607,47 @@ inline void store_w8a8(const int32_t* c, const float* sx, const float* sw, const
   }
 }
 
+// ---- SwiGLU in the epilogue: h = silu(x Wg^T) * (x Wu^T), the MLP's gate and up layers
+// in one call (quant_linear_tiles_swiglu). Gate and up share x's quantization, and
+// neither of their outputs is written: 16 gate and 16 up sums of a row become 16 values
+// of h. The bits are the unfused layers' followed by torch's silu_ and mul_ (what
+// engine/models/llama.py's MLP runs): gate and up rounded to bf16 as store_w8a8 rounds
+// them, silu as torch's vectorized CPU kernel computes it for bf16 (x / (1 + exp(-x)) in
+// fp32, exp being Sleef's expf16_u10, which libtorch_cpu exports because its own headers'
+// inline Vectorized<float>::exp calls it), rounded as torch rounds fp32 to bf16, then the
+// product of the two bf16 values in fp32, rounded the same way.
+extern "C" __m512 Sleef_expf16_u10(__m512);
+
+// fp32 -> bf16 as torch's CPU vectors round it: to nearest even, subnormals kept (the
+// conversion instruction flushes them), a NaN to 0xffff
+inline __m256i bf16_as_torch(__m512 v) {
+  const __m512i x = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)), x), 16);
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), _mm512_set1_epi32(0xffff), r);
+  return _mm512_cvtusepi32_epi16(r);
+}
+
+inline __m512 bf16_widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+// rows x 16 outputs of h from the gate's sums `cg` and the up's `cu` (each row stride 16),
+// their weight scales swg and swu, x's row scales sx
+inline void store_swiglu(const int32_t* cg, const int32_t* cu, const float* sx, const float* swg, const float* swu,
+                         BFloat16* y, int64_t ldy, int rows) {
+  const __m512 wg = _mm512_loadu_ps(swg), wu = _mm512_loadu_ps(swu);
+  const __m512 one = _mm512_set1_ps(1.0f), neg = _mm512_set1_ps(-0.0f);
+  for (int r = 0; r < rows; ++r) {
+    const __m512 xs = _mm512_set1_ps(sx[r]);
+    const __m512 g = bf16_widen((__m256i)_mm512_cvtneps_pbh(
+        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cg + 16 * r)), _mm512_mul_ps(xs, wg))));
+    const __m512 u = bf16_widen((__m256i)_mm512_cvtneps_pbh(
+        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cu + 16 * r)), _mm512_mul_ps(xs, wu))));
+    const __m512 e = Sleef_expf16_u10(_mm512_xor_ps(g, neg));  // exp(-g)
+    const __m512 act = bf16_widen(bf16_as_torch(_mm512_div_ps(g, _mm512_add_ps(one, e))));
+    _mm256_storeu_si256((__m256i*)(y + r * ldy), bf16_as_torch(_mm512_mul_ps(act, u)));
+  }
+}
+
 #endif
 
 // the W8A8 layer on row-major q: x quantized once, then the integer dot products,
@@ -750,7 +791,11 @@ at::Tensor quant_pack_int8(const at::Tensor& weight) {
 // MT rows of x against panels [p0, p1) of tiles on VNNI, the rows' sums in the vector
 // lanes: one to four rows stream the weights (a decode step); without AMX, more rows go
 // MT = 8 at a time over each panel (tile_vnni), the panel staying in L2 between them
-template <int MT>
+//
+// kSwiglu: the weights are a gate and an up layer interleaved (swiglu_tiles: each panel's
+// first 16 rows the gate's, the other 16 the up's, of the same 16 outputs), and y [rows,
+// N / 2] takes h = silu(gate) * up (store_swiglu); no bias
+template <int MT, bool kSwiglu = false>
 void tile_stream(const XQ& xq, const int8_t* tiles, const float* S, const int32_t* wsum, const BFloat16* b,
                  BFloat16* y, int64_t N, int64_t K, int64_t p0, int64_t p1) {
   const int64_t steps = K / 64;
@@ -774,14 +819,18 @@ void tile_stream(const XQ& xq, const int8_t* tiles, const float* S, const int32_
         }
       }
     }
+    alignas(64) int32_t dot[2][MT][16];
     for (int t = 0; t < 2; ++t) {
       const int64_t n = p * 32 + t * 16;
       const __m512i corr = _mm512_slli_epi32(_mm512_loadu_si512(wsum + n), 7);  // 128 * sum(q row)
-      alignas(64) int32_t dot[MT][16];
-      for (int m = 0; m < MT; ++m) _mm512_store_si512(dot[m], _mm512_sub_epi32(acc[t][m], corr));
-      for (int m = 0; m < MT; ++m)
-        store_w8a8(dot[m], xq.s + m, S + n, b == nullptr ? nullptr : b + n, y + m * N + n, N, 1);
+      for (int m = 0; m < MT; ++m) _mm512_store_si512(dot[t][m], _mm512_sub_epi32(acc[t][m], corr));
+      if constexpr (!kSwiglu)
+        for (int m = 0; m < MT; ++m)
+          store_w8a8(dot[t][m], xq.s + m, S + n, b == nullptr ? nullptr : b + n, y + m * N + n, N, 1);
     }
+    if constexpr (kSwiglu)
+      for (int m = 0; m < MT; ++m)
+        store_swiglu(dot[0][m], dot[1][m], xq.s + m, S + p * 32, S + p * 32 + 16, y + m * (N / 2) + p * 16, N / 2, 1);
   }
 }
 
@@ -789,21 +838,22 @@ void tile_stream(const XQ& xq, const int8_t* tiles, const float* S, const int32_
 // accumulators, the panel's two weight vectors and a broadcast of x in 19 registers), so
 // each weight vector loaded serves 16 products; no horizontal sums, the bits of every
 // other path
+template <bool kSwiglu = false>
 void tile_vnni(const XQ& xq, const int8_t* tiles, const float* S, const int32_t* wsum, const BFloat16* b,
                BFloat16* y, int64_t M, int64_t N, int64_t K, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
     for (int64_t m0 = 0; m0 < M; m0 += 8) {
       const XQ part{xq.q + m0 * K, xq.u + m0 * K, xq.s + m0};
-      BFloat16* yo = y + m0 * N;
+      BFloat16* yo = y + m0 * (kSwiglu ? N / 2 : N);
       switch (std::min<int64_t>(8, M - m0)) {
-        case 1: tile_stream<1>(part, tiles, S, wsum, b, yo, N, K, p, p + 1); break;
-        case 2: tile_stream<2>(part, tiles, S, wsum, b, yo, N, K, p, p + 1); break;
-        case 3: tile_stream<3>(part, tiles, S, wsum, b, yo, N, K, p, p + 1); break;
-        case 4: tile_stream<4>(part, tiles, S, wsum, b, yo, N, K, p, p + 1); break;
-        case 5: tile_stream<5>(part, tiles, S, wsum, b, yo, N, K, p, p + 1); break;
-        case 6: tile_stream<6>(part, tiles, S, wsum, b, yo, N, K, p, p + 1); break;
-        case 7: tile_stream<7>(part, tiles, S, wsum, b, yo, N, K, p, p + 1); break;
-        default: tile_stream<8>(part, tiles, S, wsum, b, yo, N, K, p, p + 1); break;
+        case 1: tile_stream<1, kSwiglu>(part, tiles, S, wsum, b, yo, N, K, p, p + 1); break;
+        case 2: tile_stream<2, kSwiglu>(part, tiles, S, wsum, b, yo, N, K, p, p + 1); break;
+        case 3: tile_stream<3, kSwiglu>(part, tiles, S, wsum, b, yo, N, K, p, p + 1); break;
+        case 4: tile_stream<4, kSwiglu>(part, tiles, S, wsum, b, yo, N, K, p, p + 1); break;
+        case 5: tile_stream<5, kSwiglu>(part, tiles, S, wsum, b, yo, N, K, p, p + 1); break;
+        case 6: tile_stream<6, kSwiglu>(part, tiles, S, wsum, b, yo, N, K, p, p + 1); break;
+        case 7: tile_stream<7, kSwiglu>(part, tiles, S, wsum, b, yo, N, K, p, p + 1); break;
+        default: tile_stream<8, kSwiglu>(part, tiles, S, wsum, b, yo, N, K, p, p + 1); break;
       }
     }
   }
@@ -831,6 +881,8 @@ constexpr int64_t kTileSteps = 8;
 // panels [p0, p1) on the int8 tiles: for each panel, kTileSteps steps at a time, each
 // block of 32 rows' four 16 x 16 sums in tiles 0-3 (configure_2x2), A tiles 4 and 5, the
 // panel's B tiles 6 and 7; the sums of a block wait in `acc` between passes
+// (kSwiglu: as tile_stream's, h = silu(gate) * up from each block's four sums)
+template <bool kSwiglu = false>
 void tile_amx(const XQ& xq, const int8_t* tiles, const float* S, const BFloat16* b, BFloat16* y, int64_t M,
               int64_t N, int64_t K, int64_t p0, int64_t p1) {
   const int64_t steps = K / 64, blocks = (M + 31) / 32;
@@ -887,6 +939,14 @@ void tile_amx(const XQ& xq, const int8_t* tiles, const float* S, const BFloat16*
           _tile_stored(3, c[3], 64);
         }
         if (k1 < steps) continue;
+        if constexpr (kSwiglu) {
+          const int64_t ldy = N / 2;
+          BFloat16* yo = y + 32 * blk * ldy + p * 16;
+          store_swiglu(c[0], c[1], xq.s + 32 * blk, S + p * kPanel, S + p * kPanel + 16, yo, ldy, r0);
+          if (r1)
+            store_swiglu(c[2], c[3], xq.s + 32 * blk + 16, S + p * kPanel, S + p * kPanel + 16, yo + 16 * ldy, ldy, r1);
+          continue;
+        }
         BFloat16* yo = y + 32 * blk * N + p * kPanel;
         const float* sx = xq.s + 32 * blk;
         const float* sw = S + p * kPanel;
@@ -908,29 +968,26 @@ void tile_amx(const XQ& xq, const int8_t* tiles, const float* S, const BFloat16*
 // tile order pays where the CPU multiplies int8 on AMX tiles or VNNI with BF16 beside it
 bool tiles_supported() { return TANDEM_VNNI_TILES || tandem_amx::usable(); }
 
-// the W8A8 layer on weights in tile order (quant_pack_int8); bf16 x, one scale a row
-void quant_linear_tiles(const at::Tensor& out, const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scale,
-                        const std::optional<at::Tensor>& bias, const at::Tensor& weight_sums) {
-  TORCH_CHECK(tiles_supported(), "quant_linear_tiles: this build has neither AMX tiles nor AVX512-VNNI with BF16");
+// the W8A8 layer on weights in tile order (quant_pack_int8); bf16 x, one scale a row.
+// kSwiglu: the tiles are a gate and an up layer interleaved (engine/quantization/
+// linear.py's swiglu_tiles), out [M, N / 2] takes silu(gate) * up, and there is no bias
+template <bool kSwiglu>
+void run_tiles(const char* op, const at::Tensor& out, const at::Tensor& x, const at::Tensor& tiles,
+               const at::Tensor& scale, const BFloat16* b, const at::Tensor& weight_sums) {
+  TORCH_CHECK(tiles_supported(), op, ": this build has neither AMX tiles nor AVX512-VNNI with BF16");
   TORCH_CHECK(tiles.dim() == 5 && tiles.size(2) == 2 && tiles.size(3) == 16 && tiles.size(4) == 64 &&
                   tiles.scalar_type() == at::kChar && tiles.is_contiguous(),
-              "quant_linear_tiles: tiles must come from quant_pack_int8");
-  const int64_t N = tiles.size(0) * 32, K = tiles.size(1) * 64;
+              op, ": tiles must come from quant_pack_int8");
+  const int64_t N = tiles.size(0) * 32, K = tiles.size(1) * 64, n_out = kSwiglu ? N / 2 : N;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "quant_linear_tiles: x must be contiguous bf16 [M, ", K, "]");
+              op, ": x must be contiguous bf16 [M, ", K, "]");
   const int64_t M = x.size(0);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.scalar_type() == at::kBFloat16 &&
-                  out.is_contiguous(), "quant_linear_tiles: out must be contiguous bf16 [", M, ", ", N, "]");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == n_out && out.scalar_type() == at::kBFloat16 &&
+                  out.is_contiguous(), op, ": out must be contiguous bf16 [", M, ", ", n_out, "]");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == N && scale.is_contiguous(),
-              "quant_linear_tiles: scale must be contiguous fp32 [", N, ", 1]");
+              op, ": scale must be contiguous fp32 [", N, ", 1]");
   TORCH_CHECK(weight_sums.scalar_type() == at::kInt && weight_sums.numel() == N && weight_sums.is_contiguous(),
-              "quant_linear_tiles: weight_sums must be a contiguous int32 [", N, "]");
-  const BFloat16* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
-                "quant_linear_tiles: bias must be a contiguous bf16 [", N, "]");
-    b = bias->data_ptr<BFloat16>();
-  }
+              op, ": weight_sums must be a contiguous int32 [", N, "]");
   if (M == 0) return;
 #if TANDEM_VNNI_TILES
   const bool amx = M > kStreamRows && K <= kMaxTileK && tandem_amx::usable();
@@ -942,30 +999,48 @@ void quant_linear_tiles(const at::Tensor& out, const at::Tensor& x, const at::Te
   if (M <= kStreamRows) {  // a weight stream: each thread its share, taking the others' when done (steal.h)
     tandem_steal::parallel_chunks(N / kPanel, tandem_steal::chunk_items(32 * K), [&](int64_t p0, int64_t p1) {
       switch (M) {
-        case 1: tile_stream<1>(xq, tp, S, wsum, b, yp, N, K, p0, p1); break;
-        case 2: tile_stream<2>(xq, tp, S, wsum, b, yp, N, K, p0, p1); break;
-        case 3: tile_stream<3>(xq, tp, S, wsum, b, yp, N, K, p0, p1); break;
-        default: tile_stream<4>(xq, tp, S, wsum, b, yp, N, K, p0, p1); break;
+        case 1: tile_stream<1, kSwiglu>(xq, tp, S, wsum, b, yp, N, K, p0, p1); break;
+        case 2: tile_stream<2, kSwiglu>(xq, tp, S, wsum, b, yp, N, K, p0, p1); break;
+        case 3: tile_stream<3, kSwiglu>(xq, tp, S, wsum, b, yp, N, K, p0, p1); break;
+        default: tile_stream<4, kSwiglu>(xq, tp, S, wsum, b, yp, N, K, p0, p1); break;
       }
     });
     return;
   }
   // More rows: the weights pass once per kChunkRows rows of x, whose bytes stay in L2
-  // (below)
+  // (above)
   for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
     const int64_t rows = std::min(kChunkRows, M - m0);
     const XQ part{xq.q + m0 * K, xq.u == nullptr ? nullptr : xq.u + m0 * K, xq.s + m0};
     at::parallel_for(0, N / kPanel, 1, [&](int64_t p0, int64_t p1) {
 #if TANDEM_AMX
       if (amx) {
-        tile_amx(part, tp, S, b, yp + m0 * N, rows, N, K, p0, p1);
+        tile_amx<kSwiglu>(part, tp, S, b, yp + m0 * n_out, rows, N, K, p0, p1);
         return;
       }
 #endif
-      tile_vnni(part, tp, S, wsum, b, yp + m0 * N, rows, N, K, p0, p1);
+      tile_vnni<kSwiglu>(part, tp, S, wsum, b, yp + m0 * n_out, rows, N, K, p0, p1);
     });
   }
 #endif
+}
+
+void quant_linear_tiles(const at::Tensor& out, const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scale,
+                        const std::optional<at::Tensor>& bias, const at::Tensor& weight_sums) {
+  const BFloat16* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == tiles.size(0) * 32,
+                "quant_linear_tiles: bias must be a contiguous bf16 [", tiles.size(0) * 32, "]");
+    b = bias->data_ptr<BFloat16>();
+  }
+  run_tiles<false>("quant_linear_tiles", out, x, tiles, scale, b, weight_sums);
+}
+
+// the MLP's gate and up layers and SwiGLU between them, in one call: out = silu(x Wg^T) *
+// (x Wu^T) on the interleaved tiles of both (store_swiglu: the unfused layers' bits)
+void quant_linear_tiles_swiglu(const at::Tensor& out, const at::Tensor& x, const at::Tensor& tiles,
+                               const at::Tensor& scale, const at::Tensor& weight_sums) {
+  run_tiles<true>("quant_linear_tiles_swiglu", out, x, tiles, scale, nullptr, weight_sums);
 }
 
 // which paths run here: bf16 x int8 (integer dot products), the widening one (fp32 x,
@@ -997,4 +1072,6 @@ TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
   m.def("quant_tiles_supported() -> bool", &tiles_supported);
   m.def("quant_linear_tiles(Tensor(a!) out, Tensor x, Tensor tiles, Tensor scale, Tensor? bias, Tensor weight_sums) "
         "-> ()", &quant_linear_tiles);
+  m.def("quant_linear_tiles_swiglu(Tensor(a!) out, Tensor x, Tensor tiles, Tensor scale, Tensor weight_sums) -> ()",
+        &quant_linear_tiles_swiglu);
 }

@@ -24,7 +24,7 @@ from engine.config import ModelConfig, RopeScaling
 from engine.models.moe import SparseMoe
 from engine.models.packed import SMALL_BATCH_ROWS, TILE_ROWS
 from engine.models.shapes import expected_shapes  # noqa: F401 - re-exported
-from engine.quantization.linear import STORAGE, QuantLinear
+from engine.quantization.linear import STORAGE, QuantLinear, QuantSwiGLU
 
 
 class WeightError(ValueError):
@@ -228,8 +228,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.tp = None  # as Attention's: down_proj's output is a partial sum under tensor parallelism
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # Gemma's GeGLU
+        # int8 gate and up in the tile unit's order: both and SwiGLU in one call, in place of
+        # gate_proj and up_proj (engine/quantization/linear.py's fuse_swiglu)
+        self.gate_up = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            out = self.down_proj(self.gate_up(x))
+            return out if self.tp is None else self.tp.all_reduce(out)
         g = self.gate_proj(x)
         g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g, inplace=True)
         out = self.down_proj(g.mul_(self.up_proj(x)))
@@ -436,8 +442,10 @@ class LlamaForCausalLM(nn.Module):
                            if kv_caches[0][0].dtype == torch.float8_e4m3fn else [])
         norms = [w for layer in self.layers
                  for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
-        linears = [x for layer in self.layers for x in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+        # (a fused gate and up, QuantSwiGLU, in the gate's place and None in the up's)
+        linears = [x for layer in self.layers
+                   for x in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                             layer.mlp.gate_up or layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
         if (any(w.dtype != dtype or not w.is_contiguous() for w in norms)
                 or any(getattr(x, "bias", None) is not None for x in linears)):
             return None
@@ -467,16 +475,23 @@ class LlamaForCausalLM(nn.Module):
         quantized, one scale a row, on the compiled kernel, all in tile order or none, bf16
         or fp32 activations); if so `self._quant` holds each one's (q, scale, weight sums)
         in turn, 15 a layer, and `self._quant_tiles` the order. Each runs on the kernel its
-        QuantLinear runs on (engine/quantization/linear.py), so the bits are the same."""
+        QuantLinear runs on (engine/quantization/linear.py), so the bits are the same. A
+        fused gate and up (QuantSwiGLU) goes in the gate's place and three empty tensors in
+        the up's: decode_layers then calls quant_linear_tiles_swiglu, as the MLP does."""
         tiles = bool(getattr(linears[0], "tiles", False))
+        fused = [i for i, x in enumerate(linears) if isinstance(x, QuantSwiGLU)]
+        if any(linears[i + 1] is not None for i in fused) or (fused and not tiles):
+            return False
+        rest = [x for i, x in enumerate(linears) if not isinstance(x, QuantSwiGLU) and i - 1 not in fused]
         if dtype not in (torch.bfloat16, torch.float32) or any(
                 not isinstance(x, QuantLinear) or x._ops is None or x.weight_scale.shape[1] != 1 or x.tiles != tiles
-                for x in linears):
+                for x in rest):
             return False
         empty = torch.empty(0, dtype=torch.int32)  # no weight sums: the layer keeps x in its dtype
         w8a8 = dtype == torch.bfloat16
         self._quant = [t for x in linears
-                       for t in (x.weight, x.weight_scale, x._sums if w8a8 and x._sums is not None else empty)]
+                       for t in ((empty, empty, empty) if x is None
+                                 else (x.weight, x.weight_scale, x._sums if w8a8 and x._sums is not None else empty))]
         self._quant_tiles = tiles
         return True
 

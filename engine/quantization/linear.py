@@ -181,6 +181,60 @@ class QuantLinear(nn.Module):
                 f"{self.method}, group={self.group}")
 
 
+class QuantSwiGLU(nn.Module):
+    """An MLP's gate and up layers and the SwiGLU between them as one call: `silu(x Wg^T) *
+    (x Wu^T)` (`quant_linear_tiles_swiglu`), for int8 layers in the tile unit's order, one
+    scale a row, no bias. The two layers' tiles are interleaved 16 outputs at a time (each
+    32-row panel: 16 rows of the gate, then the same 16 of the up), so one pass of the
+    kernel over x has both sums of an output side by side; x is quantized once, and the
+    gate's and up's outputs are never written. The bits are those of the two layers, then
+    torch's silu_ and mul_ (the kernel's store_swiglu). Made by `use_cpu_kernels` from the
+    layers, which it then drops (the model keeps one copy of the weights)."""
+
+    def __init__(self, gate: QuantLinear, up: QuantLinear) -> None:
+        super().__init__()
+        assert gate.tiles and up.tiles and gate.bias is None and up.bias is None
+        assert (gate.in_features, gate.out_features) == (up.in_features, up.out_features)
+        self.in_features, self.out_features, self.method = gate.in_features, gate.out_features, gate.method
+        n16 = self.out_features // 16
+        # [N/32, K/64, 2, 16, 64] -> [N/16, K/64, 16, 64]: each panel's halves, in order
+        halves = lambda t: t.permute(0, 2, 1, 3, 4).reshape(n16, t.shape[1], 16, 64)  # noqa: E731
+        both = lambda g, u: torch.stack([g.reshape(n16, 16), u.reshape(n16, 16)], 1).reshape(-1)  # noqa: E731
+        self.weight = nn.Parameter(torch.stack([halves(gate.weight.data), halves(up.weight.data)], dim=2).contiguous(),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(both(gate.weight_scale.data, up.weight_scale.data).reshape(-1, 1).contiguous(),
+                                         requires_grad=False)
+        self._sums = both(gate._sums, up._sums).contiguous()
+        self._ops = gate._ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        y = x2.new_empty(x2.shape[0], self.out_features)
+        self._ops.quant_linear_tiles_swiglu(y, x2, self.weight, self.weight_scale, self._sums)
+        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features} (gate and up), {self.method}"
+
+
+def fuse_swiglu(model: nn.Module) -> int:
+    """Every SwiGLU MLP (a module with `gate_proj`, `up_proj` and a `gate_up` slot, not
+    GeLU) whose gate and up are int8 in tile order on the compiled kernels takes a
+    QuantSwiGLU in `gate_up`, and its two layers go (None); returns how many."""
+    fused = 0
+    for m in model.modules():
+        gate, up = getattr(m, "gate_proj", None), getattr(m, "up_proj", None)
+        if (not hasattr(m, "gate_up") or getattr(m, "gelu", False) or not isinstance(gate, QuantLinear)
+                or not isinstance(up, QuantLinear) or not (gate.tiles and up.tiles) or gate.bias is not None
+                or up.bias is not None or not hasattr(gate._ops, "quant_linear_tiles_swiglu")):
+            continue
+        m.gate_up = QuantSwiGLU(gate, up)
+        m.gate_proj = m.up_proj = None
+        fused += 1
+    return fused
+
+
 def use_cpu_kernels(model: nn.Module, ops) -> int:
     """Point every QuantLinear of `model` at the compiled kernels `ops` (when they have
     the quantized kernel), for the model's dtype; returns how many run on it. Logs which
@@ -199,4 +253,6 @@ def use_cpu_kernels(model: nn.Module, ops) -> int:
     log.info("%d %s linear layers on the quantized kernel (%s; %d in the tile unit's order), %.0f MiB of weights and "
              "scales", len(layers), layers[0].method, ops.quant_linear_kernel(), tiles,
              sum(m.weight.nbytes + m.weight_scale.nbytes for m in layers) / 2**20)
+    if fused := fuse_swiglu(model):
+        log.info("%d MLPs take their gate and up layers and SwiGLU in one call (quant_linear_tiles_swiglu)", fused)
     return len(layers)

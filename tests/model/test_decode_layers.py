@@ -71,6 +71,8 @@ def run(builtin_dir, fused: bool, dtype: str = "bfloat16", kv_cache_dtype: str =
     if quantization is not None and fused:  # the stack runs the quantized layers, in tile order where they are
         tiles = model.layers[0].mlp.down_proj.tiles
         assert model._quant and model._quant_tiles == tiles
+        # in tile order the MLPs' gate and up run fused with SwiGLU (QuantSwiGLU), in the stack too
+        assert all((layer.mlp.gate_up is not None) == (quantization == "int8" and tiles) for layer in model.layers)
     return out, counting.calls, model._stack is not None, tiles
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from engine.cpu_kernels import build
 from engine.quantization import scheme
-from engine.quantization.linear import FP8, QuantLinear, dequantize, quantize, spread_scale
+from engine.quantization.linear import FP8, QuantLinear, QuantSwiGLU, dequantize, quantize, spread_scale
 
 pytestmark = pytest.mark.unit
 
@@ -257,6 +257,43 @@ def test_w8a8_on_weights_in_tile_order_gives_the_same_bits(bias, k):
             layer.bias = torch.nn.Parameter(b, requires_grad=False)
     layer.use_kernels(ops, torch.bfloat16)
     assert layer.tiles and torch.equal(layer(x[:9]), w8a8_reference(x[:9], q, s, b))
+
+
+@pytest.mark.parametrize("variant", BUILDS)
+@pytest.mark.parametrize("k", [192, 640])
+def test_gate_and_up_fused_with_swiglu_give_the_unfused_bits(variant, k):
+    """quant_linear_tiles_swiglu (an MLP's int8 gate and up in tile order, interleaved 16
+    outputs at a time, and SwiGLU in the epilogue) gives the bits of the two layers followed
+    by torch's silu_ and mul_, on every path: one to four rows streamed on VNNI, more on the
+    AMX tiles (or VNNI's 8-row blocks where the build has no AMX). The weight scales span
+    five decades, so the gate's values run from subnormal products to ones where exp(-g)
+    overflows; a zero row and a row of huge values are among x's."""
+    ops = _ops(variant)
+    if not ops.quant_tiles_supported():
+        pytest.skip("this build keeps no weights in tile order")
+    n = 96
+    g = torch.Generator().manual_seed(5)
+    qg = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    qu = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    sg = 10 ** (torch.rand(n, 1, generator=g) * 5 - 7)
+    su = 10 ** (torch.rand(n, 1, generator=g) * 5 - 7)
+    x = (torch.randn(300, k, generator=g) * 4).bfloat16()
+    x[7], x[8] = 0, 3e4
+    layers = []
+    for q, sc in ((qg, sg), (qu, su)):
+        layer = QuantLinear(k, n, False, "int8", k)
+        with torch.no_grad():
+            layer.weight.copy_(q)
+            layer.weight_scale.copy_(sc)
+        layer.use_kernels(ops, torch.bfloat16)
+        assert layer.tiles
+        layers.append(layer)
+    fused = QuantSwiGLU(*layers)
+    assert fused.weight.shape == (6, k // 64, 2, 16, 64)
+    for m in (1, 2, 3, 4, 5, 9, 17, 32, 70, 100, 300):
+        xm = x[:m].contiguous()
+        want = F.silu(layers[0](xm), inplace=True).mul_(layers[1](xm))
+        assert torch.equal(fused(xm).view(torch.int16), want.view(torch.int16)), (variant, m)
 
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])
