@@ -483,7 +483,13 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
   // shape and L = 320, and the current and next segments fit a 1 MB L2 together).
   Prefetcher pf;
   const int64_t elem = static_cast<int64_t>(sizeof(KV)), head_off = g0 * P.kv_head * elem;
-  if (!kAmx && whole_rows)  // the tile path walks the cache itself: nothing steps a plan there
+  // The tile path steps it too: once a 16-token tile of pass 1, once every 32 tokens of pass
+  // 2. With each layer's K and V coming from memory (12 layers in turn, blocks scattered,
+  // small's shape) it took a bf16 cache's layer from 1.67 to 1.57 ms and an fp8 cache's
+  // from 1.83 to 1.15 (the AMX Xeon, docs/results/peers-small-cpu-2core-amx-r49/
+  // attention_ab.py); one layer over and over, its cache warm, within noise. Prefetching
+  // to L1 instead, every other line, or only the next item's K measured slower.
+  if (whole_rows)
     pf.plan(P, reinterpret_cast<const char*>(vc), table, L, head_off, row_bytes, elem, ng * ((L + 15) / 16));
   // Pass 1: scores, 16 tokens at a time: one query head's row stays in registers
   // while the tile's K rows stream past (from L2, loaded by load_blocks, then L1),
@@ -553,6 +559,7 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
             } else {
               rows = kb + t0 * P.kv_token;
             }
+            pf.step();
             _tile_zero(0);
             _tile_loadd(1, rows, kstride);
             _tile_dpbf16ps(0, 1, 2);
@@ -692,6 +699,13 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
       for (int64_t h = 0; h < GT; ++h)
         for (int64_t w = 0; w < Lp / 2; ++w) pT[h * (Lp / 2) + w] = pp[w * 16 + h];
       configure_output_tiles(G);
+      // the next item's K, spread over this pass (a step every 32 tokens)
+      pf.clear();
+      if (whole_rows && next_b >= 0) {
+        const Span nx = window_span(P.block_tables + next_b * P.bt_row, P.seq_lens[next_b], P.window, bs);
+        pf.plan(P, reinterpret_cast<const char*>(kc), nx.table, nx.len, head_off, row_bytes, elem,
+                ng * (D / 64) * ((L + 31) / 32));
+      }
       const int64_t pstride = (Lp / 2) * static_cast<int64_t>(sizeof(uint32_t));
       const int64_t cstride = D * static_cast<int64_t>(sizeof(float));
       for (int64_t i0 = 0; i0 < nblk; i0 += kSegBlocks) {
@@ -704,6 +718,7 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
             _tile_loadd(2, ag + 32, cstride);
             _tile_loadd(3, ag + 48, cstride);
             for (int64_t t0 = i0 * bs; t0 < std::min(L, i1 * bs); t0 += 32) {
+              pf.step();
               const KV* v0 = block_of(vc, t0 / bs) + gg * P.kv_head + (t0 % bs) * P.kv_token + 64 * half;
               for (int r = 0; r < 16; ++r) {
                 const int64_t t = t0 + 2 * r;
@@ -887,9 +902,15 @@ void run_all(const Problem& P, const at::Tensor& k_cache, const at::Tensor& v_ca
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
 #if TANDEM_AMX
     if constexpr (kAmxShape) {
-      if (amx) {
-        for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1))
-          attend<C, KV, Q, true, true>(P, kc, vc, q, o, it / runs, (it % runs) * ng, ng);
+      if (amx) {  // items claimed one ahead, as below
+        const bool ahead = ng == hkv && items >= 32 * threads;
+        int64_t it = next.fetch_add(1);
+        while (it < items) {
+          const int64_t nx = ahead ? next.fetch_add(1) : -1;
+          attend<C, KV, Q, true, true>(P, kc, vc, q, o, it / runs, (it % runs) * ng, ng,
+                                       nx >= 0 && nx < items ? nx / runs : -1);
+          it = ahead ? nx : next.fetch_add(1);
+        }
         _tile_release();  // back to the initial state: nothing extra to save on a switch
         return;
       }

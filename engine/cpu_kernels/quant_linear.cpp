@@ -631,20 +631,28 @@ inline __m256i bf16_as_torch(__m512 v) {
 inline __m512 bf16_widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
 // rows x 16 outputs of h from the gate's sums `cg` and the up's `cu` (each row stride 16),
-// their weight scales swg and swu, x's row scales sx
+// their weight scales swg and swu, x's row scales sx. In three passes over the rows, so
+// that the calls to Sleef (which may clobber every vector register) have nothing live
+// around them: gate and up as bf16 values, exp(-gate), then the rest.
 inline void store_swiglu(const int32_t* cg, const int32_t* cu, const float* sx, const float* swg, const float* swu,
                          BFloat16* y, int64_t ldy, int rows) {
-  const __m512 wg = _mm512_loadu_ps(swg), wu = _mm512_loadu_ps(swu);
-  const __m512 one = _mm512_set1_ps(1.0f), neg = _mm512_set1_ps(-0.0f);
+  alignas(64) float g[16][16], u[16][16], e[16][16];
+  const __m512 wg = _mm512_loadu_ps(swg), wu = _mm512_loadu_ps(swu), neg = _mm512_set1_ps(-0.0f);
   for (int r = 0; r < rows; ++r) {
     const __m512 xs = _mm512_set1_ps(sx[r]);
-    const __m512 g = bf16_widen((__m256i)_mm512_cvtneps_pbh(
+    const __m512 gr = bf16_widen((__m256i)_mm512_cvtneps_pbh(
         _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cg + 16 * r)), _mm512_mul_ps(xs, wg))));
-    const __m512 u = bf16_widen((__m256i)_mm512_cvtneps_pbh(
-        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cu + 16 * r)), _mm512_mul_ps(xs, wu))));
-    const __m512 e = Sleef_expf16_u10(_mm512_xor_ps(g, neg));  // exp(-g)
-    const __m512 act = bf16_widen(bf16_as_torch(_mm512_div_ps(g, _mm512_add_ps(one, e))));
-    _mm256_storeu_si256((__m256i*)(y + r * ldy), bf16_as_torch(_mm512_mul_ps(act, u)));
+    _mm512_store_ps(g[r], gr);
+    _mm512_store_ps(e[r], _mm512_xor_ps(gr, neg));
+    _mm512_store_ps(u[r], bf16_widen((__m256i)_mm512_cvtneps_pbh(
+                              _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cu + 16 * r)), _mm512_mul_ps(xs, wu)))));
+  }
+  for (int r = 0; r < rows; ++r) _mm512_store_ps(e[r], Sleef_expf16_u10(_mm512_load_ps(e[r])));  // exp(-g)
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int r = 0; r < rows; ++r) {
+    const __m512 act =
+        bf16_widen(bf16_as_torch(_mm512_div_ps(_mm512_load_ps(g[r]), _mm512_add_ps(one, _mm512_load_ps(e[r])))));
+    _mm256_storeu_si256((__m256i*)(y + r * ldy), bf16_as_torch(_mm512_mul_ps(act, _mm512_load_ps(u[r]))));
   }
 }
 
