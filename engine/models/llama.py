@@ -220,7 +220,9 @@ class QKNormAttention(Attention):
 
 class MLP(nn.Module):
     # gate and up stay two matmuls: on CPU one fused [2I, H] matmul measured 8-10% slower
-    # than two [I, H] ones at hidden 768 (and no faster at 256). q/k/v are fused.
+    # than two [I, H] ones at hidden 768 (and no faster at 256). q/k/v are fused. An int8
+    # model's gate and up in the tile unit's order are the exception (gate_up, below): one
+    # call with SwiGLU in its epilogue, which writes neither layer's output.
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
