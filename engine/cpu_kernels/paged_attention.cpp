@@ -485,8 +485,8 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
   const int64_t elem = static_cast<int64_t>(sizeof(KV)), head_off = g0 * P.kv_head * elem;
   // The tile path steps it too: once a 16-token tile of pass 1, once every 32 tokens of pass
   // 2. With each layer's K and V coming from memory (12 layers in turn, blocks scattered,
-  // small's shape) it took a bf16 cache's layer from 1.67 to 1.57 ms and an fp8 cache's
-  // from 1.83 to 1.15 (the AMX Xeon, docs/results/peers-small-cpu-2core-amx-r49/
+  // small's shape) it took a bf16 cache's layer from 1.70 to 1.61 ms and an fp8 cache's
+  // from 1.88 to 1.22 (the AMX Xeon, docs/results/peers-small-cpu-2core-amx-r49/
   // attention_ab.py); one layer over and over, its cache warm, within noise. Prefetching
   // to L1 instead, every other line, or only the next item's K measured slower.
   if (whole_rows)

@@ -800,7 +800,7 @@ at::Tensor quant_pack_int8(const at::Tensor& weight) {
 // lanes: one to four rows stream the weights (a decode step); without AMX, more rows go
 // MT = 8 at a time over each panel (tile_vnni), the panel staying in L2 between them
 //
-// kSwiglu: the weights are a gate and an up layer interleaved (swiglu_tiles: each panel's
+// kSwiglu: the weights are a gate and an up layer interleaved (QuantSwiGLU: each panel's
 // first 16 rows the gate's, the other 16 the up's, of the same 16 outputs), and y [rows,
 // N / 2] takes h = silu(gate) * up (store_swiglu); no bias
 template <int MT, bool kSwiglu = false>
@@ -978,7 +978,7 @@ bool tiles_supported() { return TANDEM_VNNI_TILES || tandem_amx::usable(); }
 
 // the W8A8 layer on weights in tile order (quant_pack_int8); bf16 x, one scale a row.
 // kSwiglu: the tiles are a gate and an up layer interleaved (engine/quantization/
-// linear.py's swiglu_tiles), out [M, N / 2] takes silu(gate) * up, and there is no bias
+// linear.py's QuantSwiGLU), out [M, N / 2] takes silu(gate) * up, and there is no bias
 template <bool kSwiglu>
 void run_tiles(const char* op, const at::Tensor& out, const at::Tensor& x, const at::Tensor& tiles,
                const at::Tensor& scale, const BFloat16* b, const at::Tensor& weight_sums) {
