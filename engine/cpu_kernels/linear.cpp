@@ -94,14 +94,8 @@ inline void row_dot(const BFloat16* x, int64_t K, const BFloat16* w, float bias,
   }
 }
 
-// fp32 -> bf16, round to nearest even, NaN to the quiet NaN: c10::BFloat16(float), 16 at once
-inline __m256i round_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-  return _mm512_cvtepi32_epi16(r);
-}
+// fp32 -> bf16 as c10::BFloat16(float) rounds, 16 at once (simd.h)
+inline __m256i round_bf16(__m512 v) { return tandem_simd::round_bf16(v, 0x7fc0); }
 
 // The lane sums of 16 vectors as one vector, lane j the sum of v[order[j]]: each level
 // adds two halves of every pair of vectors (512 -> 256 -> 128 -> 64 -> 32 bits).

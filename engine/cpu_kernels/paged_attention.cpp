@@ -491,6 +491,14 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
   // to L1 instead, every other line, or only the next item's K measured slower.
   if (whole_rows)
     pf.plan(P, reinterpret_cast<const char*>(vc), table, L, head_off, row_bytes, elem, ng * ((L + 15) / 16));
+  // pass 2's plan: the next item's K, spread over `calls` steps
+  auto plan_next_k = [&](int64_t calls) {
+    pf.clear();
+    if (whole_rows && next_b >= 0) {
+      const Span nx = window_span(P.block_tables + next_b * P.bt_row, P.seq_lens[next_b], P.window, bs);
+      pf.plan(P, reinterpret_cast<const char*>(kc), nx.table, nx.len, head_off, row_bytes, elem, calls);
+    }
+  };
   // Pass 1: scores, 16 tokens at a time: one query head's row stays in registers
   // while the tile's K rows stream past (from L2, loaded by load_blocks, then L1),
   // and the 16 dot products are reduced together. `tile(rows, h, nt)` returns the
@@ -700,12 +708,7 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
         for (int64_t w = 0; w < Lp / 2; ++w) pT[h * (Lp / 2) + w] = pp[w * 16 + h];
       configure_output_tiles(G);
       // the next item's K, spread over this pass (a step every 32 tokens)
-      pf.clear();
-      if (whole_rows && next_b >= 0) {
-        const Span nx = window_span(P.block_tables + next_b * P.bt_row, P.seq_lens[next_b], P.window, bs);
-        pf.plan(P, reinterpret_cast<const char*>(kc), nx.table, nx.len, head_off, row_bytes, elem,
-                ng * (D / 64) * ((L + 31) / 32));
-      }
+      plan_next_k(ng * (D / 64) * ((L + 31) / 32));
       const int64_t pstride = (Lp / 2) * static_cast<int64_t>(sizeof(uint32_t));
       const int64_t cstride = D * static_cast<int64_t>(sizeof(float));
       for (int64_t i0 = 0; i0 < nblk; i0 += kSegBlocks) {
@@ -754,12 +757,7 @@ void attend(const Problem& P, const KV* kc, const KV* vc, const Q* query, Q* out
     for (int64_t i0 = 0; i0 < nblk; i0 += kSegBlocks) {
       const int64_t i1 = std::min(nblk, i0 + kSegBlocks);
       if (i0 == 0) {  // the next item's K, spread over this pass
-        pf.clear();
-        if (whole_rows && next_b >= 0) {
-          const Span nx = window_span(P.block_tables + next_b * P.bt_row, P.seq_lens[next_b], P.window, bs);
-          pf.plan(P, reinterpret_cast<const char*>(kc), nx.table, nx.len, head_off, row_bytes, elem,
-                  ng * ((G + NHB - 1) / NHB) * ((L + 1) / 2));
-        }
+        plan_next_k(ng * ((G + NHB - 1) / NHB) * ((L + 1) / 2));
       }
       load_blocks(vc, i0, i1);
       for (int64_t gg = 0; gg < ng; ++gg) {
@@ -899,36 +897,35 @@ void run_all(const Problem& P, const at::Tensor& k_cache, const at::Tensor& v_ca
     while (ng > 1 && ng * G > 16) ng = ng % 2 == 0 ? ng / 2 : 1;
   const int64_t runs = hkv / ng, items = num_seqs * runs;
   std::atomic<int64_t> next{0};
+  // With many items of whole rows, each thread claims its next item before it starts
+  // the current one, so that the current one can fetch the next one's K ahead
+  // (Prefetcher). With few, claiming ahead could leave one thread idle at the end
+  // while the other holds two items, so they are taken one at a time.
+  const bool ahead = ng == hkv && items >= 32 * threads;
+  auto each_item = [&](auto&& run) {  // run(item, the next item's sequence or -1)
+    int64_t it = next.fetch_add(1);
+    while (it < items) {
+      const int64_t nx = ahead ? next.fetch_add(1) : -1;
+      run(it, nx >= 0 && nx < items ? nx / runs : -1);
+      it = ahead ? nx : next.fetch_add(1);
+    }
+  };
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
 #if TANDEM_AMX
     if constexpr (kAmxShape) {
-      if (amx) {  // items claimed one ahead, as below
-        const bool ahead = ng == hkv && items >= 32 * threads;
-        int64_t it = next.fetch_add(1);
-        while (it < items) {
-          const int64_t nx = ahead ? next.fetch_add(1) : -1;
-          attend<C, KV, Q, true, true>(P, kc, vc, q, o, it / runs, (it % runs) * ng, ng,
-                                       nx >= 0 && nx < items ? nx / runs : -1);
-          it = ahead ? nx : next.fetch_add(1);
-        }
+      if (amx) {
+        each_item([&](int64_t it, int64_t nb) {
+          attend<C, KV, Q, true, true>(P, kc, vc, q, o, it / runs, (it % runs) * ng, ng, nb);
+        });
         _tile_release();  // back to the initial state: nothing extra to save on a switch
         return;
       }
     }
 #endif
-    // With many items of whole rows, each thread claims its next item before it starts
-    // the current one, so that the current one can fetch the next one's K ahead
-    // (Prefetcher). With few, claiming ahead could leave one thread idle at the end
-    // while the other holds two items, so they are taken one at a time.
-    const bool ahead = ng == hkv && items >= 32 * threads;
-    int64_t it = next.fetch_add(1);
-    while (it < items) {
-      const int64_t nx = ahead ? next.fetch_add(1) : -1;
-      const int64_t nb = nx >= 0 && nx < items ? nx / runs : -1;
+    each_item([&](int64_t it, int64_t nb) {
       if (pairs) attend<C, KV, Q, true>(P, kc, vc, q, o, it / runs, (it % runs) * ng, ng, nb);
       else attend<C, KV, Q, false>(P, kc, vc, q, o, it / runs, (it % runs) * ng, ng, nb);
-      it = ahead ? nx : next.fetch_add(1);
-    }
+    });
   });
 }
 

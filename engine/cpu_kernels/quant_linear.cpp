@@ -593,6 +593,11 @@ void ispan_rows(int64_t mt, const XQ& xq, int64_t K, const int8_t* W, const floa
 #endif
 
 #if TANDEM_VNNI_TILES
+// 16 outputs of a row before the bias: the int32 sums times x's row scale and the weights'
+inline __m512 w8a8_value(const int32_t* c, float sx, __m512 sw) {
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c)), _mm512_mul_ps(_mm512_set1_ps(sx), sw));
+}
+
 // rows x 16 int32 sums (row stride 16) -> y, as w8a8_out
 inline void store_w8a8(const int32_t* c, const float* sx, const float* sw, const BFloat16* b, BFloat16* y,
                        int64_t ldy, int rows) {
@@ -600,8 +605,7 @@ inline void store_w8a8(const int32_t* c, const float* sx, const float* sw, const
   const __m512 bias = b == nullptr ? _mm512_setzero_ps()
                                    : _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)b));
   for (int r = 0; r < rows; ++r) {
-    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)),
-                             _mm512_mul_ps(_mm512_set1_ps(sx[r]), w));
+    __m512 v = w8a8_value(c + 16 * r, sx[r], w);
     if (b != nullptr) v = _mm512_add_ps(v, bias);
     _mm256_storeu_si256((__m256i*)(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(v));
   }
@@ -618,15 +622,8 @@ inline void store_w8a8(const int32_t* c, const float* sx, const float* sw, const
 // product of the two bf16 values in fp32, rounded the same way.
 extern "C" __m512 Sleef_expf16_u10(__m512);
 
-// fp32 -> bf16 as torch's CPU vectors round it: to nearest even, subnormals kept (the
-// conversion instruction flushes them), a NaN to 0xffff
-inline __m256i bf16_as_torch(__m512 v) {
-  const __m512i x = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)), x), 16);
-  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), _mm512_set1_epi32(0xffff), r);
-  return _mm512_cvtusepi32_epi16(r);
-}
+// fp32 -> bf16 as torch's AVX-512 vectors round it (simd.h)
+inline __m256i bf16_as_torch_vectors(__m512 v) { return tandem_simd::round_bf16(v, 0xffff); }
 
 inline __m512 bf16_widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
@@ -639,20 +636,17 @@ inline void store_swiglu(const int32_t* cg, const int32_t* cu, const float* sx, 
   alignas(64) float g[16][16], u[16][16], e[16][16];
   const __m512 wg = _mm512_loadu_ps(swg), wu = _mm512_loadu_ps(swu), neg = _mm512_set1_ps(-0.0f);
   for (int r = 0; r < rows; ++r) {
-    const __m512 xs = _mm512_set1_ps(sx[r]);
-    const __m512 gr = bf16_widen((__m256i)_mm512_cvtneps_pbh(
-        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cg + 16 * r)), _mm512_mul_ps(xs, wg))));
+    const __m512 gr = bf16_widen((__m256i)_mm512_cvtneps_pbh(w8a8_value(cg + 16 * r, sx[r], wg)));
     _mm512_store_ps(g[r], gr);
     _mm512_store_ps(e[r], _mm512_xor_ps(gr, neg));
-    _mm512_store_ps(u[r], bf16_widen((__m256i)_mm512_cvtneps_pbh(
-                              _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cu + 16 * r)), _mm512_mul_ps(xs, wu)))));
+    _mm512_store_ps(u[r], bf16_widen((__m256i)_mm512_cvtneps_pbh(w8a8_value(cu + 16 * r, sx[r], wu))));
   }
   for (int r = 0; r < rows; ++r) _mm512_store_ps(e[r], Sleef_expf16_u10(_mm512_load_ps(e[r])));  // exp(-g)
   const __m512 one = _mm512_set1_ps(1.0f);
   for (int r = 0; r < rows; ++r) {
-    const __m512 act =
-        bf16_widen(bf16_as_torch(_mm512_div_ps(_mm512_load_ps(g[r]), _mm512_add_ps(one, _mm512_load_ps(e[r])))));
-    _mm256_storeu_si256((__m256i*)(y + r * ldy), bf16_as_torch(_mm512_mul_ps(act, _mm512_load_ps(u[r]))));
+    const __m512 silu = _mm512_div_ps(_mm512_load_ps(g[r]), _mm512_add_ps(one, _mm512_load_ps(e[r])));
+    const __m512 act = bf16_widen(bf16_as_torch_vectors(silu));
+    _mm256_storeu_si256((__m256i*)(y + r * ldy), bf16_as_torch_vectors(_mm512_mul_ps(act, _mm512_load_ps(u[r]))));
   }
 }
 

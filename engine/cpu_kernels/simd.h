@@ -1,7 +1,8 @@
 // Pieces the kernels' vector code shares across files: the exp polynomial's constants
 // (paged_attention.cpp's AVX-512 and AVX2 exp), an 8-lane horizontal sum (the AVX2
-// attention vector and linear.cpp's widening kernel), and scratch vectors that start on a
-// cache line.
+// attention vector and linear.cpp's widening kernel), fp32 -> bf16 rounding with a chosen
+// NaN (linear.cpp as c10 rounds, quant_linear.cpp's SwiGLU as torch's vectors do), and
+// scratch vectors that start on a cache line.
 #pragma once
 
 #include <cstddef>
@@ -49,6 +50,19 @@ inline __m256i fp8_as_half16(__m128i bytes) {
   const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8);
   return _mm256_or_si256(mag, sign);
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 fp32 values -> bf16 bits, rounded to nearest even with subnormals kept (the bf16
+// conversion instruction flushes them), a NaN to `nan`: c10::BFloat16(float) gives
+// 0x7fc0, torch's AVX-512 vectors (convert_float_bfloat16, as silu_ and mul_ store) 0xffff
+inline __m256i round_bf16(__m512 v, int nan) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(nan));
+  return _mm512_cvtepi32_epi16(r);
+}
+#endif
 
 inline float hsum8(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -447,7 +447,8 @@ class LlamaForCausalLM(nn.Module):
         # (a fused gate and up, QuantSwiGLU, in the gate's place and None in the up's)
         linears = [x for layer in self.layers
                    for x in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                             layer.mlp.gate_up or layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+                             layer.mlp.gate_proj if layer.mlp.gate_up is None else layer.mlp.gate_up,
+                             layer.mlp.up_proj, layer.mlp.down_proj)]
         if (any(w.dtype != dtype or not w.is_contiguous() for w in norms)
                 or any(getattr(x, "bias", None) is not None for x in linears)):
             return None
@@ -481,13 +482,10 @@ class LlamaForCausalLM(nn.Module):
         fused gate and up (QuantSwiGLU) goes in the gate's place and three empty tensors in
         the up's: decode_layers then calls quant_linear_tiles_swiglu, as the MLP does."""
         tiles = bool(getattr(linears[0], "tiles", False))
-        fused = [i for i, x in enumerate(linears) if isinstance(x, QuantSwiGLU)]
-        if any(linears[i + 1] is not None for i in fused) or (fused and not tiles):
-            return False
-        rest = [x for i, x in enumerate(linears) if not isinstance(x, QuantSwiGLU) and i - 1 not in fused]
         if dtype not in (torch.bfloat16, torch.float32) or any(
-                not isinstance(x, QuantLinear) or x._ops is None or x.weight_scale.shape[1] != 1 or x.tiles != tiles
-                for x in rest):
+                x is not None and (not isinstance(x, (QuantLinear, QuantSwiGLU)) or x._ops is None
+                                   or x.weight_scale.shape[1] != 1 or x.tiles != tiles)
+                for x in linears):
             return False
         empty = torch.empty(0, dtype=torch.int32)  # no weight sums: the layer keeps x in its dtype
         w8a8 = dtype == torch.bfloat16

@@ -68,6 +68,15 @@ def spread_scale(scale: torch.Tensor, strategy: str, n: int, k: int, block: tupl
     return s.repeat_interleave(block[0], dim=0)[:n].contiguous()  # block: each row its block's scales
 
 
+def on_tiles(x: torch.Tensor, n_in: int, n_out: int, call) -> torch.Tensor:
+    """A tile-order kernel's call on x's rows as contiguous bf16: `call(y, x2)` fills y
+    [rows, n_out]; y comes back in x's shape and dtype."""
+    x2 = x.reshape(-1, n_in).to(torch.bfloat16).contiguous()
+    y = x2.new_empty(x2.shape[0], n_out)
+    call(y, x2)
+    return y.reshape(*x.shape[:-1], n_out).to(x.dtype)
+
+
 class QuantLinear(nn.Module):
     """`y = x @ (q * scale).T + b`; `group` K values share a scale column (K: one
     scale per output channel). Built on the meta device by the loader and filled by
@@ -144,11 +153,8 @@ class QuantLinear(nn.Module):
         if x.is_cuda and self.scaled_matmul_fits(x):
             return self.scaled_matmul(x)
         if self.tiles:
-            shape = x.shape
-            x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-            y = x2.new_empty(x2.shape[0], self.out_features)
-            self._ops.quant_linear_tiles(y, x2, self.weight, self.weight_scale, self.bias, self._sums)
-            return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+            return on_tiles(x, self.in_features, self.out_features, lambda y, x2: self._ops.quant_linear_tiles(
+                y, x2, self.weight, self.weight_scale, self.bias, self._sums))
         if self._ops is not None and x.dtype in (torch.bfloat16, torch.float32) and x.is_cpu:
             shape = x.shape
             x2 = x.reshape(-1, self.in_features).contiguous()
@@ -206,13 +212,11 @@ class QuantSwiGLU(nn.Module):
                                          requires_grad=False)
         self._sums = both(gate._sums, up._sums).contiguous()
         self._ops = gate._ops
+        self.tiles = True  # (as a QuantLinear in tile order, for the one-call stack's checks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-        y = x2.new_empty(x2.shape[0], self.out_features)
-        self._ops.quant_linear_tiles_swiglu(y, x2, self.weight, self.weight_scale, self._sums)
-        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        return on_tiles(x, self.in_features, self.out_features, lambda y, x2: self._ops.quant_linear_tiles_swiglu(
+            y, x2, self.weight, self.weight_scale, self._sums))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features} (gate and up), {self.method}"
@@ -227,7 +231,7 @@ def fuse_swiglu(model: nn.Module) -> int:
         gate, up = getattr(m, "gate_proj", None), getattr(m, "up_proj", None)
         if (not hasattr(m, "gate_up") or getattr(m, "gelu", False) or not isinstance(gate, QuantLinear)
                 or not isinstance(up, QuantLinear) or not (gate.tiles and up.tiles) or gate.bias is not None
-                or up.bias is not None or not hasattr(gate._ops, "quant_linear_tiles_swiglu")):
+                or up.bias is not None):
             continue
         m.gate_up = QuantSwiGLU(gate, up)
         m.gate_proj = m.up_proj = None
